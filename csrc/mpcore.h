@@ -1,0 +1,304 @@
+/* mpcore.h: the one internal header of mpcore's C core.
+ *
+ * The core is plain C with no Python in it.  Every exported function returns
+ * 0 (or a non-negative count) on success and a negative errno on failure; the
+ * longer explanation of a failure, when there is one, is left in a
+ * thread-local buffer that mpc_errmsg() returns (the way dlerror() works).
+ * Only the py_*.c binding files include Python.h, and they turn these codes
+ * into exceptions in one place (py_core.c: mpc_py_raise).
+ *
+ * Names: mpc_ for what other files of the core use, mpc__ for file-local
+ * helpers that still need external linkage.
+ */
+#ifndef MPCORE_H
+#define MPCORE_H
+
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+
+#include <errno.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/types.h>
+
+/* ------------------------------------------------------------------ */
+/* Errors and debugging                                                */
+/* ------------------------------------------------------------------ */
+
+/* Records a printf-style explanation of the failure about to be returned.
+ * Always returns -err, so that `return mpc_fail(ENOMEM, "...")` reads well. */
+int mpc_fail(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* The explanation recorded by the last mpc_fail() of this thread, or "" . */
+const char *mpc_errmsg(void);
+
+/* Clears the explanation (done by bindings before each call). */
+void mpc_clear_error(void);
+
+extern int mpc_debug_enabled; /* set from MPCORE_DEBUG at load */
+#define mpc_debug(...)                                                      \
+    do {                                                                    \
+        if (mpc_debug_enabled) {                                            \
+            fprintf(stderr, "mpcore[%d] %s:%d: ", (int)getpid(), __FILE__, \
+                    __LINE__);                                              \
+            fprintf(stderr, __VA_ARGS__);                                   \
+            fputc('\n', stderr);                                            \
+        }                                                                   \
+    } while (0)
+
+/* Error codes with an mpcore meaning beyond their errno name. */
+#define MPC_EHANDLE EBADMSG /* a handle that is forged, corrupt or out of bounds */
+#define MPC_ESTALE ESTALE   /* a handle whose block was freed or reused */
+
+/* ------------------------------------------------------------------ */
+/* Time and futex waits (sync.c)                                       */
+/* ------------------------------------------------------------------ */
+
+/* Monotonic clock in nanoseconds. */
+int64_t mpc_now_ns(void);
+
+/* Waits while *addr == expected, at most until deadline_ns (monotonic; -1
+ * means no deadline).  The word lives in shared memory, so the wait is a
+ * process-shared futex.  Returns 0 when woken (or when *addr had already
+ * changed), -ETIMEDOUT at the deadline, -EINTR when a signal arrived: the
+ * caller then checks for Python signals and calls again. */
+int mpc_futex_wait(_Atomic uint32_t *addr, uint32_t expected, int64_t deadline_ns);
+
+/* Wakes up to n waiters of addr (n = INT32_MAX for all). Never fails. */
+void mpc_futex_wake(_Atomic uint32_t *addr, int n);
+
+/* Waits until *addr != expected: spins briefly, then sleeps on the futex.
+ * Same returns as mpc_futex_wait. */
+int mpc_wait_change(_Atomic uint32_t *addr, uint32_t expected, int64_t deadline_ns);
+
+/* ------------------------------------------------------------------ */
+/* Memory availability and memfd segments (shm.c)                      */
+/* ------------------------------------------------------------------ */
+
+#define MPC_PAGE 4096u
+#define MPC_MAX_PROCS 256 /* processes of one program holding blocks at once */
+
+/* How many bytes this process may still commit: the smallest of
+ * MemAvailable and, for each memory cgroup (v1 or v2) from ours up to the
+ * root, its limit minus its usage.  On success stores the figure in *avail
+ * and a short description of which bound it is in why (at least 96 bytes).
+ * Returns 0, or -errno if /proc/meminfo cannot be read. */
+int mpc_mem_available(uint64_t *avail, char *why, size_t whylen);
+
+/* Creates a memfd of `size` bytes (a multiple of MPC_PAGE), sealed against
+ * shrinking and growing, and reserves the first `reserve` bytes of it with
+ * posix_fallocate after checking mpc_mem_available.  On success stores the
+ * fd (close-on-exec) in *fd and returns 0.  On failure returns -ENOMEM (with
+ * a message naming the size asked for and what was available), or another
+ * -errno; no fd is left open. */
+int mpc_memfd_create(uint64_t size, uint64_t reserve, int *fd);
+
+/* Reserves bytes [off, off+len) of a memfd made by mpc_memfd_create, with
+ * the same availability check.  Returns 0, -ENOMEM or -errno. */
+int mpc_memfd_reserve(int fd, uint64_t off, uint64_t len);
+
+/* ------------------------------------------------------------------ */
+/* Segments and blocks (arena.c)                                       */
+/* ------------------------------------------------------------------ */
+
+/* Every segment starts with a header and a table of block metadata.
+ * Small requests share an arena segment whose blocks all have one size
+ * class; a large request gets a segment with a single block. */
+
+#define MPC_SEG_MAGIC 0x47455345524f4350ULL /* "PCORESEG" */
+#define MPC_SEG_VERSION 1u
+
+enum { MPC_SEG_ORPHAN = 1u, MPC_SEG_RETIRED = 2u };
+enum { MPC_BLOCK_DATA = 1u, MPC_BLOCK_QUEUE = 2u };
+
+typedef struct {
+    _Atomic uint32_t gen;  /* odd while the block is live, even while free */
+    _Atomic uint32_t refs; /* holding processes + tickets in transit */
+    uint32_t kind;         /* MPC_BLOCK_* */
+    uint32_t _pad0;
+    uint64_t length;       /* bytes asked for (<= the segment's block_size) */
+    uint64_t _pad1;
+    _Atomic uint64_t holders[MPC_MAX_PROCS / 64]; /* process slots holding it */
+} mpc_meta; /* 64 bytes */
+
+typedef struct {
+    uint64_t magic;
+    uint64_t seg_id;
+    uint64_t size;        /* bytes of the whole segment */
+    uint64_t data_offset; /* where block 0 starts */
+    uint64_t block_size;  /* bytes per block */
+    uint32_t nblocks;
+    uint32_t version;
+    int32_t owner_pid;
+    uint32_t owner_slot;
+    _Atomic uint32_t flags; /* MPC_SEG_* */
+    _Atomic uint32_t live;  /* live blocks */
+    uint64_t reserved;      /* bytes reserved so far (written by the owner) */
+    uint64_t _pad[6];
+    mpc_meta meta[];
+} mpc_seg_header;
+
+/* A reference to one block, as it travels between processes. */
+typedef struct {
+    uint64_t seg_id;
+    uint32_t index;
+    uint32_t gen;
+} mpc_ref;
+
+/* A block held by this process. */
+typedef struct {
+    uint64_t seg_id;
+    uint32_t index;
+    uint32_t gen;
+    void *addr;      /* first byte of the block in this process */
+    uint64_t length; /* bytes usable */
+    uint32_t kind;
+} mpc_block;
+
+/* Allocates a block of `length` bytes (length > 0) of the given kind,
+ * reserved and mapped, zero-filled when zero != 0, held once by this
+ * process.  Returns 0 and fills *out, or -ENOMEM (message names the size and
+ * what was available), -ECONNREFUSED when no keeper can be reached, or
+ * another -errno. */
+int mpc_block_alloc(uint64_t length, uint32_t kind, int zero, mpc_block *out);
+
+/* Takes a ticket on a block this process holds, so that the block outlives
+ * this process until the ticket is redeemed by mpc_block_attach or dropped
+ * by mpc_ref_drop.  Returns 0, or -MPC_ESTALE if the block is no longer
+ * live. */
+int mpc_block_ticket(const mpc_block *b);
+
+/* Redeems a ticket: maps the block's segment if needed (asking the keeper
+ * for its fd once per segment), checks the reference against the segment's
+ * header, and converts the ticket into this process's hold.  If
+ * already_held is non-zero this process holds the block already and the
+ * ticket is simply dropped.  Returns 0 and fills *out, or -MPC_EHANDLE
+ * (forged or corrupt), -MPC_ESTALE (block freed or reused), -ENOENT (no such
+ * segment), or another -errno; on failure no reference count changes. */
+int mpc_block_attach(const mpc_ref *ref, int already_held, mpc_block *out);
+
+/* Adds this process's hold on a block it can already see (after fork, the
+ * child redeems the ticket its parent took for it).  Same returns as
+ * mpc_block_attach. */
+int mpc_block_claim(const mpc_block *b);
+
+/* Drops this process's hold.  When it was the last reference the block is
+ * freed (a queue's undelivered messages drop their tickets first), and a
+ * segment left with no live block whose owner is gone is retired.  Never
+ * fails: a block that is already gone is ignored. */
+void mpc_block_release(const mpc_block *b);
+
+/* Drops a ticket without redeeming it.  Never fails. */
+void mpc_ref_drop(const mpc_ref *ref);
+
+/* Looks up which live block of this process contains [addr, addr+len).
+ * Returns 1 and fills *out (without taking a hold) if found, 0 if not. */
+int mpc_block_find(const void *addr, uint64_t len, mpc_block *out);
+
+/* Counts for tests and stats: segments mapped here, bytes mapped, blocks
+ * allocated here since start, fetches of a segment fd from the keeper. */
+typedef struct {
+    uint64_t segments, mapped_bytes, blocks_allocated, fd_fetches, segments_created;
+} mpc_shm_stats;
+void mpc_shm_get_stats(mpc_shm_stats *st);
+
+/* Forgets this process's keeper connection and slot after fork (in the
+ * child), so that the next operation connects afresh.  Async-signal-safe. */
+void mpc_after_fork_child(void);
+
+/* ------------------------------------------------------------------ */
+/* The keeper (keeper.c)                                               */
+/* ------------------------------------------------------------------ */
+
+/* The keeper is a small process, one per program, that holds the fd of
+ * every segment, hands it to processes that map the segment, and drops the
+ * references of processes that die.  NOTE [ Keeper ] in keeper.c. */
+
+/* Runs the keeper on an already connected socket to the program's first
+ * process, listening on the abstract socket `name`.  Returns when no
+ * process is connected any more; returns -errno if it cannot start. */
+int mpc_keeper_main(int first_client, const char *name);
+
+/* Client side: connects this process to the keeper named by the address in
+ * MPCORE_KEEPER (or starts one), once.  Stores this process's slot. */
+int mpc_client_slot(uint32_t *slot);
+
+/* Starts a keeper for this program: spawns the command `tmpl` with a fresh
+ * abstract socket name appended as its last argument (a Python that runs
+ * mpcore._core.keeper_main on fd 3 and that name), already connected to
+ * this process through fd 3.  Stores the name in name (at least 64 bytes).
+ * Returns 0 or -errno; nothing is left open on failure. */
+int mpc_keeper_spawn(char *const tmpl[], char *name, size_t namelen);
+
+/* Sets the command mpc_client_slot uses to start a keeper when none runs.
+ * The array must stay valid for the life of the process. */
+void mpc_set_keeper_argv(char *const *argv);
+
+/* Pid of the keeper this process started, or 0. */
+pid_t mpc_keeper_pid(void);
+
+/* Client requests; each returns 0 or -errno. */
+int mpc_client_register(uint64_t seg_id, int fd);
+int mpc_client_fetch(uint64_t seg_id, int *fd);
+int mpc_client_retire(uint64_t seg_id);
+
+/* ------------------------------------------------------------------ */
+/* Message rings (ring.c)                                              */
+/* ------------------------------------------------------------------ */
+
+/* A bounded multi-producer multi-consumer queue of variable-length
+ * messages in a shared-memory region.  Each message is a list of block
+ * references (tickets it carries) followed by payload bytes.  Waits spin
+ * briefly, then sleep on a futex.  NOTE [ Ring ] in ring.c. */
+
+typedef struct mpc_ring mpc_ring;
+
+/* Bytes a ring needs in its region for `capacity` bytes of messages. */
+uint64_t mpc_ring_footprint(uint64_t capacity);
+
+/* Initialises a ring in a zeroed region of `size` bytes; maxitems 0 means
+ * no bound on the count of messages.  Returns 0 or -EINVAL. */
+int mpc_ring_init(void *region, uint64_t size, uint32_t maxitems);
+
+/* Largest payload a single message may carry (refs included). */
+uint64_t mpc_ring_max_message(const mpc_ring *r);
+
+/* Appends a message.  deadline_ns: -1 waits for room forever, 0 does not
+ * wait, else an absolute monotonic time.  Returns 0; -EAGAIN when full and
+ * not waiting; -ETIMEDOUT; -EINTR (a signal: check it and call again);
+ * -EPIPE when the ring was closed; -EMSGSIZE when it can never fit. */
+int mpc_ring_put(mpc_ring *r, const mpc_ref *refs, uint32_t nrefs,
+                 const void *payload, uint64_t len, int64_t deadline_ns);
+
+/* Removes the oldest message.  On success returns 0 and hands over, in
+ * malloc'd buffers the caller frees, the refs (*refs, *nrefs; NULL when
+ * none) and the payload (*payload, *len).  Same error returns as put,
+ * except that -EPIPE means closed and empty; -ENOMEM if malloc fails (the
+ * message then stays in the ring). */
+int mpc_ring_get(mpc_ring *r, mpc_ref **refs, uint32_t *nrefs, void **payload,
+                 uint64_t *len, int64_t deadline_ns);
+
+/* Messages in the ring now (a snapshot). */
+uint32_t mpc_ring_count(const mpc_ring *r);
+
+/* Marks the ring closed: waiting and later puts get -EPIPE; gets drain
+ * what is left first. */
+void mpc_ring_close(mpc_ring *r);
+
+/* Calls fn(ref, arg) for each ref of each undelivered message and empties
+ * the ring.  Used when a queue is freed, so its tickets are dropped. */
+void mpc_ring_drain(mpc_ring *r, void (*fn)(const mpc_ref *, void *), void *arg);
+
+/* Task accounting for JoinableQueue: put adds one unfinished task when
+ * counted != 0 (the binding asks for it); task_done removes one
+ * (-EINVAL if none is unfinished); join waits until none is.  join's
+ * returns are those of mpc_futex_wait. */
+int mpc_ring_task_add(mpc_ring *r);
+int mpc_ring_task_done(mpc_ring *r);
+int mpc_ring_join(mpc_ring *r, int64_t deadline_ns);
+
+#endif /* MPCORE_H */

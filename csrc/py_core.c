@@ -1,0 +1,126 @@
+/* py_core.c: the mpcore._core module: its state, its exec slot, and the one
+ * place where the core's error codes become Python exceptions. */
+#include "py_mpcore.h"
+
+#include <string.h>
+
+static struct PyModuleDef mpc_module;
+
+mpc_state *mpc_get_state(PyObject *module) {
+    return (mpc_state *)PyModule_GetState(module);
+}
+
+mpc_state *mpc_type_state(PyTypeObject *type) {
+    PyObject *m = PyType_GetModuleByDef(type, &mpc_module);
+    if (m == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    return mpc_get_state(m);
+}
+
+PyObject *mpc_py_raise(mpc_state *st, int err) {
+    const char *msg = mpc_errmsg();
+    int e = err < 0 ? -err : err;
+    if (e == ENOMEM) {
+        PyErr_SetString(PyExc_MemoryError, *msg ? msg : "out of shared memory");
+    } else if (e == MPC_EHANDLE || e == MPC_ESTALE || e == ENOENT) {
+        PyErr_SetString(st ? st->HandleError : PyExc_ValueError,
+                        *msg ? msg : "invalid shared-memory handle");
+    } else if (e == ETIMEDOUT) {
+        PyErr_SetString(PyExc_TimeoutError, *msg ? msg : "timed out");
+    } else if (e == EINVAL) {
+        PyErr_SetString(PyExc_ValueError, *msg ? msg : "invalid argument");
+    } else if (*msg) {
+        PyObject *args = Py_BuildValue("(is)", e, msg);
+        if (args) {
+            PyErr_SetObject(PyExc_OSError, args);
+            Py_DECREF(args);
+        }
+    } else {
+        errno = e;
+        PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return NULL;
+}
+
+int64_t mpc_py_deadline(int block, PyObject *timeout) {
+    if (!block)
+        return 0;
+    if (timeout == NULL || timeout == Py_None)
+        return -1;
+    double t = PyFloat_AsDouble(timeout);
+    if (t == -1.0 && PyErr_Occurred())
+        return -2;
+    if (t < 0) {
+        PyErr_SetString(PyExc_ValueError, "'timeout' must be a non-negative number");
+        return -2;
+    }
+    if (t > 1e9)
+        return -1;
+    return mpc_now_ns() + (int64_t)(t * 1e9);
+}
+
+static int mpc_exec(PyObject *m) {
+    mpc_state *st = mpc_get_state(m);
+    st->HandleError = PyErr_NewExceptionWithDoc(
+        "mpcore.HandleError",
+        "A shared-memory handle that is forged, corrupt, stale or out of bounds.",
+        PyExc_ValueError, NULL);
+    if (st->HandleError == NULL || PyModule_AddObjectRef(m, "HandleError", st->HandleError) < 0)
+        return -1;
+    PyObject *queue = PyImport_ImportModule("queue");
+    if (queue == NULL)
+        return -1;
+    st->QueueEmpty = PyObject_GetAttrString(queue, "Empty");
+    st->QueueFull = PyObject_GetAttrString(queue, "Full");
+    Py_DECREF(queue);
+    if (st->QueueEmpty == NULL || st->QueueFull == NULL)
+        return -1;
+    if (PyModule_AddFunctions(m, mpc_py_shm_methods) < 0 ||
+        PyModule_AddFunctions(m, mpc_py_ring_methods) < 0)
+        return -1;
+    if (mpc_py_shm_exec(m, st) < 0 || mpc_py_ring_exec(m, st) < 0)
+        return -1;
+    return 0;
+}
+
+static int mpc_traverse(PyObject *m, visitproc visit, void *arg) {
+    mpc_state *st = mpc_get_state(m);
+    Py_VISIT(st->HandleError);
+    Py_VISIT(st->QueueEmpty);
+    Py_VISIT(st->QueueFull);
+    Py_VISIT(st->BlockType);
+    Py_VISIT(st->RingType);
+    return 0;
+}
+
+static int mpc_clear(PyObject *m) {
+    mpc_state *st = mpc_get_state(m);
+    Py_CLEAR(st->HandleError);
+    Py_CLEAR(st->QueueEmpty);
+    Py_CLEAR(st->QueueFull);
+    Py_CLEAR(st->BlockType);
+    Py_CLEAR(st->RingType);
+    return 0;
+}
+
+static void mpc_free(void *m) { mpc_clear((PyObject *)m); }
+
+static PyModuleDef_Slot mpc_slots[] = {
+    {Py_mod_exec, mpc_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef mpc_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "mpcore._core",
+    .m_doc = "mpcore's C core: shared-memory blocks, the keeper, message rings.",
+    .m_size = sizeof(mpc_state),
+    .m_slots = mpc_slots,
+    .m_traverse = mpc_traverse,
+    .m_clear = mpc_clear,
+    .m_free = mpc_free,
+};
+
+PyMODINIT_FUNC PyInit__core(void) { return PyModuleDef_Init(&mpc_module); }

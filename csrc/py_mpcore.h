@@ -1,0 +1,42 @@
+/* py_mpcore.h: what the binding files (py_*.c) share.  Only they include
+ * Python.h; the core (mpcore.h) never does. */
+#ifndef PY_MPCORE_H
+#define PY_MPCORE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "mpcore.h"
+
+/* The module's state: the exception types the core's codes map to. */
+typedef struct {
+    PyObject *HandleError; /* mpcore.HandleError(ValueError) */
+    PyObject *QueueEmpty;  /* queue.Empty */
+    PyObject *QueueFull;   /* queue.Full */
+    PyTypeObject *BlockType;
+    PyTypeObject *RingType;
+} mpc_state;
+
+mpc_state *mpc_get_state(PyObject *module);
+/* State of the module that defined `type` (for methods of our types). */
+mpc_state *mpc_type_state(PyTypeObject *type);
+
+/* Turns a negative code from the core into the matching exception, with
+ * mpc_errmsg() as its message when there is one.  Always returns NULL.
+ *   -ENOMEM -> MemoryError, -MPC_EHANDLE/-MPC_ESTALE/-ENOENT -> HandleError,
+ *   -ETIMEDOUT -> TimeoutError, -EINVAL -> ValueError, others -> OSError. */
+PyObject *mpc_py_raise(mpc_state *st, int err);
+
+/* Converts a Python timeout (None = forever, number of seconds) into a
+ * deadline for the core: -1 forever, else an absolute monotonic time in ns.
+ * block == 0 gives 0 (do not wait).  Returns -2 with ValueError set for a
+ * negative timeout. */
+int64_t mpc_py_deadline(int block, PyObject *timeout);
+
+/* Each binding file adds its types and functions to the module. */
+int mpc_py_shm_exec(PyObject *m, mpc_state *st);
+int mpc_py_ring_exec(PyObject *m, mpc_state *st);
+extern PyMethodDef mpc_py_shm_methods[];
+extern PyMethodDef mpc_py_ring_methods[];
+
+#endif

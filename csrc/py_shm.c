@@ -1,0 +1,477 @@
+/* py_shm.c: bindings for shared-memory blocks (mpcore._core.Block) and the
+ * keeper.  A Block object is this process's hold on one block: the hold is
+ * dropped when the object is freed, and numpy arrays (and, through them,
+ * torch storages) made over the block keep it alive as their base. */
+#include "py_mpcore.h"
+
+#include <structmember.h>
+#include <numpy/arrayobject.h>
+#include <numpy/npy_2_compat.h>
+#include <string.h>
+
+typedef struct {
+    PyObject_HEAD
+    mpc_block b;
+    int held;
+    PyObject *weakreflist;
+} BlockObject;
+
+static PyObject *block_new_from(PyTypeObject *type, const mpc_block *b) {
+    BlockObject *self = PyObject_GC_New(BlockObject, type);
+    if (self == NULL)
+        return NULL;
+    self->b = *b;
+    self->held = 1;
+    self->weakreflist = NULL;
+    PyObject_GC_Track(self);
+    return (PyObject *)self;
+}
+
+static void block_dealloc(BlockObject *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    if (self->weakreflist)
+        PyObject_ClearWeakRefs((PyObject *)self);
+    if (self->held) {
+        self->held = 0;
+        Py_BEGIN_ALLOW_THREADS
+        mpc_block_release(&self->b);
+        Py_END_ALLOW_THREADS
+    }
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static int block_traverse(BlockObject *self, visitproc visit, void *arg) {
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int block_getbuffer(BlockObject *self, Py_buffer *view, int flags) {
+    return PyBuffer_FillInfo(view, (PyObject *)self, self->b.addr, (Py_ssize_t)self->b.length, 0,
+                             flags);
+}
+
+static PyObject *block_ticket(BlockObject *self, PyObject *unused) {
+    mpc_clear_error();
+    int r = mpc_block_ticket(&self->b);
+    if (r < 0)
+        return mpc_py_raise(mpc_type_state(Py_TYPE(self)), r);
+    return Py_BuildValue("(KII)", (unsigned long long)self->b.seg_id, self->b.index, self->b.gen);
+}
+
+static PyObject *block_claim(BlockObject *self, PyObject *unused) {
+    mpc_clear_error();
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = mpc_block_claim(&self->b);
+    Py_END_ALLOW_THREADS
+    if (r < 0)
+        return mpc_py_raise(mpc_type_state(Py_TYPE(self)), r);
+    Py_RETURN_NONE;
+}
+
+/* Checks that a view (itemsize, shape, strides, byte offset) lies inside
+ * the block.  Returns 0, or -1 with HandleError set. */
+static int block_check_view(BlockObject *self, Py_ssize_t itemsize, int nd, const npy_intp *shape,
+                            const npy_intp *strides, Py_ssize_t offset) {
+    mpc_state *st = mpc_type_state(Py_TYPE(self));
+    PyObject *E = st ? st->HandleError : PyExc_ValueError;
+    if (itemsize <= 0 || offset < 0 || (uint64_t)offset > self->b.length) {
+        PyErr_Format(E, "handle offset %zd is outside its %llu-byte block", offset,
+                     (unsigned long long)self->b.length);
+        return -1;
+    }
+    int64_t lo = 0, hi = 0;
+    for (int i = 0; i < nd; i++) {
+        if (shape[i] < 0) {
+            PyErr_Format(E, "handle has a negative dimension (%lld)", (long long)shape[i]);
+            return -1;
+        }
+        if (shape[i] == 0)
+            return 0; /* an empty view touches nothing */
+        int64_t ext;
+        if (__builtin_mul_overflow((int64_t)(shape[i] - 1), (int64_t)strides[i], &ext) ||
+            __builtin_add_overflow(ext > 0 ? hi : lo, ext, ext > 0 ? &hi : &lo)) {
+            PyErr_Format(E, "handle has an absurd shape or strides");
+            return -1;
+        }
+    }
+    if (offset + lo < 0 || (uint64_t)(offset + hi + itemsize) > self->b.length) {
+        PyErr_Format(E,
+                     "handle describes bytes [%lld, %lld) of a %llu-byte block: out of bounds",
+                     (long long)(offset + lo), (long long)(offset + hi + itemsize),
+                     (unsigned long long)self->b.length);
+        return -1;
+    }
+    return 0;
+}
+
+static int parse_dims(PyObject *seq, npy_intp *out, int *nd, const char *what) {
+    PyObject *fast = PySequence_Fast(seq, what);
+    if (fast == NULL)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    if (n > NPY_MAXDIMS) {
+        Py_DECREF(fast);
+        PyErr_Format(PyExc_ValueError, "%s has %zd dimensions, more than %d", what, n,
+                     NPY_MAXDIMS);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        out[i] = (npy_intp)PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(fast, i));
+        if (out[i] == -1 && PyErr_Occurred()) {
+            Py_DECREF(fast);
+            return -1;
+        }
+    }
+    *nd = (int)n;
+    Py_DECREF(fast);
+    return 0;
+}
+
+/* Block.check_view(itemsize, shape, strides, offset): raises HandleError
+ * if the view does not lie inside the block. */
+static PyObject *block_check_view_py(BlockObject *self, PyObject *args) {
+    Py_ssize_t itemsize, offset;
+    PyObject *shape_o, *strides_o;
+    npy_intp shape[NPY_MAXDIMS], strides[NPY_MAXDIMS];
+    int nd, nd2;
+    if (!PyArg_ParseTuple(args, "nOOn", &itemsize, &shape_o, &strides_o, &offset))
+        return NULL;
+    if (parse_dims(shape_o, shape, &nd, "shape") < 0 ||
+        parse_dims(strides_o, strides, &nd2, "strides") < 0)
+        return NULL;
+    if (nd != nd2) {
+        mpc_state *st = mpc_type_state(Py_TYPE(self));
+        return PyErr_Format(st->HandleError, "handle has %d sizes but %d strides", nd, nd2);
+    }
+    if (block_check_view(self, itemsize, nd, shape, strides, offset) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* Block.array(dtype, shape, strides=None, offset=0) -> numpy array over the
+ * block (strides in bytes; None means C-contiguous), after a bounds check. */
+static PyObject *block_array(BlockObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"dtype", "shape", "strides", "offset", NULL};
+    PyObject *dtype_o, *shape_o, *strides_o = Py_None;
+    Py_ssize_t offset = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|On", kwlist, &dtype_o, &shape_o, &strides_o,
+                                     &offset))
+        return NULL;
+    if (PyArray_ImportNumPyAPI() < 0)
+        return NULL;
+    PyArray_Descr *descr = NULL;
+    if (!PyArray_DescrConverter(dtype_o, &descr))
+        return NULL;
+    npy_intp shape[NPY_MAXDIMS], strides[NPY_MAXDIMS];
+    int nd, nd2;
+    if (PyLong_Check(shape_o)) {
+        shape[0] = (npy_intp)PyLong_AsSsize_t(shape_o);
+        nd = 1;
+        if (shape[0] == -1 && PyErr_Occurred())
+            goto fail;
+    } else if (parse_dims(shape_o, shape, &nd, "shape") < 0)
+        goto fail;
+    Py_ssize_t itemsize = PyDataType_ELSIZE(descr);
+    if (strides_o == Py_None) {
+        npy_intp s = itemsize;
+        for (int i = nd - 1; i >= 0; i--) {
+            strides[i] = s;
+            s *= shape[i] > 0 ? shape[i] : 1;
+        }
+    } else {
+        if (parse_dims(strides_o, strides, &nd2, "strides") < 0)
+            goto fail;
+        if (nd2 != nd) {
+            PyErr_Format(PyExc_ValueError, "%d sizes but %d strides", nd, nd2);
+            goto fail;
+        }
+    }
+    if (block_check_view(self, itemsize, nd, shape, strides, offset) < 0)
+        goto fail;
+    PyObject *arr = PyArray_NewFromDescr(&PyArray_Type, descr, nd, shape, strides,
+                                         (char *)self->b.addr + offset, NPY_ARRAY_WRITEABLE, NULL);
+    if (arr == NULL)
+        return NULL; /* descr was stolen */
+    PyArray_UpdateFlags((PyArrayObject *)arr, NPY_ARRAY_UPDATE_ALL);
+    Py_INCREF(self);
+    if (PyArray_SetBaseObject((PyArrayObject *)arr, (PyObject *)self) < 0) {
+        Py_DECREF(arr);
+        return NULL;
+    }
+    return arr;
+fail:
+    Py_XDECREF(descr);
+    return NULL;
+}
+
+static PyObject *block_get_handle(BlockObject *self, void *c) {
+    return Py_BuildValue("(KII)", (unsigned long long)self->b.seg_id, self->b.index, self->b.gen);
+}
+static PyObject *block_get_nbytes(BlockObject *self, void *c) {
+    return PyLong_FromUnsignedLongLong(self->b.length);
+}
+static PyObject *block_get_address(BlockObject *self, void *c) {
+    return PyLong_FromVoidPtr(self->b.addr);
+}
+static PyObject *block_get_kind(BlockObject *self, void *c) {
+    return PyLong_FromUnsignedLong(self->b.kind);
+}
+
+static PyObject *block_repr(BlockObject *self) {
+    return PyUnicode_FromFormat("<mpcore Block %llx:%u gen %u, %llu bytes>",
+                                (unsigned long long)self->b.seg_id, self->b.index, self->b.gen,
+                                (unsigned long long)self->b.length);
+}
+
+static PyMethodDef block_methods[] = {
+    {"ticket", (PyCFunction)block_ticket, METH_NOARGS,
+     "Takes a ticket that keeps the block alive in transit; returns its reference."},
+    {"claim", (PyCFunction)block_claim, METH_NOARGS,
+     "In a forked child: turns the ticket its parent took into this process's hold."},
+    {"check_view", (PyCFunction)block_check_view_py, METH_VARARGS,
+     "check_view(itemsize, shape, strides, offset): HandleError unless inside the block."},
+    {"array", (PyCFunction)(void (*)(void))block_array, METH_VARARGS | METH_KEYWORDS,
+     "array(dtype, shape, strides=None, offset=0): a numpy array over the block."},
+    {NULL},
+};
+
+static PyGetSetDef block_getset[] = {
+    {"handle", (getter)block_get_handle, NULL, "(segment id, index, generation)", NULL},
+    {"nbytes", (getter)block_get_nbytes, NULL, "usable bytes", NULL},
+    {"address", (getter)block_get_address, NULL, "address in this process", NULL},
+    {"kind", (getter)block_get_kind, NULL, "1 data, 2 queue", NULL},
+    {NULL},
+};
+
+static PyMemberDef block_members[] = {
+    {"__weaklistoffset__", T_PYSSIZET, offsetof(BlockObject, weakreflist), READONLY},
+    {NULL},
+};
+
+static PyType_Slot block_slots[] = {
+    {Py_tp_dealloc, block_dealloc},
+    {Py_tp_traverse, block_traverse},
+    {Py_tp_methods, block_methods},
+    {Py_tp_getset, block_getset},
+    {Py_tp_members, block_members},
+    {Py_tp_repr, block_repr},
+    {Py_bf_getbuffer, block_getbuffer},
+    {Py_tp_doc, "This process's hold on a block of mpcore shared memory."},
+    {0, NULL},
+};
+
+static PyType_Spec block_spec = {
+    .name = "mpcore._core.Block",
+    .basicsize = sizeof(BlockObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE |
+             Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = block_slots,
+};
+
+/* ---------------------------------------------------------------- */
+/* Module functions                                                 */
+/* ---------------------------------------------------------------- */
+
+static PyObject *py_alloc(PyObject *m, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"nbytes", "zero", "kind", NULL};
+    unsigned long long n;
+    int zero = 0;
+    unsigned int kind = MPC_BLOCK_DATA;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "K|pI", kwlist, &n, &zero, &kind))
+        return NULL;
+    mpc_state *st = mpc_get_state(m);
+    mpc_block b;
+    int r;
+    mpc_clear_error();
+    Py_BEGIN_ALLOW_THREADS
+    r = mpc_block_alloc(n, kind, zero, &b);
+    Py_END_ALLOW_THREADS
+    if (r < 0)
+        return mpc_py_raise(st, r);
+    return block_new_from(st->BlockType, &b);
+}
+
+static int parse_ref(PyObject *args, mpc_ref *ref) {
+    unsigned long long seg;
+    unsigned long long index, gen;
+    if (!PyArg_ParseTuple(args, "KKK", &seg, &index, &gen))
+        return -1;
+    if (index > UINT32_MAX || gen > UINT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "handle field out of range");
+        return -1;
+    }
+    ref->seg_id = seg;
+    ref->index = (uint32_t)index;
+    ref->gen = (uint32_t)gen;
+    return 0;
+}
+
+/* attach((seg_id, index, gen), already_held=False) -> Block: redeems a
+ * ticket. */
+static PyObject *py_attach(PyObject *m, PyObject *args) {
+    PyObject *h;
+    int already = 0;
+    if (!PyArg_ParseTuple(args, "O!|p", &PyTuple_Type, &h, &already))
+        return NULL;
+    mpc_ref ref;
+    mpc_state *st = mpc_get_state(m);
+    if (parse_ref(h, &ref) < 0) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError) || PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            PyErr_SetString(st->HandleError, "corrupt shared-memory handle: expected "
+                                             "(segment, index, generation) integers");
+        }
+        return NULL;
+    }
+    mpc_block b;
+    int r;
+    mpc_clear_error();
+    Py_BEGIN_ALLOW_THREADS
+    r = mpc_block_attach(&ref, already, &b);
+    Py_END_ALLOW_THREADS
+    if (r < 0)
+        return mpc_py_raise(st, r);
+    if (already)
+        Py_RETURN_NONE;
+    return block_new_from(st->BlockType, &b);
+}
+
+static PyObject *py_drop_ticket(PyObject *m, PyObject *args) {
+    PyObject *h;
+    mpc_ref ref;
+    if (!PyArg_ParseTuple(args, "O!", &PyTuple_Type, &h) || parse_ref(h, &ref) < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    mpc_ref_drop(&ref);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* find(address, nbytes) -> (seg_id, index, gen) of the live block mapped
+ * here that contains the range, or None. */
+static PyObject *py_find(PyObject *m, PyObject *args) {
+    unsigned long long addr, n;
+    if (!PyArg_ParseTuple(args, "KK", &addr, &n))
+        return NULL;
+    mpc_block b;
+    if (!mpc_block_find((const void *)(uintptr_t)addr, n, &b))
+        Py_RETURN_NONE;
+    return Py_BuildValue("(KII)K", (unsigned long long)b.seg_id, b.index, b.gen,
+                         (unsigned long long)(uintptr_t)b.addr);
+}
+
+static PyObject *py_mem_available(PyObject *m, PyObject *unused) {
+    uint64_t avail;
+    char why[512];
+    mpc_clear_error();
+    int r = mpc_mem_available(&avail, why, sizeof why);
+    if (r < 0)
+        return mpc_py_raise(mpc_get_state(m), r);
+    return Py_BuildValue("(Ks)", (unsigned long long)avail, why);
+}
+
+static PyObject *py_stats(PyObject *m, PyObject *unused) {
+    mpc_shm_stats s;
+    mpc_shm_get_stats(&s);
+    return Py_BuildValue("{sKsKsKsKsK}", "segments", (unsigned long long)s.segments,
+                         "mapped_bytes", (unsigned long long)s.mapped_bytes, "blocks_allocated",
+                         (unsigned long long)s.blocks_allocated, "fd_fetches",
+                         (unsigned long long)s.fd_fetches, "segments_created",
+                         (unsigned long long)s.segments_created);
+}
+
+static PyObject *py_after_fork_child(PyObject *m, PyObject *unused) {
+    mpc_after_fork_child();
+    Py_RETURN_NONE;
+}
+
+static char **keeper_argv; /* kept for the life of the process */
+
+static PyObject *py_set_keeper_command(PyObject *m, PyObject *arg) {
+    PyObject *fast = PySequence_Fast(arg, "keeper command must be a sequence of str");
+    if (fast == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    char **argv = calloc((size_t)n + 1, sizeof *argv);
+    if (argv == NULL) {
+        Py_DECREF(fast);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const char *s = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(fast, i));
+        if (s == NULL || (argv[i] = strdup(s)) == NULL) {
+            for (Py_ssize_t j = 0; j < i; j++)
+                free(argv[j]);
+            free(argv);
+            Py_DECREF(fast);
+            return s ? PyErr_NoMemory() : NULL;
+        }
+    }
+    Py_DECREF(fast);
+    /* The previous command may be in use by another thread: leak it. */
+    keeper_argv = argv;
+    mpc_set_keeper_argv(keeper_argv);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_keeper_main(PyObject *m, PyObject *args) {
+    int fd;
+    const char *name;
+    if (!PyArg_ParseTuple(args, "is", &fd, &name))
+        return NULL;
+    int r;
+    mpc_clear_error();
+    Py_BEGIN_ALLOW_THREADS
+    r = mpc_keeper_main(fd, name);
+    Py_END_ALLOW_THREADS
+    if (r < 0)
+        return mpc_py_raise(mpc_get_state(m), r);
+    Py_RETURN_NONE;
+}
+
+/* connect() -> slot: connects to the program's keeper (starting it if
+ * none runs) and returns this process's slot. */
+static PyObject *py_connect(PyObject *m, PyObject *unused) {
+    uint32_t slot;
+    int r;
+    mpc_clear_error();
+    Py_BEGIN_ALLOW_THREADS
+    r = mpc_client_slot(&slot);
+    Py_END_ALLOW_THREADS
+    if (r < 0)
+        return mpc_py_raise(mpc_get_state(m), r);
+    return PyLong_FromUnsignedLong(slot);
+}
+
+static PyObject *py_keeper_pid(PyObject *m, PyObject *unused) {
+    return PyLong_FromLong((long)mpc_keeper_pid());
+}
+
+PyMethodDef mpc_py_shm_methods[] = {
+    {"alloc", (PyCFunction)(void (*)(void))py_alloc, METH_VARARGS | METH_KEYWORDS,
+     "alloc(nbytes, zero=False, kind=1) -> Block"},
+    {"attach", py_attach, METH_VARARGS,
+     "attach(handle, already_held=False) -> Block: redeems a handle's ticket"},
+    {"drop_ticket", py_drop_ticket, METH_VARARGS, "drop_ticket(handle): drops a ticket unused"},
+    {"find", py_find, METH_VARARGS, "find(address, nbytes) -> ((seg, index, gen), base) or None"},
+    {"mem_available", py_mem_available, METH_NOARGS,
+     "mem_available() -> (bytes, which bound): what this process may still commit"},
+    {"stats", py_stats, METH_NOARGS, "counters of this process's shared memory"},
+    {"after_fork_child", py_after_fork_child, METH_NOARGS, "resets per-process state in a child"},
+    {"set_keeper_command", py_set_keeper_command, METH_O,
+     "set_keeper_command(argv): how to start the keeper when none runs"},
+    {"keeper_main", py_keeper_main, METH_VARARGS, "keeper_main(fd, name): runs the keeper"},
+    {"connect", py_connect, METH_NOARGS, "connect() -> slot"},
+    {"keeper_pid", py_keeper_pid, METH_NOARGS, "pid of the keeper this process started, or 0"},
+    {NULL},
+};
+
+int mpc_py_shm_exec(PyObject *m, mpc_state *st) {
+    st->BlockType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &block_spec, NULL);
+    if (st->BlockType == NULL)
+        return -1;
+    return PyModule_AddObjectRef(m, "Block", (PyObject *)st->BlockType);
+}

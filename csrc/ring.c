@@ -1,0 +1,695 @@
+/* ring.c: message rings, the bounded multi-producer multi-consumer queues
+ * of variable-length messages that mpcore's queues are built on, and the
+ * task count of JoinableQueue that lives in the same header.
+ *
+ * NOTE [ Ring ]
+ * =============
+ * Layout.  A ring is a region of shared memory: a fixed header of
+ * MPC_RING_HDR bytes (six 64-byte lines, see struct mpc_ring) followed by
+ * `capacity` bytes of message data (a multiple of 8).  The region is mapped
+ * at different addresses in different processes, so nothing in it is a
+ * pointer: positions are byte counters.  `head` and `tail` count every byte
+ * ever taken from and put into the ring; they only grow (2^64 bytes never
+ * wrap), the bytes in use are tail - head, and a counter maps to the data
+ * area at counter % capacity.
+ *
+ * A message is a record: a 16-byte record header (nrefs, a tag that catches
+ * corruption, the payload length), nrefs mpc_refs of 16 bytes, the payload,
+ * and padding to a multiple of 8.  A record is written at the tail as if
+ * the data area were endless and simply continues at the start of the area
+ * when it reaches the end: records are split across the wrap, not kept
+ * contiguous.  The copies do at most two memcpys each, no space is lost to
+ * padding at the end, and so the largest message that can ever fit is the
+ * whole capacity less the record header (mpc_ring_max_message).  Keeping
+ * records contiguous would have halved that bound and bought nothing, since
+ * messages are always copied out anyway.
+ *
+ * Locking.  One process-shared robust mutex guards head, tail and count,
+ * and messages are copied in and out while it is held.  Critical sections
+ * are therefore as long as a message copy; messages are meant to be small
+ * (a few block references and a pickled header), and the bulk data travels
+ * in shared-memory blocks, so a lock-free reservation scheme, whose
+ * reservations a dying producer could leave as holes, is not worth it.
+ * Everything is published by the store to tail (put) or head (get) after
+ * the copy, so a process that dies holding the mutex, even half-way
+ * through a copy, has left nothing half-visible.  The next locker gets
+ * EOWNERDEAD, marks the mutex consistent, recounts the messages between
+ * head and tail (the only field a death can have left stale) and wakes
+ * every waiter, in case the dead process was about to.
+ *
+ * Waiting.  Condition variables are not used: a process that dies while
+ * waiting on a process-shared condition variable leaves it broken.  Each
+ * direction has instead a 32-bit sequence word, bumped under the mutex
+ * whenever its condition may have changed (not_empty after a put or a
+ * close, not_full after a get, drain or close), and a count of sleepers.  A
+ * waiter reads the sequence word while it still holds the mutex, unlocks,
+ * spins on the word for a few microseconds, then increments the sleeper
+ * count and sleeps on the futex for as long as the word is unchanged.  A
+ * waker bumps the word, unlocks, and makes the wake system call only when
+ * the sleeper count is non-zero.  The futex compares the word before it
+ * sleeps, and both sides use sequentially consistent read-modify-writes,
+ * so either the waiter sees the new value or the waker sees the sleeper:
+ * no wake-up is lost.  A process killed while asleep leaves the sleeper
+ * count one too high for good; that costs a needless wake system call
+ * now and then, never a missed one.
+ *
+ * Any message satisfies any getter, so a put wakes one sleeping getter.  A
+ * getter that leaves its wait without taking a message (a signal) passes
+ * its wake-up on, and a getter that takes a message while others remain
+ * wakes one more sleeper, so a wake-up swallowed by a getter that was then
+ * stopped or killed delays the next message only until the ring is used
+ * again.  Putters need different amounts of room, so a get wakes every
+ * sleeping putter: waking only one, whose message might still not fit,
+ * could leave a smaller one asleep although its message would fit.
+ *
+ * Close sets a flag and bumps both words under the mutex, so no waiter can
+ * miss it.  The task count of JoinableQueue is an atomic word outside the
+ * mutex; task_done bumps a third sequence word each time the count reaches
+ * zero, and join returns as soon as that word moves: like the stdlib's
+ * join, it returns when the count has been zero, even if a new task was
+ * added before the joiner ran. */
+#include "mpcore.h"
+
+#include <inttypes.h>
+#include <pthread.h>
+#include <string.h>
+#include <unistd.h> /* getpid, for mpc_debug */
+
+#define MPC_RING_MAGIC 0x474e4952524f4350ULL /* "PCORRING" */
+#define MPC_RING_VERSION 1u
+#define MPC_RING_HDR 384u
+#define MPC_RING_MIN_CAPACITY 64u
+#define MPC_RING_MAX_CAPACITY (1ULL << 48)
+
+/* The record header in front of every message. */
+typedef struct {
+    uint32_t nrefs;
+    uint32_t tag; /* MPC_REC_TAG, so that a corrupt ring is caught */
+    uint64_t len; /* payload bytes */
+} mpc__rec;
+
+#define MPC_REC_TAG 0x4753534du /* "MSSG" */
+#define MPC_REC_HDR ((uint64_t)sizeof(mpc__rec))
+
+/* How long a waiter looks at a sequence word before it sleeps; see
+ * MPC_SPIN_ITERATIONS in sync.c for why it is short. */
+#define MPC_RING_SPIN 200
+
+struct mpc_ring {
+    /* Line 0: written once by mpc_ring_init, read-only afterwards.  magic
+     * is written last, so a process that sees it sees the rest. */
+    uint64_t magic;
+    uint32_t version;
+    uint32_t header_size; /* MPC_RING_HDR */
+    uint64_t capacity;    /* bytes of message data after the header */
+    uint32_t maxitems;    /* 0 = bounded by bytes only */
+    uint32_t _pad0;
+    uint64_t _reserved0[4];
+
+    /* Line 1: the mutex, on a line of its own because every operation
+     * bounces it between cores. */
+    union {
+        pthread_mutex_t mutex;
+        char _bytes[64];
+    } lock;
+
+    /* Line 2: what the mutex guards.  count and closed are atomics only
+     * so that count() and closed can be read without the mutex. */
+    uint64_t head;
+    uint64_t tail;
+    _Atomic uint32_t count;
+    _Atomic uint32_t closed;
+    char _pad2[40];
+
+    /* Lines 3 to 5: the futex words, one direction per line, so that
+     * spinning getters do not slow down putters. */
+    _Atomic uint32_t not_empty_seq;
+    _Atomic uint32_t get_sleepers;
+    char _pad3[56];
+
+    _Atomic uint32_t not_full_seq;
+    _Atomic uint32_t put_sleepers;
+    char _pad4[56];
+
+    _Atomic uint32_t tasks;    /* unfinished tasks of a JoinableQueue */
+    _Atomic uint32_t join_seq; /* bumped whenever tasks reaches zero */
+    _Atomic uint32_t join_sleepers;
+    char _pad5[52];
+};
+
+_Static_assert(sizeof(pthread_mutex_t) <= 64, "pthread_mutex_t does not fit a line");
+_Static_assert(sizeof(struct mpc_ring) == MPC_RING_HDR, "ring header size changed");
+_Static_assert(MPC_RING_HDR % 64 == 0, "ring header must be whole cache lines");
+_Static_assert(sizeof(mpc_ref) == 16, "mpc_ref layout changed");
+
+/* ------------------------------------------------------------------ */
+/* Helpers                                                             */
+/* ------------------------------------------------------------------ */
+
+static inline void mpc__ring_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static inline uint64_t mpc__round8(uint64_t n) { return (n + 7) & ~(uint64_t)7; }
+
+static inline char *mpc__ring_data(mpc_ring *r) { return (char *)r + MPC_RING_HDR; }
+
+/* Checks that r looks like a ring before anything in it is trusted. */
+static int mpc__ring_valid(const mpc_ring *r) {
+    if (r == NULL)
+        return mpc_fail(EINVAL, "no ring");
+    uint64_t magic = __atomic_load_n(&r->magic, __ATOMIC_ACQUIRE);
+    if (magic != MPC_RING_MAGIC)
+        return mpc_fail(EINVAL, "the region at %p is not an mpcore ring (magic %#" PRIx64 ")",
+                        (const void *)r, magic);
+    if (r->version != MPC_RING_VERSION)
+        return mpc_fail(EINVAL, "the ring at %p has version %u, this build knows only %u",
+                        (const void *)r, r->version, MPC_RING_VERSION);
+    return 0;
+}
+
+/* Copies n bytes to the data area at byte counter pos, continuing at the
+ * start of the area when the end is reached. */
+static void mpc__ring_write(mpc_ring *r, uint64_t pos, const void *src, uint64_t n) {
+    uint64_t cap = r->capacity, off = pos % cap, first = cap - off;
+    if (first > n)
+        first = n;
+    memcpy(mpc__ring_data(r) + off, src, first);
+    if (n > first)
+        memcpy(mpc__ring_data(r), (const char *)src + first, n - first);
+}
+
+/* Copies n bytes from the data area at byte counter pos, the same way. */
+static void mpc__ring_read(mpc_ring *r, uint64_t pos, void *dst, uint64_t n) {
+    uint64_t cap = r->capacity, off = pos % cap, first = cap - off;
+    if (first > n)
+        first = n;
+    memcpy(dst, mpc__ring_data(r) + off, first);
+    if (n > first)
+        memcpy((char *)dst + first, mpc__ring_data(r), n - first);
+}
+
+/* Bytes a record with nrefs refs and len payload bytes takes, or 0 when it
+ * could never fit in the ring. */
+static uint64_t mpc__rec_size(const mpc_ring *r, uint64_t nrefs, uint64_t len) {
+    uint64_t cap = r->capacity;
+    if (len > cap || nrefs > cap / sizeof(mpc_ref))
+        return 0;
+    uint64_t total = mpc__round8(MPC_REC_HDR + nrefs * sizeof(mpc_ref) + len);
+    return total <= cap ? total : 0;
+}
+
+/* Reads the record header at the head and checks it against the bytes in
+ * use.  Called with the mutex held.  Returns the record size, or 0 if the
+ * record is corrupt. */
+static uint64_t mpc__ring_peek(mpc_ring *r, mpc__rec *rec) {
+    uint64_t used = r->tail - r->head;
+    if (used < MPC_REC_HDR || used > r->capacity)
+        return 0;
+    mpc__ring_read(r, r->head, rec, MPC_REC_HDR);
+    if (rec->tag != MPC_REC_TAG)
+        return 0;
+    uint64_t total = mpc__rec_size(r, rec->nrefs, rec->len);
+    return total != 0 && total <= used ? total : 0;
+}
+
+/* After a process died holding the mutex: recounts the records between
+ * head and tail, since the dead process may have moved head or tail without
+ * updating count; if they do not parse (which a death alone cannot cause)
+ * empties the ring rather than leave it unusable.  Then wakes everyone, in
+ * case the dead process was about to. */
+static void mpc__ring_repair(mpc_ring *r) {
+    uint64_t pos = r->head, n = 0;
+    int corrupt = r->tail - r->head > r->capacity;
+    while (!corrupt && pos != r->tail) {
+        mpc__rec rec;
+        mpc__ring_read(r, pos, &rec, MPC_REC_HDR);
+        uint64_t total = rec.tag == MPC_REC_TAG ? mpc__rec_size(r, rec.nrefs, rec.len) : 0;
+        if (total == 0 || total > r->tail - pos) {
+            corrupt = 1;
+            break;
+        }
+        pos += total;
+        n++;
+    }
+    if (corrupt) {
+        mpc_debug("ring %p: corrupt after a holder died; emptying it", (void *)r);
+        r->head = r->tail;
+        n = 0;
+    }
+    mpc_debug("ring %p: a process died holding its lock; %" PRIu64 " messages remain",
+              (void *)r, n);
+    atomic_store(&r->count, (uint32_t)n);
+    atomic_fetch_add(&r->not_empty_seq, 1);
+    atomic_fetch_add(&r->not_full_seq, 1);
+    mpc_futex_wake(&r->not_empty_seq, INT32_MAX);
+    mpc_futex_wake(&r->not_full_seq, INT32_MAX);
+}
+
+/* Takes the ring's mutex, repairing the ring if its last holder died.
+ * Returns 0 with the mutex held, or -errno (mutex not held). */
+static int mpc__ring_lock(mpc_ring *r) {
+    int e = pthread_mutex_lock(&r->lock.mutex);
+    if (e == 0)
+        return 0;
+    if (e == EOWNERDEAD) {
+        mpc__ring_repair(r);
+        pthread_mutex_consistent(&r->lock.mutex);
+        return 0;
+    }
+    return mpc_fail(e, "cannot lock the ring at %p: %s", (void *)r, strerror(e));
+}
+
+static void mpc__ring_unlock(mpc_ring *r) { pthread_mutex_unlock(&r->lock.mutex); }
+
+/* Waits for *seq to move away from seen: spins briefly, then sleeps,
+ * counted in *sleepers so that wakers know to make the system call.
+ * Returns as mpc_futex_wait; 0 may be spurious, the caller re-checks. */
+static int mpc__ring_wait(_Atomic uint32_t *seq, _Atomic uint32_t *sleepers, uint32_t seen,
+                          int64_t deadline_ns) {
+    for (int i = 0; i < MPC_RING_SPIN; i++) {
+        if (atomic_load_explicit(seq, memory_order_acquire) != seen)
+            return 0;
+        mpc__ring_relax();
+    }
+    atomic_fetch_add(sleepers, 1);
+    int rc = mpc_futex_wait(seq, seen, deadline_ns);
+    atomic_fetch_sub(sleepers, 1);
+    return rc;
+}
+
+/* ------------------------------------------------------------------ */
+/* Set-up and inspection                                               */
+/* ------------------------------------------------------------------ */
+
+/* Returns the header size plus capacity rounded up to 64 bytes, so that
+ * regions laid end to end stay aligned; mpc_ring_init on a region of that
+ * size gives at least `capacity` bytes.  Never fails: a capacity too large
+ * for any region gives UINT64_MAX, which init then refuses. */
+uint64_t mpc_ring_footprint(uint64_t capacity) {
+    if (capacity > MPC_RING_MAX_CAPACITY)
+        return UINT64_MAX;
+    return MPC_RING_HDR + ((capacity + 63) & ~(uint64_t)63);
+}
+
+/* Checks that region (size bytes) holds an initialised ring that fits in
+ * it, before a process that did not create the ring starts using it.
+ * Returns 0, or -EINVAL with a message saying what is wrong.
+ * (Not yet declared in mpcore.h.) */
+int mpc_ring_check(const void *region, uint64_t size) {
+    if (region == NULL || ((uintptr_t)region & 7) != 0)
+        return mpc_fail(EINVAL, "a ring must start at an 8-byte aligned address, not %p", region);
+    if (size < MPC_RING_HDR + MPC_RING_MIN_CAPACITY)
+        return mpc_fail(EINVAL, "a region of %" PRIu64 " bytes is too small for a ring", size);
+    const mpc_ring *r = region;
+    int rc = mpc__ring_valid(r);
+    if (rc < 0)
+        return rc;
+    if (r->header_size != MPC_RING_HDR || r->capacity < MPC_RING_MIN_CAPACITY ||
+        r->capacity % 8 != 0 || r->capacity > MPC_RING_MAX_CAPACITY)
+        return mpc_fail(EINVAL, "the ring at %p has a corrupt header (capacity %" PRIu64 ")",
+                        region, r->capacity);
+    if (r->capacity > size - MPC_RING_HDR)
+        return mpc_fail(EINVAL,
+                        "the ring at %p needs %" PRIu64 " bytes but its region has only %" PRIu64,
+                        region, r->capacity + MPC_RING_HDR, size);
+    return 0;
+}
+
+/* Initialises a ring in a zeroed region of size bytes.  Returns 0; -EINVAL
+ * with a message if the region is misaligned, too small, or not zeroed (a
+ * ring, live or not, is never initialised over); or the -errno of
+ * pthread_mutex_init.  On failure the region is left as it was, and in
+ * particular without the magic, so nobody can use it as a ring. */
+int mpc_ring_init(void *region, uint64_t size, uint32_t maxitems) {
+    if (region == NULL || ((uintptr_t)region & 7) != 0)
+        return mpc_fail(EINVAL, "a ring must start at an 8-byte aligned address, not %p", region);
+    if (size < MPC_RING_HDR + MPC_RING_MIN_CAPACITY)
+        return mpc_fail(EINVAL, "a region of %" PRIu64 " bytes is too small for a ring (at least %u)",
+                        size, MPC_RING_HDR + MPC_RING_MIN_CAPACITY);
+    const unsigned char *p = region;
+    for (unsigned i = 0; i < MPC_RING_HDR; i++)
+        if (p[i] != 0)
+            return mpc_fail(EINVAL, "the region at %p is not zeroed; a ring needs a fresh region",
+                            region);
+    mpc_ring *r = region;
+    uint64_t cap = (size - MPC_RING_HDR) & ~(uint64_t)7;
+    if (cap > MPC_RING_MAX_CAPACITY)
+        cap = MPC_RING_MAX_CAPACITY;
+
+    pthread_mutexattr_t attr;
+    int e = pthread_mutexattr_init(&attr);
+    if (e == 0)
+        e = pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
+    if (e == 0)
+        e = pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
+    if (e == 0)
+        e = pthread_mutex_init(&r->lock.mutex, &attr);
+    pthread_mutexattr_destroy(&attr);
+    if (e != 0)
+        return mpc_fail(e, "cannot set up the lock of a ring: %s", strerror(e));
+
+    r->version = MPC_RING_VERSION;
+    r->header_size = MPC_RING_HDR;
+    r->capacity = cap;
+    r->maxitems = maxitems;
+    __atomic_store_n(&r->magic, MPC_RING_MAGIC, __ATOMIC_RELEASE);
+    return 0;
+}
+
+/* Returns the largest message, refs (16 bytes each) and payload together,
+ * that can ever fit; 0 if r is not a ring. */
+uint64_t mpc_ring_max_message(const mpc_ring *r) {
+    if (mpc__ring_valid(r) < 0)
+        return 0;
+    return r->capacity - MPC_REC_HDR;
+}
+
+/* Returns the number of messages in the ring (a snapshot, taken without
+ * the mutex); 0 if r is not a ring. */
+uint32_t mpc_ring_count(const mpc_ring *r) {
+    if (mpc__ring_valid(r) < 0)
+        return 0;
+    return atomic_load(&r->count);
+}
+
+/* Returns 1 if the ring was closed, 0 if not, -EINVAL if r is not a ring.
+ * (Not yet declared in mpcore.h.) */
+int mpc_ring_is_closed(const mpc_ring *r) {
+    int rc = mpc__ring_valid(r);
+    if (rc < 0)
+        return rc;
+    return atomic_load(&r->closed) != 0;
+}
+
+/* ------------------------------------------------------------------ */
+/* Put and get                                                         */
+/* ------------------------------------------------------------------ */
+
+/* The body of mpc_ring_put and mpc_ring_put_counted: counted != 0 also
+ * adds one unfinished task, inside the same critical section that
+ * publishes the message, so that no consumer can finish the task before it
+ * is counted and a put that fails counts nothing. */
+static int mpc__ring_put(mpc_ring *r, const mpc_ref *refs, uint32_t nrefs, const void *payload,
+                         uint64_t len, int64_t deadline_ns, int counted) {
+    int rc = mpc__ring_valid(r);
+    if (rc < 0)
+        return rc;
+    if ((nrefs > 0 && refs == NULL) || (len > 0 && payload == NULL))
+        return mpc_fail(EINVAL, "a message with refs or payload but no buffer for them");
+    uint64_t total = mpc__rec_size(r, nrefs, len);
+    if (total == 0)
+        return mpc_fail(EMSGSIZE,
+                        "a message of %" PRIu64 " bytes (%u refs and %" PRIu64
+                        " payload bytes) can never fit in a ring whose largest message is %" PRIu64
+                        " bytes",
+                        (uint64_t)nrefs * sizeof(mpc_ref) + len, nrefs, len,
+                        r->capacity - MPC_REC_HDR);
+
+    int last_try = 0;
+    for (;;) {
+        if ((rc = mpc__ring_lock(r)) < 0)
+            return rc;
+        if (atomic_load(&r->closed)) {
+            mpc__ring_unlock(r);
+            return -EPIPE;
+        }
+        uint32_t count = atomic_load(&r->count);
+        uint64_t room = r->capacity - (r->tail - r->head);
+        if (total <= room && (r->maxitems == 0 || count < r->maxitems) && count < UINT32_MAX) {
+            if (counted) {
+                /* The task is counted before the message is published;
+                 * a consumer can only see the message after the unlock. */
+                uint32_t t = atomic_load(&r->tasks);
+                do {
+                    if (t == UINT32_MAX) {
+                        mpc__ring_unlock(r);
+                        return mpc_fail(EOVERFLOW, "too many unfinished tasks");
+                    }
+                } while (!atomic_compare_exchange_weak(&r->tasks, &t, t + 1));
+            }
+            mpc__rec rec = {.nrefs = nrefs, .tag = MPC_REC_TAG, .len = len};
+            uint64_t pos = r->tail;
+            mpc__ring_write(r, pos, &rec, MPC_REC_HDR);
+            if (nrefs > 0)
+                mpc__ring_write(r, pos + MPC_REC_HDR, refs, (uint64_t)nrefs * sizeof(mpc_ref));
+            if (len > 0)
+                mpc__ring_write(r, pos + MPC_REC_HDR + (uint64_t)nrefs * sizeof(mpc_ref), payload,
+                                len);
+            /* Publish only now that the copy is complete. */
+            r->tail = pos + total;
+            atomic_store(&r->count, count + 1);
+            atomic_fetch_add(&r->not_empty_seq, 1);
+            mpc__ring_unlock(r);
+            if (atomic_load(&r->get_sleepers) > 0)
+                mpc_futex_wake(&r->not_empty_seq, 1);
+            return 0;
+        }
+        uint32_t seen = atomic_load(&r->not_full_seq);
+        mpc__ring_unlock(r);
+        if (deadline_ns == 0)
+            return -EAGAIN;
+        if (last_try)
+            return -ETIMEDOUT;
+        rc = mpc__ring_wait(&r->not_full_seq, &r->put_sleepers, seen, deadline_ns);
+        if (rc == -ETIMEDOUT)
+            last_try = 1; /* room may have come just at the deadline: look once more */
+        else if (rc < 0)
+            return rc; /* putters are woken all at once, so no wake-up to pass on */
+    }
+}
+
+/* Appends a message, waiting for room until deadline_ns (-1 forever, 0 not
+ * at all).  Returns 0; -EAGAIN when full and not waiting; -ETIMEDOUT;
+ * -EINTR (a signal: the caller checks it and calls again); -EPIPE when the
+ * ring is closed; -EMSGSIZE (with a message naming the sizes) when the
+ * message can never fit; -EINVAL if r is not a ring.  On any failure the
+ * ring is unchanged. */
+int mpc_ring_put(mpc_ring *r, const mpc_ref *refs, uint32_t nrefs, const void *payload,
+                 uint64_t len, int64_t deadline_ns) {
+    return mpc__ring_put(r, refs, nrefs, payload, len, deadline_ns, 0);
+}
+
+/* As mpc_ring_put, and also adds one unfinished task (JoinableQueue.put)
+ * atomically with the message; -EOVERFLOW if 2^32-1 tasks are unfinished.
+ * On any failure neither the ring nor the task count changes.
+ * (Not yet declared in mpcore.h.) */
+int mpc_ring_put_counted(mpc_ring *r, const mpc_ref *refs, uint32_t nrefs, const void *payload,
+                         uint64_t len, int64_t deadline_ns) {
+    return mpc__ring_put(r, refs, nrefs, payload, len, deadline_ns, 1);
+}
+
+/* Removes the head message into malloc'd buffers.  Called with the mutex
+ * held and count > 0.  Returns 0, -ENOMEM (the message stays), or -EIO
+ * if the record at the head is corrupt. */
+static int mpc__ring_pop(mpc_ring *r, mpc_ref **refs, uint32_t *nrefs, void **payload,
+                         uint64_t *len) {
+    mpc__rec rec;
+    uint64_t total = mpc__ring_peek(r, &rec);
+    if (total == 0)
+        return mpc_fail(EIO, "the ring at %p is corrupt at byte %" PRIu64, (void *)r, r->head);
+    mpc_ref *rbuf = NULL;
+    if (rec.nrefs > 0) {
+        rbuf = malloc((size_t)rec.nrefs * sizeof(mpc_ref));
+        if (rbuf == NULL)
+            return mpc_fail(ENOMEM, "cannot allocate %u refs to receive a message", rec.nrefs);
+    }
+    /* At least one byte, so that a successful get never hands back NULL. */
+    void *pbuf = malloc(rec.len > 0 ? (size_t)rec.len : 1);
+    if (pbuf == NULL) {
+        free(rbuf);
+        return mpc_fail(ENOMEM, "cannot allocate %" PRIu64 " bytes to receive a message", rec.len);
+    }
+    uint64_t pos = r->head;
+    if (rec.nrefs > 0)
+        mpc__ring_read(r, pos + MPC_REC_HDR, rbuf, (uint64_t)rec.nrefs * sizeof(mpc_ref));
+    if (rec.len > 0)
+        mpc__ring_read(r, pos + MPC_REC_HDR + (uint64_t)rec.nrefs * sizeof(mpc_ref), pbuf,
+                       rec.len);
+    r->head = pos + total;
+    atomic_fetch_sub(&r->count, 1);
+    *refs = rbuf;
+    *nrefs = rec.nrefs;
+    *payload = pbuf;
+    *len = rec.len;
+    return 0;
+}
+
+/* Removes the oldest message, waiting for one until deadline_ns (-1
+ * forever, 0 not at all).  On success returns 0 and hands over malloc'd
+ * buffers that the caller frees: *refs (NULL when *nrefs is 0) and
+ * *payload (never NULL, *len bytes).  Returns -EAGAIN when empty and not
+ * waiting; -ETIMEDOUT; -EINTR (a signal: check it and call again); -EPIPE
+ * when closed and empty; -ENOMEM when the buffers cannot be allocated;
+ * -EIO if the ring is corrupt; -EINVAL if r is not a ring.  On any failure
+ * the ring is unchanged and the out-parameters are untouched. */
+int mpc_ring_get(mpc_ring *r, mpc_ref **refs, uint32_t *nrefs, void **payload, uint64_t *len,
+                 int64_t deadline_ns) {
+    int rc = mpc__ring_valid(r);
+    if (rc < 0)
+        return rc;
+    int last_try = 0;
+    for (;;) {
+        if ((rc = mpc__ring_lock(r)) < 0)
+            return rc;
+        if (atomic_load(&r->count) > 0) {
+            rc = mpc__ring_pop(r, refs, nrefs, payload, len);
+            if (rc == 0)
+                atomic_fetch_add(&r->not_full_seq, 1);
+            int more = atomic_load(&r->count) > 0;
+            mpc__ring_unlock(r);
+            if (rc < 0)
+                return rc;
+            if (atomic_load(&r->put_sleepers) > 0)
+                mpc_futex_wake(&r->not_full_seq, INT32_MAX);
+            /* Pass a wake-up on if messages remain: the one that woke us
+             * may have been meant for a getter that has gone. */
+            if (more && atomic_load(&r->get_sleepers) > 0)
+                mpc_futex_wake(&r->not_empty_seq, 1);
+            return 0;
+        }
+        if (atomic_load(&r->closed)) {
+            mpc__ring_unlock(r);
+            return -EPIPE;
+        }
+        uint32_t seen = atomic_load(&r->not_empty_seq);
+        mpc__ring_unlock(r);
+        if (deadline_ns == 0)
+            return -EAGAIN;
+        if (last_try)
+            return -ETIMEDOUT;
+        rc = mpc__ring_wait(&r->not_empty_seq, &r->get_sleepers, seen, deadline_ns);
+        if (rc == -ETIMEDOUT) {
+            last_try = 1; /* a message may have come just at the deadline */
+        } else if (rc < 0) {
+            /* We may have taken the wake-up of a put and are leaving without
+             * its message: hand it to another sleeper. */
+            if (atomic_load(&r->count) > 0 && atomic_load(&r->get_sleepers) > 0)
+                mpc_futex_wake(&r->not_empty_seq, 1);
+            return rc;
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ */
+/* Close and drain                                                     */
+/* ------------------------------------------------------------------ */
+
+/* Marks the ring closed and wakes every waiter: waiting and later puts
+ * return -EPIPE, gets return what is left and then -EPIPE.  Never fails;
+ * does nothing if r is not a ring.  The flag is set under the mutex, so a
+ * waiter that has just looked at it and is about to sleep cannot miss it. */
+void mpc_ring_close(mpc_ring *r) {
+    if (mpc__ring_valid(r) < 0)
+        return;
+    int locked = mpc__ring_lock(r) == 0;
+    atomic_store(&r->closed, 1);
+    atomic_fetch_add(&r->not_empty_seq, 1);
+    atomic_fetch_add(&r->not_full_seq, 1);
+    if (locked)
+        mpc__ring_unlock(r);
+    mpc_futex_wake(&r->not_empty_seq, INT32_MAX);
+    mpc_futex_wake(&r->not_full_seq, INT32_MAX);
+}
+
+/* Calls fn(ref, arg) (fn may be NULL) for each ref of each undelivered
+ * message, oldest first, and empties the ring.  fn runs with the ring's
+ * mutex held, so it must not use this ring.  Never fails; does nothing if
+ * r is not a ring or its mutex cannot be taken.  If the ring is corrupt
+ * the refs of the unreadable messages are not reported.  A process that
+ * dies inside drain leaves the messages it has not finished in the ring,
+ * so their refs may be reported twice by the next drain. */
+void mpc_ring_drain(mpc_ring *r, void (*fn)(const mpc_ref *, void *), void *arg) {
+    if (mpc__ring_valid(r) < 0 || mpc__ring_lock(r) < 0)
+        return;
+    while (r->head != r->tail) {
+        mpc__rec rec;
+        uint64_t total = mpc__ring_peek(r, &rec);
+        if (total == 0) {
+            mpc_debug("ring %p: corrupt at byte %" PRIu64 " while draining", (void *)r, r->head);
+            break;
+        }
+        for (uint32_t i = 0; fn != NULL && i < rec.nrefs; i++) {
+            mpc_ref ref;
+            mpc__ring_read(r, r->head + MPC_REC_HDR + (uint64_t)i * sizeof(mpc_ref), &ref,
+                           sizeof ref);
+            fn(&ref, arg);
+        }
+        /* Move on message by message, so that a death in fn repeats at most
+         * one message's refs. */
+        r->head += total;
+        atomic_fetch_sub(&r->count, 1);
+    }
+    r->head = r->tail;
+    atomic_store(&r->count, 0);
+    atomic_fetch_add(&r->not_full_seq, 1);
+    mpc__ring_unlock(r);
+    if (atomic_load(&r->put_sleepers) > 0)
+        mpc_futex_wake(&r->not_full_seq, INT32_MAX);
+}
+
+/* ------------------------------------------------------------------ */
+/* Task accounting (JoinableQueue)                                     */
+/* ------------------------------------------------------------------ */
+
+/* Adds one unfinished task.  Returns 0; -EOVERFLOW if 2^32-1 tasks are
+ * unfinished already; -EINVAL if r is not a ring.  On failure nothing
+ * changes.  JoinableQueue.put should use mpc_ring_put_counted instead,
+ * which counts the task together with the message. */
+int mpc_ring_task_add(mpc_ring *r) {
+    int rc = mpc__ring_valid(r);
+    if (rc < 0)
+        return rc;
+    uint32_t v = atomic_load(&r->tasks);
+    do {
+        if (v == UINT32_MAX)
+            return mpc_fail(EOVERFLOW, "too many unfinished tasks");
+    } while (!atomic_compare_exchange_weak(&r->tasks, &v, v + 1));
+    return 0;
+}
+
+/* Removes one unfinished task, waking the joiners when none is left.
+ * Returns 0; -EINVAL with a message if no task is unfinished (nothing
+ * changes) or r is not a ring. */
+int mpc_ring_task_done(mpc_ring *r) {
+    int rc = mpc__ring_valid(r);
+    if (rc < 0)
+        return rc;
+    uint32_t v = atomic_load(&r->tasks);
+    do {
+        if (v == 0)
+            return mpc_fail(EINVAL, "task_done() called too many times");
+    } while (!atomic_compare_exchange_weak(&r->tasks, &v, v - 1));
+    if (v == 1) {
+        atomic_fetch_add(&r->join_seq, 1);
+        if (atomic_load(&r->join_sleepers) > 0)
+            mpc_futex_wake(&r->join_seq, INT32_MAX);
+    }
+    return 0;
+}
+
+/* Waits until no task is unfinished, or has been since the call began,
+ * until deadline_ns (-1 forever, 0 not at all).  Returns 0; -ETIMEDOUT
+ * (also when not waiting and tasks remain); -EINTR (check signals and call
+ * again); -EINVAL if r is not a ring; another -errno from the futex. */
+int mpc_ring_join(mpc_ring *r, int64_t deadline_ns) {
+    int rc = mpc__ring_valid(r);
+    if (rc < 0)
+        return rc;
+    /* Read the sequence word before the count: a task_done that empties
+     * the count after we looked at it then bumps the word we wait on. */
+    uint32_t seen = atomic_load(&r->join_seq);
+    for (;;) {
+        if (atomic_load(&r->tasks) == 0 || atomic_load(&r->join_seq) != seen)
+            return 0;
+        if (deadline_ns == 0)
+            return -ETIMEDOUT;
+        atomic_fetch_add(&r->join_sleepers, 1);
+        rc = mpc_futex_wait(&r->join_seq, seen, deadline_ns);
+        atomic_fetch_sub(&r->join_sleepers, 1);
+        if (rc < 0)
+            return rc;
+    }
+}

@@ -1,0 +1,100 @@
+/* sync.c: the monotonic clock and process-shared futex waits that every
+ * blocking operation of the core (rings, task counts) is built on.
+ *
+ * The futex words live in shared memory mapped by several processes, so
+ * the waits use FUTEX_WAIT/FUTEX_WAKE without FUTEX_PRIVATE_FLAG: the
+ * kernel then keys each wait on the page itself rather than on this
+ * process's address, and a wake from any process reaches it. */
+#include "mpcore.h"
+
+#include <linux/futex.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+/* How many times mpc_wait_change looks at the word before it sleeps.  The
+ * machines this runs on may have fewer cores than processes, where a
+ * waiter that spins only delays the process it is waiting for, so the spin
+ * is kept to a few microseconds: enough to catch a reply that is already on
+ * its way from another core, short enough to cost little when it is not. */
+#define MPC_SPIN_ITERATIONS 200
+
+/* Tells the CPU that this is a spin loop, so that it saves power and lets
+ * the other hyperthread of the core run; elsewhere it does nothing. */
+static inline void mpc__cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* Returns the monotonic clock in nanoseconds.  Never fails: CLOCK_MONOTONIC
+ * always exists on Linux. */
+int64_t mpc_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* Sleeps while *addr == expected, until deadline_ns (-1: no deadline).
+ * Returns 0 when woken, when the word had already changed, or on a
+ * spurious wake-up (callers re-check their condition); -ETIMEDOUT when the
+ * deadline has passed (also when it had passed before the call); -EINTR when
+ * a signal handler ran; another -errno, with a message, if the futex call
+ * itself is refused (a bad address), which leaves nothing changed. */
+int mpc_futex_wait(_Atomic uint32_t *addr, uint32_t expected, int64_t deadline_ns) {
+    if (atomic_load(addr) != expected)
+        return 0;
+    struct timespec ts, *tsp = NULL;
+    if (deadline_ns >= 0) {
+        /* FUTEX_WAIT takes a relative timeout measured on CLOCK_MONOTONIC,
+         * so the absolute deadline is turned into what is left of it; a
+         * retry after EINTR recomputes it, so the total wait never exceeds
+         * the deadline. */
+        int64_t left = deadline_ns - mpc_now_ns();
+        if (left <= 0)
+            return -ETIMEDOUT;
+        ts.tv_sec = (time_t)(left / 1000000000LL);
+        ts.tv_nsec = (long)(left % 1000000000LL);
+        tsp = &ts;
+    }
+    long rc = syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAIT, expected, tsp, NULL, 0);
+    if (rc == 0)
+        return 0;
+    int e = errno;
+    switch (e) {
+    case EAGAIN: /* the word changed before the kernel queued us */
+        return 0;
+    case ETIMEDOUT:
+        return -ETIMEDOUT;
+    case EINTR:
+        return -EINTR;
+    default:
+        return mpc_fail(e, "futex wait on %p failed: %s", (void *)addr, strerror(e));
+    }
+}
+
+/* Wakes up to n sleepers on addr.  Never fails: the only possible errors
+ * (a bad address) would already have failed the waits on the same word. */
+void mpc_futex_wake(_Atomic uint32_t *addr, int n) {
+    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAKE, n, NULL, NULL, 0);
+}
+
+/* Waits until *addr != expected: looks at the word a few hundred times,
+ * then sleeps on the futex, looping over spurious wake-ups.  Returns 0 once
+ * the word differs; -ETIMEDOUT, -EINTR or another -errno exactly as
+ * mpc_futex_wait, in which case the word may still equal expected. */
+int mpc_wait_change(_Atomic uint32_t *addr, uint32_t expected, int64_t deadline_ns) {
+    for (int i = 0; i < MPC_SPIN_ITERATIONS; i++) {
+        if (atomic_load_explicit(addr, memory_order_acquire) != expected)
+            return 0;
+        mpc__cpu_relax();
+    }
+    for (;;) {
+        int rc = mpc_futex_wait(addr, expected, deadline_ns);
+        if (rc < 0)
+            return rc;
+        if (atomic_load(addr) != expected)
+            return 0;
+    }
+}

@@ -1,0 +1,25 @@
+"""The `mpcore` command: `mpcore run ...` and `mpcore bench ...`."""
+import sys
+
+USAGE = """usage: mpcore run [-m module | script.py] [args...]
+       mpcore bench [--json FILE] [--plot FILE.png] [--quick] [--only NAME,...]"""
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "run":
+        from ._launcher import run
+        return run(rest)
+    if cmd == "bench":
+        from .bench.runner import main as bench_main
+        return bench_main(rest)
+    print(USAGE, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Hooks that make mpcore serve a program: on import of torch (or numpy),
+and under `mpcore run` in every process of the program.
+
+NOTE [ How mpcore reaches every process ]
+`mpcore run` sets MPCORE_RUN=1 in the environment.  Processes started by
+fork inherit the hooks; processes started by exec (spawn, forkserver,
+subprocess) run mpcore.pth from site-packages at start-up, which calls
+activate_run() when MPCORE_RUN is set and costs nothing otherwise.
+Hooks run right after a watched module finishes executing, so the
+program's own `import torch.multiprocessing as mp` already sees mpcore's.
+"""
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+
+_callbacks = {}  # module name -> [fn(module)]
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name not in _callbacks:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module = loader.exec_module
+
+        def exec_and_hook(module):
+            exec_module(module)
+            _run_callbacks(name, module)
+
+        loader.exec_module = exec_and_hook
+        return spec
+
+
+_finder = _PostImportFinder()
+
+
+def _run_callbacks(name, module):
+    for fn in _callbacks.pop(name, ()):
+        fn(module)
+
+
+def when_imported(name, fn):
+    """Calls fn(module) once `name` is imported (now, if it already is)."""
+    mod = sys.modules.get(name)
+    if mod is not None and getattr(getattr(mod, "__spec__", None), "_initializing", False) is False:
+        fn(mod)
+        return
+    _callbacks.setdefault(name, []).append(fn)
+    if _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)
+
+
+def _serve_numpy(np):
+    from multiprocessing.reduction import ForkingPickler
+    from . import _shm
+    ForkingPickler.register(np.ndarray, _shm.reduce_ndarray)
+
+
+def _serve_tensors(tmp):
+    from . import _torch
+    _torch.install()
+
+
+_served = set()
+
+
+def serve_torch(patch_multiprocessing):
+    if "tensors" not in _served:
+        _served.add("tensors")
+        when_imported("numpy", _serve_numpy)
+        when_imported("torch.multiprocessing", _serve_tensors)
+    if patch_multiprocessing and "mp" not in _served:
+        _served.add("mp")
+        when_imported("torch.multiprocessing", _patch_torch_multiprocessing)
+
+
+def _patch_torch_multiprocessing(tmp):
+    """Makes torch.multiprocessing's names mpcore's."""
+    import mpcore
+    for name in ("Process", "Queue", "SimpleQueue", "JoinableQueue", "get_context",
+                 "set_sharing_strategy", "get_sharing_strategy", "get_all_sharing_strategies"):
+        setattr(tmp, name, getattr(mpcore, name))
+    tmp.__mpcore__ = True
+
+
+def activate_run():
+    """Serves this process of a program started by `mpcore run`."""
+    os.environ["MPCORE_RUN"] = "1"
+    import mpcore  # noqa: F401  (registers the tensor hooks)
+    serve_torch(patch_multiprocessing=True)

@@ -1,0 +1,210 @@
+"""Shared-memory blocks on the Python side: this process's table of held
+blocks, handles for numpy arrays, and what happens around fork.
+
+NOTE [ One Block object per block ]
+A process holds a block once (one bit in the block's metadata), and the
+`Block` object is that hold.  `_blocks` maps each handle to the one live
+Block object, so that attaching a handle twice gives the same object (and,
+for torch, the same storage), and so that fork can find every block the
+child inherits.  Attaching takes `_lock`, so two threads cannot create two
+Block objects for one hold.
+"""
+import os
+import sys
+import threading
+import weakref
+
+from . import _core
+from ._core import HandleError
+
+_blocks = weakref.WeakValueDictionary()  # (seg, index, gen) -> Block
+_lock = threading.RLock()
+_tls = threading.local()
+
+BLOCK_DATA = 1
+BLOCK_QUEUE = 2
+
+# Arrays at least this large are copied into shared memory when they cross
+# an mpcore Queue; smaller ones travel inside the message.
+COPY_THRESHOLD = 64 * 1024
+
+
+def _keeper_command():
+    # The keeper needs only the extension module: load it by path, with an
+    # isolated interpreter that imports no site packages, so it starts fast.
+    code = ("import importlib.util as u, sys\n"
+            "s = u.spec_from_file_location('mpcore._core', sys.argv[1])\n"
+            "m = u.module_from_spec(s); s.loader.exec_module(m)\n"
+            "m.keeper_main(3, sys.argv[-1])\n")
+    return [sys.executable, "-I", "-S", "-c", code, _core.__file__]
+
+
+_core.set_keeper_command(_keeper_command())
+
+
+def alloc(nbytes, zero=False, kind=BLOCK_DATA):
+    """A new block of `nbytes` bytes held by this process."""
+    b = _core.alloc(nbytes, zero, kind)
+    with _lock:
+        _blocks[b.handle] = b
+    return b
+
+
+def attach(ref):
+    """Redeems a handle's ticket and returns this process's Block for it."""
+    ref = _check_ref(ref)
+    with _lock:
+        b = _blocks.get(ref)
+        if b is not None:
+            _core.attach(ref, True)
+            return b
+        b = _core.attach(ref)
+        _blocks[ref] = b
+        return b
+
+
+def _check_ref(ref):
+    if (not isinstance(ref, tuple) or len(ref) != 3
+            or not all(type(x) is int for x in ref)):
+        raise HandleError(f"corrupt shared-memory handle {ref!r}: expected "
+                          "(segment, index, generation) integers")
+    return ref
+
+
+def find(address, nbytes):
+    """(Block, byte offset) of the block held here that contains the range,
+    or (None, 0)."""
+    hit = _core.find(address, max(nbytes, 1))
+    if hit is None:
+        return None, 0
+    ref, base = hit
+    b = _blocks.get(ref)
+    return (b, address - base) if b is not None else (None, 0)
+
+
+def ticket(block):
+    """Takes a ticket for sending `block`; records it in the current
+    transfer (a Queue message), if any."""
+    ref = block.ticket()
+    refs = getattr(_tls, "refs", None)
+    if refs is not None:
+        refs.append(ref)
+    return ref
+
+
+class transfer:
+    """Context of one message being pickled: collects the tickets taken, and
+    says whether large arrays should be copied into shared memory."""
+
+    def __init__(self):
+        self.refs = []
+
+    def __enter__(self):
+        self._saved = getattr(_tls, "refs", None)
+        _tls.refs = self.refs
+        return self
+
+    def __exit__(self, *exc):
+        _tls.refs = self._saved
+        return False
+
+
+def in_transfer():
+    return getattr(_tls, "refs", None) is not None
+
+
+# --- numpy -------------------------------------------------------------
+
+def empty_array(shape, dtype, zero=False):
+    import numpy as np
+    dtype = np.dtype(dtype)
+    shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
+    if any(s < 0 for s in shape):
+        raise ValueError(f"negative dimensions are not allowed: {shape}")
+    n = dtype.itemsize
+    for s in shape:
+        n *= s
+    b = alloc(max(n, 1), zero=zero)
+    return b.array(dtype, shape)
+
+
+def array_block(arr):
+    """(Block, offset) if the array's memory is an mpcore block held here."""
+    if arr.nbytes == 0:
+        return None, 0
+    lo, hi = _extent(arr)
+    return find(lo, hi - lo)
+
+
+def _extent(arr):
+    lo = hi = arr.__array_interface__["data"][0]
+    for n, s in zip(arr.shape, arr.strides):
+        if s > 0:
+            hi += (n - 1) * s
+        else:
+            lo += (n - 1) * s
+    return lo, hi + arr.itemsize
+
+
+def share_array(arr):
+    """The array itself if it lives in mpcore memory, else a shared copy."""
+    b, _ = array_block(arr)
+    if b is not None:
+        return arr
+    out = empty_array(arr.shape, arr.dtype)
+    out[...] = arr
+    return out
+
+
+def _rebuild_ndarray(ref, dtype, shape, strides, offset):
+    return attach(ref).array(dtype, shape, strides, offset)
+
+
+def reduce_ndarray(arr):
+    b, off = array_block(arr)
+    if b is None and in_transfer() and arr.nbytes >= COPY_THRESHOLD:
+        arr = share_array(arr)
+        b, off = array_block(arr)
+    if b is None:
+        return arr.__reduce_ex__(4)
+    data = arr.__array_interface__["data"][0]
+    lo, _ = _extent(arr)
+    return (_rebuild_ndarray,
+            (ticket(b), arr.dtype, arr.shape, arr.strides, off + (data - lo)))
+
+
+# --- fork ---------------------------------------------------------------
+
+_inherited = None
+
+
+def _before_fork():
+    global _inherited
+    held = list(_blocks.values())
+    # A ticket per block keeps it alive for the child until the child has
+    # made the hold its own, even if the parent lets go at once.
+    _inherited = []
+    for b in held:
+        try:
+            b.ticket()
+            _inherited.append(b)
+        except HandleError:
+            pass
+
+
+def _after_fork_parent():
+    global _inherited
+    _inherited = None
+
+
+def _after_fork_child():
+    global _inherited, _lock
+    _lock = threading.RLock()
+    _core.after_fork_child()
+    inherited, _inherited = _inherited, None
+    for b in inherited or ():
+        b.claim()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_parent,
+                    after_in_child=_after_fork_child)

@@ -1,0 +1,32 @@
+"""Counters of what mpcore served in this process (mpcore.stats()).
+
+With MPCORE_STATS=path set, each process that imported mpcore appends its
+counters to that file as one JSON line when it exits normally."""
+import atexit
+import json
+import os
+
+_counts = {}
+
+
+def bump(name, n=1):
+    _counts[name] = _counts.get(name, 0) + n
+
+
+def snapshot():
+    from . import _core
+    out = dict(_counts)
+    out.update({"shm_" + k: v for k, v in _core.stats().items()})
+    return out
+
+
+def _report():
+    path = os.environ.get("MPCORE_STATS")
+    if not path:
+        return
+    line = json.dumps({"pid": os.getpid(), **snapshot()})
+    with open(path, "a") as f:
+        f.write(line + "\n")
+
+
+atexit.register(_report)

@@ -1,0 +1,192 @@
+"""torch's tensors and storages in mpcore's shared memory.
+
+Imported only once torch itself is (see _boot.py); the core never knows
+about torch.
+
+NOTE [ Moving a storage in place ]
+torch's `share_memory_()` moves a storage into shared memory in place, so
+that every tensor and view over it follows.  We do the same: the bytes are
+copied into an mpcore block, a storage is made over the block (through
+numpy, whose array keeps the Block alive), and `_swap_data_ptr_` swaps the
+two storages' memory.  The user's storage object now points into the block;
+the temporary one takes the old memory away with it.
+
+NOTE [ Storage identity ]
+A block (or a byte range of one) arriving twice in one process must give
+one storage, so that tensors sent separately still share memory, as under
+torch.  `_storages` maps (handle, offset, nbytes) to a weak reference of the
+storage made for it; the storage a process moved into a block itself is
+recorded too, so a tensor that comes back arrives as the original storage.
+"""
+import threading
+
+import numpy as np
+import torch
+from multiprocessing.reduction import ForkingPickler
+from torch.multiprocessing import reductions as _torch_reductions
+
+from . import _shm, _stats
+
+_StorageWeakRef = _torch_reductions.StorageWeakRef
+_storages = {}
+_lock = threading.Lock()
+_orig = {}
+
+
+def _storage_block(storage):
+    """(Block, offset) if the CPU storage's memory is an mpcore block."""
+    n = storage.nbytes()
+    if n == 0 or storage.device.type != "cpu":
+        return None, 0
+    return _shm.find(storage.data_ptr(), n)
+
+
+def _remember(key, storage):
+    with _lock:
+        _storages[key] = _StorageWeakRef(storage)
+        if len(_storages) > 1024 and len(_storages) % 1024 == 0:
+            for k in [k for k, r in _storages.items() if r.expired()]:
+                del _storages[k]
+
+
+def _lookup(key):
+    with _lock:
+        ref = _storages.get(key)
+    if ref is None:
+        return None
+    return torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+
+
+def _storage_over(block, offset, nbytes):
+    key = (block.handle, offset, nbytes)
+    s = _lookup(key)
+    if s is None:
+        s = torch.from_numpy(block.array(np.uint8, (nbytes,), None, offset)).untyped_storage()
+        _remember(key, s)
+    return s
+
+
+def share_storage_(storage):
+    """Moves a CPU storage into an mpcore block in place (no-op if there)."""
+    if storage.device.type != "cpu":
+        return _orig["share_memory_"](storage)
+    n = storage.nbytes()
+    if n == 0:
+        return storage
+    b, _ = _storage_block(storage)
+    if b is not None:
+        return storage
+    b = _shm.alloc(n)
+    tmp = torch.from_numpy(b.array(np.uint8, (n,))).untyped_storage()
+    tmp.copy_(storage)
+    storage._swap_data_ptr_(tmp)
+    del tmp
+    _remember((b.handle, 0, n), storage)
+    _stats.bump("storages_shared")
+    return storage
+
+
+def _share_memory_(self):
+    return share_storage_(self)
+
+
+def _is_shared(self):
+    if self.device.type == "cpu" and _storage_block(self)[0] is not None:
+        return True
+    return _orig["is_shared"](self)
+
+
+# --- pickling -------------------------------------------------------------
+
+def _rebuild_storage(ref, offset, nbytes):
+    _stats.bump("handles_received")
+    return _storage_over(_shm.attach(ref), offset, nbytes)
+
+
+def reduce_storage(storage):
+    if storage.device.type != "cpu":
+        return _torch_reductions.reduce_storage(storage)
+    n = storage.nbytes()
+    if n == 0:
+        return (torch.UntypedStorage, (0,))
+    share_storage_(storage)
+    b, off = _storage_block(storage)
+    _stats.bump("handles_sent")
+    return (_rebuild_storage, (_shm.ticket(b), off, n))
+
+
+def _rebuild_tensor(cls, ref, offset, nbytes, dtype, storage_offset, size, stride,
+                    requires_grad):
+    _stats.bump("handles_received")
+    block = _shm.attach(ref)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    # Check the view against the storage's bytes before torch sees it: a
+    # forged handle gets HandleError, never an out-of-bounds view.
+    if offset < 0 or nbytes < 0 or offset + nbytes > block.nbytes:
+        raise _shm.HandleError(f"handle names bytes [{offset}, {offset + nbytes}) of a "
+                               f"{block.nbytes}-byte block: out of bounds")
+    block.check_view(itemsize, size, [s * itemsize for s in stride],
+                     offset + storage_offset * itemsize)
+    storage = _storage_over(block, offset, nbytes)
+    t = torch.empty((0,), dtype=dtype).set_(storage, storage_offset, size, stride)
+    if cls is torch.nn.parameter.Parameter:
+        return torch.nn.parameter.Parameter(t, requires_grad=requires_grad)
+    t.requires_grad = requires_grad
+    return t
+
+
+def reduce_tensor(tensor):
+    if (tensor.device.type != "cpu" or tensor.layout != torch.strided
+            or type(tensor) not in (torch.Tensor, torch.nn.parameter.Parameter)):
+        return _torch_reductions.reduce_tensor(tensor)
+    if tensor.requires_grad and not tensor.is_leaf:
+        raise RuntimeError(
+            "Cowardly refusing to serialize non-leaf tensor which requires_grad, "
+            "since autograd does not support crossing process boundaries.  "
+            "If you just want to transfer the data, call detach() on the tensor "
+            "before serializing (e.g., putting it on the queue).")
+    storage = tensor.untyped_storage()
+    n = storage.nbytes()
+    if n == 0:
+        return _torch_reductions.reduce_tensor(tensor)
+    share_storage_(storage)
+    b, off = _storage_block(storage)
+    _stats.bump("handles_sent")
+    return (_rebuild_tensor,
+            (type(tensor), _shm.ticket(b), off, n, tensor.dtype, tensor.storage_offset(),
+             tuple(tensor.size()), tuple(tensor.stride()), tensor.requires_grad))
+
+
+_installed = False
+
+
+def install():
+    """Serves torch's tensor sharing from mpcore memory (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    _orig["share_memory_"] = torch.UntypedStorage.share_memory_
+    _orig["is_shared"] = torch.UntypedStorage.is_shared
+    torch.UntypedStorage.share_memory_ = _share_memory_
+    torch.UntypedStorage.is_shared = _is_shared
+    ForkingPickler.register(torch.UntypedStorage, reduce_storage)
+    for t in list(torch._tensor_classes) + [torch.Tensor, torch.nn.parameter.Parameter]:
+        ForkingPickler.register(t, reduce_tensor)
+
+
+def empty(shape, dtype, zero=False):
+    """A tensor in mpcore shared memory."""
+    shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel = 1
+    for s in shape:
+        if s < 0:
+            raise ValueError(f"negative dimension {s} in shape {shape}")
+        numel *= s
+    n = numel * itemsize
+    if n == 0:
+        return torch.empty(shape, dtype=dtype)
+    b = _shm.alloc(n, zero=zero)
+    storage = _storage_over(b, 0, n)
+    return torch.empty((0,), dtype=dtype).set_(storage, 0, shape)

@@ -1,0 +1,52 @@
+"""Build of mpcore's C core (mpcore._core).
+
+MPCORE_DEBUG=1 builds without optimisation and with assertions;
+MPCORE_ASAN=1 adds AddressSanitizer.
+"""
+import os
+import sys
+from glob import glob
+
+import numpy
+from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
+
+if not sys.platform.startswith("linux"):
+    raise SystemExit("mpcore supports Linux only")
+
+extra_compile = ["-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter",
+                 "-Wno-missing-field-initializers", "-fvisibility=hidden"]
+extra_link = []
+if os.environ.get("MPCORE_DEBUG"):
+    extra_compile += ["-O0", "-g", "-UNDEBUG"]
+else:
+    extra_compile += ["-O3"]
+if os.environ.get("MPCORE_ASAN"):
+    extra_compile += ["-fsanitize=address", "-fno-omit-frame-pointer"]
+    extra_link += ["-fsanitize=address"]
+
+
+class build_py_with_pth(build_py):
+    """Also install mpcore.pth, which lets `mpcore run` reach every process
+    its program starts (it does nothing unless MPCORE_RUN is set)."""
+
+    def run(self):
+        super().run()
+        self.copy_file("pkg/mpcore.pth", os.path.join(self.build_lib, "mpcore.pth"),
+                       preserve_mode=0)
+
+
+setup(
+    package_dir={"": "pkg", "mpcore.bench": "benchmarks"},
+    packages=["mpcore", "mpcore.bench"],
+    ext_modules=[Extension(
+        "mpcore._core",
+        sources=sorted(glob("csrc/*.c")),
+        include_dirs=["csrc", numpy.get_include()],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_2_0_API_VERSION")],
+        extra_compile_args=extra_compile,
+        extra_link_args=extra_link,
+        libraries=["dl"],
+    )],
+    cmdclass={"build_py": build_py_with_pth},
+)
