@@ -54,11 +54,14 @@ typedef struct mpc_seg {
     uint32_t nheld;     /* blocks this process holds in it */
     uint32_t bump;      /* owned arena: blocks below this were handed out once */
     uint64_t idle_tick; /* when nheld last fell to zero */
-    struct mpc_seg *next;
+    uint32_t hint;      /* owned arena: where to look for a free block next */
+    struct mpc_seg *next;             /* hash chain */
+    struct mpc_seg *all_prev, *all_next; /* every segment mapped here */
 } mpc_seg;
 
 static pthread_mutex_t mpc__lock = PTHREAD_MUTEX_INITIALIZER;
 static mpc_seg *mpc__table[MPC_HASH];
+static mpc_seg *mpc__all; /* list of every mapped segment, newest first */
 static mpc_shm_stats mpc__stats;
 static uint64_t mpc__tick;
 
@@ -80,6 +83,11 @@ static mpc_seg *mpc__lookup(uint64_t seg_id) {
 static void mpc__insert(mpc_seg *s) {
     s->next = mpc__table[s->seg_id % MPC_HASH];
     mpc__table[s->seg_id % MPC_HASH] = s;
+    s->all_prev = NULL;
+    s->all_next = mpc__all;
+    if (mpc__all)
+        mpc__all->all_prev = s;
+    mpc__all = s;
     mpc__stats.segments++;
     mpc__stats.mapped_bytes += s->size;
 }
@@ -90,6 +98,12 @@ static void mpc__unmap(mpc_seg *s) {
         pp = &(*pp)->next;
     if (*pp)
         *pp = s->next;
+    if (s->all_prev)
+        s->all_prev->all_next = s->all_next;
+    else
+        mpc__all = s->all_next;
+    if (s->all_next)
+        s->all_next->all_prev = s->all_prev;
     mpc__stats.segments--;
     mpc__stats.mapped_bytes -= s->size;
     munmap(s->hdr, s->size);
@@ -229,9 +243,8 @@ err:
  * whose segment has been retired.  Called with mpc__lock held. */
 static void mpc__trim_idle(void) {
     uint64_t idle = 0;
-    for (int b = 0; b < MPC_HASH; b++)
-        for (mpc_seg *s = mpc__table[b], *n; s; s = n) {
-            n = s->next;
+    for (mpc_seg *s = mpc__all, *n; s; s = n) {
+            n = s->all_next;
             if (s->owned || s->nheld)
                 continue;
             if (atomic_load(&s->hdr->flags) & MPC_SEG_RETIRED) {
@@ -242,8 +255,7 @@ static void mpc__trim_idle(void) {
         }
     while (idle > MPC_IDLE_BYTES) {
         mpc_seg *oldest = NULL;
-        for (int b = 0; b < MPC_HASH; b++)
-            for (mpc_seg *s = mpc__table[b]; s; s = s->next)
+        for (mpc_seg *s = mpc__all; s; s = s->all_next)
                 if (!s->owned && !s->nheld && (!oldest || s->idle_tick < oldest->idle_tick))
                     oldest = s;
         if (!oldest)
@@ -386,14 +398,12 @@ static void mpc__activate(mpc_seg *s, uint32_t i, uint64_t length, uint32_t kind
  * Called with mpc__lock held. */
 static void mpc__trim_cache(void) {
     uint64_t cached = 0;
-    for (int b = 0; b < MPC_HASH; b++)
-        for (mpc_seg *s = mpc__table[b]; s; s = s->next)
+    for (mpc_seg *s = mpc__all; s; s = s->all_next)
             if (s->owned && s->cls < 0 && !(atomic_load(&s->hdr->meta[0].gen) & 1))
                 cached += s->size;
     while (cached > MPC_CACHE_BYTES) {
         mpc_seg *oldest = NULL;
-        for (int b = 0; b < MPC_HASH; b++)
-            for (mpc_seg *s = mpc__table[b]; s; s = s->next)
+        for (mpc_seg *s = mpc__all; s; s = s->all_next)
                 if (s->owned && s->cls < 0 && !(atomic_load(&s->hdr->meta[0].gen) & 1) &&
                     (!oldest || s->idle_tick < oldest->idle_tick))
                     oldest = s;
@@ -412,8 +422,7 @@ static int mpc__alloc_large(uint64_t length, uint32_t kind, int zero, uint32_t s
     uint64_t bs = (length + MPC_PAGE - 1) / MPC_PAGE * MPC_PAGE;
     /* Reuse a free segment of ours that fits without wasting over a quarter. */
     mpc_seg *best = NULL;
-    for (int b = 0; b < MPC_HASH; b++)
-        for (mpc_seg *s = mpc__table[b]; s; s = s->next)
+    for (mpc_seg *s = mpc__all; s; s = s->all_next)
             if (s->owned && s->cls < 0 && s->hdr->block_size >= bs &&
                 s->hdr->block_size - bs <= bs / 4 &&
                 !(atomic_load(&s->hdr->meta[0].gen) & 1) &&
@@ -438,28 +447,35 @@ static int mpc__alloc_small(uint64_t length, uint32_t kind, int zero, uint32_t s
                             mpc_block *out) {
     int cls = mpc__size_class(length);
     uint64_t bs = (uint64_t)MPC_ARENA_MIN << cls;
-    for (int b = 0; b < MPC_HASH; b++)
-        for (mpc_seg *s = mpc__table[b]; s; s = s->next) {
+    for (mpc_seg *s = mpc__all; s; s = s->all_next) {
             if (!s->owned || s->cls != cls)
                 continue;
             mpc_seg_header *h = s->hdr;
             /* Reuse a freed block first: its pages are reserved already. */
             if (atomic_load(&h->live) < s->bump) {
-                for (uint32_t i = 0; i < s->bump; i++)
+                for (uint32_t k = 0; k < s->bump; k++) {
+                    uint32_t i = (s->hint + k) % s->bump;
                     if (!(atomic_load(&h->meta[i].gen) & 1)) {
                         if (zero)
                             memset(mpc__block_addr(s, i), 0, length);
                         mpc__activate(s, i, length, kind, slot, out);
+                        s->hint = i + 1;
                         return 0;
                     }
+                }
             }
             if (s->bump < h->nblocks) {
                 uint32_t i = s->bump;
                 uint64_t end = h->data_offset + (uint64_t)(i + 1) * bs;
                 if (end > h->reserved) {
+                    /* Reserve in growing steps: each reservation checks
+                     * the memory available, which reads /proc. */
                     uint64_t want = end - h->reserved;
-                    if (want < MPC_RESERVE_CHUNK)
-                        want = MPC_RESERVE_CHUNK;
+                    uint64_t step = h->reserved - h->data_offset;
+                    if (step < MPC_RESERVE_CHUNK)
+                        step = MPC_RESERVE_CHUNK;
+                    if (want < step)
+                        want = step;
                     if (h->reserved + want > h->size)
                         want = h->size - h->reserved;
                     int r = mpc_memfd_reserve(s->fd, h->reserved, want);
@@ -647,8 +663,7 @@ int mpc_block_find(const void *addr, uint64_t len, mpc_block *out) {
     const uint8_t *p = addr;
     int found = 0;
     pthread_mutex_lock(&mpc__lock);
-    for (int b = 0; b < MPC_HASH && !found; b++)
-        for (mpc_seg *s = mpc__table[b]; s; s = s->next) {
+    for (mpc_seg *s = mpc__all; s && !found; s = s->all_next) {
             uint8_t *data = (uint8_t *)s->hdr + s->hdr->data_offset;
             uint8_t *end = (uint8_t *)s->hdr + s->size;
             if (p < data || p >= end)
@@ -725,9 +740,8 @@ void mpc__foreach_seg(void (*fn)(mpc_seg_header *, void *), void *arg) {
     uint64_t n = mpc__stats.segments, k = 0;
     mpc_seg_header **list = malloc((n + 1) * sizeof *list);
     if (list)
-        for (int b = 0; b < MPC_HASH; b++)
-            for (mpc_seg *s = mpc__table[b]; s && k < n; s = s->next)
-                list[k++] = s->hdr;
+        for (mpc_seg *s = mpc__all; s && k < n; s = s->all_next)
+            list[k++] = s->hdr;
     pthread_mutex_unlock(&mpc__lock);
     /* Segments are only unmapped by this (single-threaded) keeper, after
      * the callbacks: safe to walk the snapshot without the lock. */
@@ -742,8 +756,7 @@ void mpc__arena_after_fork_child(void) {
     /* The child owns none of its parent's segments and holds nothing yet:
      * it allocates in arenas of its own, and redeems tickets for what it
      * inherited. */
-    for (int b = 0; b < MPC_HASH; b++)
-        for (mpc_seg *s = mpc__table[b]; s; s = s->next) {
+    for (mpc_seg *s = mpc__all; s; s = s->all_next) {
             s->owned = 0;
             s->cls = -1;
             s->nheld = 0;

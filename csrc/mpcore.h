@@ -24,6 +24,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/types.h>
+#include <unistd.h>
 
 /* ------------------------------------------------------------------ */
 /* Errors and debugging                                                */
@@ -293,10 +294,22 @@ void mpc_ring_close(mpc_ring *r);
  * the ring.  Used when a queue is freed, so its tickets are dropped. */
 void mpc_ring_drain(mpc_ring *r, void (*fn)(const mpc_ref *, void *), void *arg);
 
-/* Task accounting for JoinableQueue: put adds one unfinished task when
- * counted != 0 (the binding asks for it); task_done removes one
- * (-EINVAL if none is unfinished); join waits until none is.  join's
- * returns are those of mpc_futex_wait. */
+/* Checks that region (size bytes) holds an initialised ring that fits in
+ * it.  Returns 0, or -EINVAL with a message saying what is wrong. */
+int mpc_ring_check(const void *region, uint64_t size);
+
+/* Returns 1 if the ring was closed, 0 if not, -EINVAL if r is not a ring. */
+int mpc_ring_is_closed(const mpc_ring *r);
+
+/* As mpc_ring_put, and also adds one unfinished task (JoinableQueue.put)
+ * atomically with the message; -EOVERFLOW if 2^32-1 tasks are unfinished.
+ * On any failure neither the ring nor the task count changes. */
+int mpc_ring_put_counted(mpc_ring *r, const mpc_ref *refs, uint32_t nrefs, const void *payload,
+                         uint64_t len, int64_t deadline_ns);
+
+/* Task accounting for JoinableQueue: task_add adds one unfinished task;
+ * task_done removes one (-EINVAL if none is unfinished); join waits until
+ * none is.  join's returns are those of mpc_futex_wait. */
 int mpc_ring_task_add(mpc_ring *r);
 int mpc_ring_task_done(mpc_ring *r);
 int mpc_ring_join(mpc_ring *r, int64_t deadline_ns);

@@ -12,12 +12,6 @@
 
 #include <string.h>
 
-/* Functions of ring.c that mpcore.h does not declare yet. */
-int mpc_ring_check(const void *region, uint64_t size);
-int mpc_ring_is_closed(const mpc_ring *r);
-int mpc_ring_put_counted(mpc_ring *r, const mpc_ref *refs, uint32_t nrefs, const void *payload,
-                         uint64_t len, int64_t deadline_ns);
-
 typedef struct {
     PyObject_HEAD
     /* The buffer the ring lives in.  Holding the Py_buffer keeps its

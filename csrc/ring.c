@@ -21,8 +21,9 @@
  * contiguous.  The copies do at most two memcpys each, no space is lost to
  * padding at the end, and so the largest message that can ever fit is the
  * whole capacity less the record header (mpc_ring_max_message).  Keeping
- * records contiguous would have halved that bound and bought nothing, since
- * messages are always copied out anyway.
+ * records contiguous would waste the bytes skipped at the end, make whether
+ * a message fits depend on where the tail happens to be, and buy nothing,
+ * since messages are always copied out anyway.
  *
  * Locking.  One process-shared robust mutex guards head, tail and count,
  * and messages are copied in and out while it is held.  Critical sections
@@ -51,7 +52,11 @@
  * so either the waiter sees the new value or the waker sees the sleeper:
  * no wake-up is lost.  A process killed while asleep leaves the sleeper
  * count one too high for good; that costs a needless wake system call
- * now and then, never a missed one.
+ * now and then, never a missed one.  The spin is not counted as sleeping,
+ * so a waker whose waiter is still spinning makes no system call at all;
+ * that is why the ring spins itself instead of calling mpc_wait_change.
+ * A wait that reaches its deadline looks at the ring once more before it
+ * reports the timeout, in case a message or room came just then.
  *
  * Any message satisfies any getter, so a put wakes one sleeping getter.  A
  * getter that leaves its wait without taking a message (a signal) passes
@@ -64,7 +69,10 @@
  *
  * Close sets a flag and bumps both words under the mutex, so no waiter can
  * miss it.  The task count of JoinableQueue is an atomic word outside the
- * mutex; task_done bumps a third sequence word each time the count reaches
+ * mutex; mpc_ring_put_counted adds to it in the critical section that
+ * publishes the message, so no consumer can call task_done for a message
+ * whose task is not counted yet, and a put that fails counts nothing.
+ * task_done bumps a third sequence word each time the count reaches
  * zero, and join returns as soon as that word moves: like the stdlib's
  * join, it returns when the count has been zero, even if a new task was
  * added before the joiner ran. */
@@ -296,8 +304,7 @@ uint64_t mpc_ring_footprint(uint64_t capacity) {
 
 /* Checks that region (size bytes) holds an initialised ring that fits in
  * it, before a process that did not create the ring starts using it.
- * Returns 0, or -EINVAL with a message saying what is wrong.
- * (Not yet declared in mpcore.h.) */
+ * Returns 0, or -EINVAL with a message saying what is wrong. */
 int mpc_ring_check(const void *region, uint64_t size) {
     if (region == NULL || ((uintptr_t)region & 7) != 0)
         return mpc_fail(EINVAL, "a ring must start at an 8-byte aligned address, not %p", region);
@@ -375,8 +382,7 @@ uint32_t mpc_ring_count(const mpc_ring *r) {
     return atomic_load(&r->count);
 }
 
-/* Returns 1 if the ring was closed, 0 if not, -EINVAL if r is not a ring.
- * (Not yet declared in mpcore.h.) */
+/* Returns 1 if the ring was closed, 0 if not, -EINVAL if r is not a ring. */
 int mpc_ring_is_closed(const mpc_ring *r) {
     int rc = mpc__ring_valid(r);
     if (rc < 0)
@@ -474,8 +480,7 @@ int mpc_ring_put(mpc_ring *r, const mpc_ref *refs, uint32_t nrefs, const void *p
 
 /* As mpc_ring_put, and also adds one unfinished task (JoinableQueue.put)
  * atomically with the message; -EOVERFLOW if 2^32-1 tasks are unfinished.
- * On any failure neither the ring nor the task count changes.
- * (Not yet declared in mpcore.h.) */
+ * On any failure neither the ring nor the task count changes. */
 int mpc_ring_put_counted(mpc_ring *r, const mpc_ref *refs, uint32_t nrefs, const void *payload,
                          uint64_t len, int64_t deadline_ns) {
     return mpc__ring_put(r, refs, nrefs, payload, len, deadline_ns, 1);

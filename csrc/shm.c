@@ -11,6 +11,7 @@
 
 #include <fcntl.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
@@ -147,10 +148,37 @@ int mpc_mem_available(uint64_t *avail, char *why, size_t whylen) {
 
 /* Reserves [off, off+len) after the availability check.  posix_fallocate
  * returns its error instead of setting errno, and can return EINTR. */
+/* Reading /proc and the cgroup files costs tens of microseconds, so a small
+ * reservation may rely on a reading taken in the last 50 ms, less what has
+ * been reserved since; anything larger than a sixteenth of that reading
+ * reads again. */
+static pthread_mutex_t mpc__avail_lock = PTHREAD_MUTEX_INITIALIZER;
+static uint64_t mpc__avail_cached;
+static int64_t mpc__avail_when = -1;
+
+static int mpc__check_available(uint64_t len, uint64_t *avail, char *why, size_t whylen) {
+    int64_t now = mpc_now_ns();
+    pthread_mutex_lock(&mpc__avail_lock);
+    if (mpc__avail_when >= 0 && now - mpc__avail_when < 50000000 &&
+        len <= mpc__avail_cached / 16) {
+        mpc__avail_cached -= len;
+        pthread_mutex_unlock(&mpc__avail_lock);
+        return 0;
+    }
+    pthread_mutex_unlock(&mpc__avail_lock);
+    if (mpc_mem_available(avail, why, whylen) < 0)
+        return 0; /* no figure to check against: let posix_fallocate decide */
+    pthread_mutex_lock(&mpc__avail_lock);
+    mpc__avail_cached = *avail > len ? *avail - len : 0;
+    mpc__avail_when = now;
+    pthread_mutex_unlock(&mpc__avail_lock);
+    return len > *avail ? -ENOMEM : 0;
+}
+
 static int mpc__reserve(int fd, uint64_t off, uint64_t len) {
-    uint64_t avail;
+    uint64_t avail = 0;
     char why[512];
-    if (mpc_mem_available(&avail, why, sizeof why) == 0 && len > avail)
+    if (mpc__check_available(len, &avail, why, sizeof why) < 0)
         return mpc_fail(ENOMEM,
                         "cannot allocate %" PRIu64 " bytes (%.1f MiB) of shared memory: "
                         "only %" PRIu64 " bytes (%.1f MiB) available (%s)",

@@ -58,19 +58,12 @@ class Queue:
             payload = _dumps(obj)
         refs = t.refs
         try:
-            if len(payload) > self._ring.max_message() - 24 * (len(refs) + 1):
+            if len(payload) > self._ring.max_message() - 16 * (len(refs) + 1):
                 spill = _shm.alloc(len(payload))
                 memoryview(spill)[:] = payload
                 refs.append(spill.ticket())
                 payload = _SPILLED
-            if self._counted:
-                self._ring.task_add()
-            try:
-                self._ring.put(refs, payload, block, timeout)
-            except BaseException:
-                if self._counted:
-                    self._ring.task_done()
-                raise
+            self._ring.put(refs, payload, block, timeout, self._counted)
         except BaseException:
             for ref in refs:
                 _core.drop_ticket(ref)

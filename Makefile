@@ -1,0 +1,34 @@
+# The two commands of the README: `make demo` and `make test`.
+# Both set up .venv from nothing (torch pinned to 2.13.0, the CPU build).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH := torch==2.13.0
+STAMP := $(VENV)/.deps-stamp
+
+.PHONY: demo test install bench clean
+
+$(STAMP):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH) "numpy>=1.24" pytest pytest-timeout matplotlib setuptools wheel
+	touch $(STAMP)
+
+install: $(STAMP)
+	$(PY) -m pip install -q --no-build-isolation --no-deps --force-reinstall .
+
+demo: install
+	@for f in examples/*.py; do \
+	  echo "== mpcore run $$f"; \
+	  $(VENV)/bin/mpcore run $$f || exit 1; \
+	done
+	$(VENV)/bin/mpcore bench --quick
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+bench: install
+	$(VENV)/bin/mpcore bench --json bench-out/bench.json --plot bench-out/bench.png
+
+clean:
+	rm -rf build $(VENV) pkg/mpcore/*.so *.egg-info
