@@ -381,7 +381,12 @@ int mpc_keeper_spawn(char *const tmpl[], char *name, size_t namelen) {
     posix_spawnattr_t at;
     posix_spawn_file_actions_init(&fa);
     posix_spawn_file_actions_adddup2(&fa, sv[1], 3);
+    /* The keeper must not hold the program's pipes open: a caller waiting
+     * for the program's output to end would wait for the keeper too. */
     posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
+    posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
+    if (!mpc_debug_enabled)
+        posix_spawn_file_actions_addopen(&fa, 2, "/dev/null", O_WRONLY, 0);
     posix_spawnattr_init(&at);
     sigset_t none, defs;
     sigemptyset(&none);
