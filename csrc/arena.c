@@ -133,6 +133,32 @@ static uint64_t mpc__random_id(void) {
 /* Holding and freeing                                              */
 /* ---------------------------------------------------------------- */
 
+/* NOTE [ Replayed tickets ]
+ * A ticket is redeemed once.  Unpickling the same bytes twice would redeem
+ * it twice and free a block that others still use; so the count may never
+ * fall below the number of holders, and a redemption that would break that
+ * is refused as stale.  A replay can still take the ticket of a message in
+ * flight, whose receiver then gets the error: misuse meets an error, never
+ * freed memory. */
+static uint32_t mpc__holders(const mpc_meta *m) {
+    uint32_t n = 0;
+    for (int w = 0; w < MPC_MAX_PROCS / 64; w++)
+        n += (uint32_t)__builtin_popcountll(atomic_load(&m->holders[w]));
+    return n;
+}
+
+/* Drops one ticket's reference unless that would leave fewer references
+ * than holders.  Returns 1 if the count reached zero, 0 if not, -1 if the
+ * ticket was refused. */
+static int mpc__drop_ticket_ref(mpc_meta *m) {
+    uint32_t r = atomic_load(&m->refs);
+    do {
+        if (r == 0 || r - 1 < mpc__holders(m))
+            return -1;
+    } while (!atomic_compare_exchange_weak(&m->refs, &r, r - 1));
+    return r == 1;
+}
+
 static void mpc__drop_ticket_cb(const mpc_ref *ref, void *arg) {
     (void)arg;
     mpc_ref_drop(ref);
@@ -577,17 +603,21 @@ int mpc_block_attach(const mpc_ref *ref, int already_held, mpc_block *out) {
     if ((r = mpc__check_ref(s, ref)) < 0)
         goto out;
     mpc_meta *m = &s->hdr->meta[ref->index];
-    if (already_held) {
-        atomic_fetch_sub(&m->refs, 1); /* cannot reach zero: we hold it */
-    } else {
-        int w;
-        uint32_t bit = mpc__myslot_bit(slot, &w);
-        uint64_t old = atomic_fetch_or(&m->holders[w], 1ull << bit);
-        if (old & (1ull << bit))
-            atomic_fetch_sub(&m->refs, 1);
-        else
-            s->nheld++;
+    int w;
+    uint32_t bit = mpc__myslot_bit(slot, &w);
+    int held = already_held || (atomic_fetch_or(&m->holders[w], 1ull << bit) & (1ull << bit));
+    /* Holding it already, the ticket is simply dropped (we hold it, so the
+     * count stays above zero); else the ticket becomes our hold. */
+    if (held ? mpc__drop_ticket_ref(m) < 0 : atomic_load(&m->refs) < mpc__holders(m)) {
+        if (!held)
+            atomic_fetch_and(&m->holders[w], ~(1ull << bit));
+        r = mpc_fail(MPC_ESTALE, "stale handle: the ticket of block %u of segment %016" PRIx64
+                     " was already redeemed (the same pickle loaded twice?)", ref->index,
+                     ref->seg_id);
+        goto out;
     }
+    if (!held)
+        s->nheld++;
     mpc__fill(s, ref->index, out);
 out:
     pthread_mutex_unlock(&mpc__lock);
@@ -653,7 +683,7 @@ void mpc_ref_drop(const mpc_ref *ref) {
         return;
     }
     mpc_seg_header *h = s->hdr;
-    int last = atomic_fetch_sub(&h->meta[ref->index].refs, 1) == 1;
+    int last = mpc__drop_ticket_ref(&h->meta[ref->index]) == 1;
     pthread_mutex_unlock(&mpc__lock);
     if (last)
         mpc__free_block(h, ref->index);

@@ -294,6 +294,26 @@ static PyObject *py_alloc(PyObject *m, PyObject *args, PyObject *kw) {
     return block_new_from(st->BlockType, &b);
 }
 
+/* alloc_copy(address, nbytes) -> Block holding a copy of nbytes bytes at
+ * address (memory the caller keeps alive and readable meanwhile). */
+static PyObject *py_alloc_copy(PyObject *m, PyObject *args) {
+    unsigned long long addr, n;
+    if (!PyArg_ParseTuple(args, "KK", &addr, &n))
+        return NULL;
+    mpc_state *st = mpc_get_state(m);
+    mpc_block b;
+    int r;
+    mpc_clear_error();
+    Py_BEGIN_ALLOW_THREADS
+    r = mpc_block_alloc(n, MPC_BLOCK_DATA, 0, &b);
+    if (r == 0)
+        memcpy(b.addr, (const void *)(uintptr_t)addr, n);
+    Py_END_ALLOW_THREADS
+    if (r < 0)
+        return mpc_py_raise(st, r);
+    return block_new_from(st->BlockType, &b);
+}
+
 static int parse_ref(PyObject *args, mpc_ref *ref) {
     unsigned long long seg;
     unsigned long long index, gen;
@@ -453,6 +473,8 @@ static PyObject *py_keeper_pid(PyObject *m, PyObject *unused) {
 PyMethodDef mpc_py_shm_methods[] = {
     {"alloc", (PyCFunction)(void (*)(void))py_alloc, METH_VARARGS | METH_KEYWORDS,
      "alloc(nbytes, zero=False, kind=1) -> Block"},
+    {"alloc_copy", py_alloc_copy, METH_VARARGS,
+     "alloc_copy(address, nbytes) -> Block holding a copy of that memory"},
     {"attach", py_attach, METH_VARARGS,
      "attach(handle, already_held=False) -> Block: redeems a handle's ticket"},
     {"drop_ticket", py_drop_ticket, METH_VARARGS, "drop_ticket(handle): drops a ticket unused"},

@@ -9,22 +9,13 @@ for the ring travels in a block of its own, named by the message.
 There is no feeder thread: put() returns once the message is in shared
 memory, and a killed sender cannot lose a message it has put.
 """
-import io
 import queue as _stdqueue
-from multiprocessing.reduction import ForkingPickler
 
-from . import _core, _shm, _stats
+from . import _core, _pickle, _shm, _stats
 
 _INLINE = b"P"
 _SPILLED = b"S"
 DEFAULT_CAPACITY = 2 << 20
-
-
-def _dumps(obj):
-    buf = io.BytesIO()
-    buf.write(_INLINE)
-    ForkingPickler(buf, 4).dump(obj)
-    return buf.getbuffer()
 
 
 class Queue:
@@ -55,7 +46,7 @@ class Queue:
     def put(self, obj, block=True, timeout=None):
         self._check_closed()
         with _shm.transfer() as t:
-            payload = _dumps(obj)
+            payload = _pickle.dumps(obj, _INLINE)
         refs = t.refs
         try:
             if len(payload) > self._ring.max_message() - 16 * (len(refs) + 1):
@@ -74,8 +65,8 @@ class Queue:
         refs, payload = self._ring.get(block, timeout)
         if payload[:1] == _SPILLED:
             spill = _shm.attach(refs[-1])
-            return ForkingPickler.loads(memoryview(spill)[1:])
-        return ForkingPickler.loads(memoryview(payload)[1:])
+            return _pickle.loads(memoryview(spill)[1:])
+        return _pickle.loads(memoryview(payload)[1:])
 
     def put_nowait(self, obj):
         return self.put(obj, False)

@@ -50,6 +50,14 @@ def alloc(nbytes, zero=False, kind=BLOCK_DATA):
     return b
 
 
+def alloc_copy(address, nbytes):
+    """A new block holding a copy of nbytes bytes at address."""
+    b = _core.alloc_copy(address, nbytes)
+    with _lock:
+        _blocks[b.handle] = b
+    return b
+
+
 def attach(ref):
     """Redeems a handle's ticket and returns this process's Block for it."""
     ref = _check_ref(ref)
@@ -74,7 +82,7 @@ def _check_ref(ref):
 def find(address, nbytes):
     """(Block, byte offset) of the block held here that contains the range,
     or (None, 0)."""
-    hit = _core.find(address, max(nbytes, 1))
+    hit = _core.find(address, nbytes or 1)
     if hit is None:
         return None, 0
     ref, base = hit

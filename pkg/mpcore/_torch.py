@@ -70,20 +70,26 @@ def share_storage_(storage):
     """Moves a CPU storage into an mpcore block in place (no-op if there)."""
     if storage.device.type != "cpu":
         return _orig["share_memory_"](storage)
+    _move(storage)
+    return storage
+
+
+def _move(storage):
+    """(Block, offset) of a CPU storage after moving it into mpcore memory;
+    (None, 0) for an empty storage."""
     n = storage.nbytes()
     if n == 0:
-        return storage
-    b, _ = _storage_block(storage)
+        return None, 0
+    b, off = _shm.find(storage.data_ptr(), n)
     if b is not None:
-        return storage
-    b = _shm.alloc(n)
+        return b, off
+    b = _shm.alloc_copy(storage.data_ptr(), n)
     tmp = torch.from_numpy(b.array(np.uint8, (n,))).untyped_storage()
-    tmp.copy_(storage)
     storage._swap_data_ptr_(tmp)
     del tmp
     _remember((b.handle, 0, n), storage)
     _stats.bump("storages_shared")
-    return storage
+    return b, 0
 
 
 def _share_memory_(self):
@@ -106,20 +112,23 @@ def _rebuild_storage(ref, offset, nbytes):
 def reduce_storage(storage):
     if storage.device.type != "cpu":
         return _torch_reductions.reduce_storage(storage)
-    n = storage.nbytes()
-    if n == 0:
+    b, off = _move(storage)
+    if b is None:
         return (torch.UntypedStorage, (0,))
-    share_storage_(storage)
-    b, off = _storage_block(storage)
     _stats.bump("handles_sent")
-    return (_rebuild_storage, (_shm.ticket(b), off, n))
+    return (_rebuild_storage, (_shm.ticket(b), off, storage.nbytes()))
+
+
+_itemsize = {}
 
 
 def _rebuild_tensor(cls, ref, offset, nbytes, dtype, storage_offset, size, stride,
                     requires_grad):
     _stats.bump("handles_received")
     block = _shm.attach(ref)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = _itemsize.get(dtype)
+    if itemsize is None:
+        itemsize = _itemsize[dtype] = torch.empty((), dtype=dtype).element_size()
     # Check the view against the storage's bytes before torch sees it: a
     # forged handle gets HandleError, never an out-of-bounds view.
     if offset < 0 or nbytes < 0 or offset + nbytes > block.nbytes:
@@ -131,7 +140,8 @@ def _rebuild_tensor(cls, ref, offset, nbytes, dtype, storage_offset, size, strid
     t = torch.empty((0,), dtype=dtype).set_(storage, storage_offset, size, stride)
     if cls is torch.nn.parameter.Parameter:
         return torch.nn.parameter.Parameter(t, requires_grad=requires_grad)
-    t.requires_grad = requires_grad
+    if requires_grad:
+        t.requires_grad = True
     return t
 
 
@@ -146,15 +156,14 @@ def reduce_tensor(tensor):
             "If you just want to transfer the data, call detach() on the tensor "
             "before serializing (e.g., putting it on the queue).")
     storage = tensor.untyped_storage()
-    n = storage.nbytes()
-    if n == 0:
+    b, off = _move(storage)
+    if b is None:
         return _torch_reductions.reduce_tensor(tensor)
-    share_storage_(storage)
-    b, off = _storage_block(storage)
     _stats.bump("handles_sent")
     return (_rebuild_tensor,
-            (type(tensor), _shm.ticket(b), off, n, tensor.dtype, tensor.storage_offset(),
-             tuple(tensor.size()), tuple(tensor.stride()), tensor.requires_grad))
+            (type(tensor), _shm.ticket(b), off, storage.nbytes(), tensor.dtype,
+             tensor.storage_offset(), tuple(tensor.size()), tuple(tensor.stride()),
+             tensor.requires_grad))
 
 
 _installed = False
