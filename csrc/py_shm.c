@@ -314,18 +314,30 @@ static PyObject *py_alloc_copy(PyObject *m, PyObject *args) {
     return block_new_from(st->BlockType, &b);
 }
 
-static int parse_ref(PyObject *args, mpc_ref *ref) {
-    unsigned long long seg;
-    unsigned long long index, gen;
-    if (!PyArg_ParseTuple(args, "KKK", &seg, &index, &gen))
-        return -1;
-    if (index > UINT32_MAX || gen > UINT32_MAX) {
-        PyErr_SetString(PyExc_OverflowError, "handle field out of range");
+/* Reads a (segment, index, generation) tuple; -1 with an exception set if
+ * it is not three integers in range. */
+static int parse_ref(PyObject *t, mpc_ref *ref) {
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 3) {
+        PyErr_SetString(PyExc_TypeError, "expected a 3-tuple");
         return -1;
     }
-    ref->seg_id = seg;
-    ref->index = (uint32_t)index;
-    ref->gen = (uint32_t)gen;
+    unsigned long long v[3];
+    for (int i = 0; i < 3; i++) {
+        PyObject *o = PyTuple_GET_ITEM(t, i);
+        if (!PyLong_Check(o)) {
+            PyErr_SetString(PyExc_TypeError, "expected integers");
+            return -1;
+        }
+        v[i] = PyLong_AsUnsignedLongLong(o);
+        if (PyErr_Occurred() || (i > 0 && v[i] > UINT32_MAX)) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_OverflowError, "handle field out of range");
+            return -1;
+        }
+    }
+    ref->seg_id = v[0];
+    ref->index = (uint32_t)v[1];
+    ref->gen = (uint32_t)v[2];
     return 0;
 }
 
@@ -334,7 +346,7 @@ static int parse_ref(PyObject *args, mpc_ref *ref) {
 static PyObject *py_attach(PyObject *m, PyObject *args) {
     PyObject *h;
     int already = 0;
-    if (!PyArg_ParseTuple(args, "O!|p", &PyTuple_Type, &h, &already))
+    if (!PyArg_ParseTuple(args, "O|p", &h, &already))
         return NULL;
     mpc_ref ref;
     mpc_state *st = mpc_get_state(m);
@@ -362,7 +374,7 @@ static PyObject *py_attach(PyObject *m, PyObject *args) {
 static PyObject *py_drop_ticket(PyObject *m, PyObject *args) {
     PyObject *h;
     mpc_ref ref;
-    if (!PyArg_ParseTuple(args, "O!", &PyTuple_Type, &h) || parse_ref(h, &ref) < 0)
+    if (!PyArg_ParseTuple(args, "O", &h) || parse_ref(h, &ref) < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
     mpc_ref_drop(&ref);

@@ -59,24 +59,16 @@ def alloc_copy(address, nbytes):
 
 
 def attach(ref):
-    """Redeems a handle's ticket and returns this process's Block for it."""
-    ref = _check_ref(ref)
+    """Redeems a handle's ticket and returns this process's Block for it.
+    A malformed handle raises HandleError (from the core)."""
     with _lock:
-        b = _blocks.get(ref)
+        b = _blocks.get(ref) if type(ref) is tuple else None
         if b is not None:
             _core.attach(ref, True)
             return b
         b = _core.attach(ref)
         _blocks[ref] = b
         return b
-
-
-def _check_ref(ref):
-    if (not isinstance(ref, tuple) or len(ref) != 3
-            or not all(type(x) is int for x in ref)):
-        raise HandleError(f"corrupt shared-memory handle {ref!r}: expected "
-                          "(segment, index, generation) integers")
-    return ref
 
 
 def find(address, nbytes):

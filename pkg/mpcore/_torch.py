@@ -18,8 +18,6 @@ torch.  `_storages` maps (handle, offset, nbytes) to a weak reference of the
 storage made for it; the storage a process moved into a block itself is
 recorded too, so a tensor that comes back arrives as the original storage.
 """
-import threading
-
 import numpy as np
 import torch
 from multiprocessing.reduction import ForkingPickler
@@ -27,10 +25,13 @@ from torch.multiprocessing import reductions as _torch_reductions
 
 from . import _shm, _stats
 
-_StorageWeakRef = _torch_reductions.StorageWeakRef
-_storages = {}
-_lock = threading.Lock()
+_storages = {}  # (handle, offset, nbytes) -> torch's weak reference (an int)
 _orig = {}
+
+# Handles name dtypes and classes by small values: pickling torch.float32
+# or torch.Tensor themselves costs more than the rest of a handle.
+_DTYPES = {str(d).split(".")[1]: d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+_DTYPE_NAME = {d: n for n, d in _DTYPES.items()}
 
 
 def _storage_block(storage):
@@ -42,19 +43,26 @@ def _storage_block(storage):
 
 
 def _remember(key, storage):
-    with _lock:
-        _storages[key] = _StorageWeakRef(storage)
-        if len(_storages) > 1024 and len(_storages) % 1024 == 0:
-            for k in [k for k, r in _storages.items() if r.expired()]:
+    old = _storages.get(key)
+    _storages[key] = storage._weak_ref()
+    if old is not None:
+        torch.UntypedStorage._free_weak_ref(old)
+    if len(_storages) >= 2 * _remember.limit:
+        for k, ref in list(_storages.items()):
+            if torch.UntypedStorage._expired(ref):
                 del _storages[k]
+                torch.UntypedStorage._free_weak_ref(ref)
+        _remember.limit = max(1024, len(_storages))
+
+
+_remember.limit = 1024
 
 
 def _lookup(key):
-    with _lock:
-        ref = _storages.get(key)
+    ref = _storages.get(key)
     if ref is None:
         return None
-    return torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+    return torch.UntypedStorage._new_with_weak_ptr(ref)
 
 
 def _storage_over(block, offset, nbytes):
@@ -122,13 +130,12 @@ def reduce_storage(storage):
 _itemsize = {}
 
 
-def _rebuild_tensor(cls, ref, offset, nbytes, dtype, storage_offset, size, stride,
+def _rebuild_tensor(param, ref, offset, nbytes, dtype, storage_offset, size, stride,
                     requires_grad):
     _stats.bump("handles_received")
     block = _shm.attach(ref)
-    itemsize = _itemsize.get(dtype)
-    if itemsize is None:
-        itemsize = _itemsize[dtype] = torch.empty((), dtype=dtype).element_size()
+    dtype = _DTYPES[dtype]
+    itemsize = dtype.itemsize
     # Check the view against the storage's bytes before torch sees it: a
     # forged handle gets HandleError, never an out-of-bounds view.
     if offset < 0 or nbytes < 0 or offset + nbytes > block.nbytes:
@@ -138,7 +145,7 @@ def _rebuild_tensor(cls, ref, offset, nbytes, dtype, storage_offset, size, strid
                      offset + storage_offset * itemsize)
     storage = _storage_over(block, offset, nbytes)
     t = torch.empty((0,), dtype=dtype).set_(storage, storage_offset, size, stride)
-    if cls is torch.nn.parameter.Parameter:
+    if param:
         return torch.nn.parameter.Parameter(t, requires_grad=requires_grad)
     if requires_grad:
         t.requires_grad = True
@@ -146,8 +153,9 @@ def _rebuild_tensor(cls, ref, offset, nbytes, dtype, storage_offset, size, strid
 
 
 def reduce_tensor(tensor):
+    cls = type(tensor)
     if (tensor.device.type != "cpu" or tensor.layout != torch.strided
-            or type(tensor) not in (torch.Tensor, torch.nn.parameter.Parameter)):
+            or (cls is not torch.Tensor and cls is not torch.nn.parameter.Parameter)):
         return _torch_reductions.reduce_tensor(tensor)
     if tensor.requires_grad and not tensor.is_leaf:
         raise RuntimeError(
@@ -161,9 +169,9 @@ def reduce_tensor(tensor):
         return _torch_reductions.reduce_tensor(tensor)
     _stats.bump("handles_sent")
     return (_rebuild_tensor,
-            (type(tensor), _shm.ticket(b), off, storage.nbytes(), tensor.dtype,
-             tensor.storage_offset(), tuple(tensor.size()), tuple(tensor.stride()),
-             tensor.requires_grad))
+            (cls is not torch.Tensor, _shm.ticket(b), off, storage.nbytes(),
+             _DTYPE_NAME[tensor.dtype], tensor.storage_offset(), tuple(tensor.size()),
+             tuple(tensor.stride()), tensor.requires_grad))
 
 
 _installed = False
@@ -187,7 +195,7 @@ def install():
 def empty(shape, dtype, zero=False):
     """A tensor in mpcore shared memory."""
     shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     numel = 1
     for s in shape:
         if s < 0:
