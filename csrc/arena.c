@@ -603,6 +603,8 @@ int mpc_block_attach(const mpc_ref *ref, int already_held, mpc_block *out) {
     if ((r = mpc__check_ref(s, ref)) < 0)
         goto out;
     mpc_meta *m = &s->hdr->meta[ref->index];
+    /* Out of the journal first: a kill right after leaks, never drops twice. */
+    mpc_journal_clear(ref);
     int w;
     uint32_t bit = mpc__myslot_bit(slot, &w);
     int held = already_held || (atomic_fetch_or(&m->holders[w], 1ull << bit) & (1ull << bit));
@@ -675,6 +677,7 @@ void mpc_block_release(const mpc_block *b) {
 }
 
 void mpc_ref_drop(const mpc_ref *ref) {
+    mpc_journal_clear(ref);
     pthread_mutex_lock(&mpc__lock);
     mpc_seg *s;
     if (mpc__get_seg(ref->seg_id, &s) < 0 || mpc__check_ref(s, ref) < 0) {

@@ -21,7 +21,21 @@
  * through a socketpair made before the keeper is spawned, so the keeper
  * cannot miss it; its reply to HELLO comes after the keeper listens.
  *
- * The protocol is one fixed-size message each way on SOCK_SEQPACKET. */
+ * The protocol is one fixed-size message each way on SOCK_SEQPACKET.
+ *
+ * NOTE [ Journal ]
+ * A ticket between a queue and a process (pickled but not yet put, or got
+ * but not yet unpickled) is held by no one the keeper can see.  So each
+ * process has a journal, one page set per slot in a memfd the keeper makes
+ * and hands over with HELLO: a ticket is recorded there while in the
+ * process's hands, and when the process dies the keeper drops what its
+ * journal still lists.  An entry is published by writing its segment id
+ * last, and erased by zeroing that id; the orders are chosen so that a kill
+ * between two steps leaks a reference rather than dropping one twice:
+ *   put: record tickets while pickling; the ring erases them once the
+ *        message is in it;
+ *   get: the ring records the message's tickets once it has taken it out;
+ *        redeeming a ticket erases it first. */
 #include "mpcore.h"
 
 #include <fcntl.h>
@@ -31,6 +45,7 @@
 #include <signal.h>
 #include <spawn.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -138,6 +153,77 @@ typedef struct {
     pid_t pid;
 } mpc_client;
 
+#define MPC_JOURNAL_CAP 1024
+
+typedef struct {
+    _Atomic uint64_t seg_id; /* 0: free; written last */
+    uint32_t index;
+    uint32_t gen;
+} mpc_jentry;
+
+typedef struct {
+    mpc_jentry e[MPC_JOURNAL_CAP];
+} mpc_journal;
+
+static int mpc__journal_fd = -1;     /* keeper: the memfd of all journals */
+static mpc_journal *mpc__journals;   /* keeper: all of them */
+static mpc_journal *mpc__myjournal;  /* client: this process's */
+static void *mpc__jmap;               /* client: its mapping */
+static size_t mpc__jmaplen;
+static pthread_mutex_t mpc__journal_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* Keeper: drops what a dead slot's journal lists, and clears it. */
+static void mpc__journal_sweep(uint32_t slot) {
+    if (mpc__journals == NULL)
+        return;
+    mpc_journal *j = &mpc__journals[slot];
+    for (int i = 0; i < MPC_JOURNAL_CAP; i++) {
+        uint64_t id = atomic_load(&j->e[i].seg_id);
+        if (id == 0)
+            continue;
+        mpc_ref ref = {id, j->e[i].index, j->e[i].gen};
+        atomic_store(&j->e[i].seg_id, 0);
+        mpc_debug("keeper: dropping a ticket of dead slot %u (block %u of %016" PRIx64 ")",
+                  slot, ref.index, ref.seg_id);
+        mpc_ref_drop(&ref);
+    }
+}
+
+int mpc_journal_add(const mpc_ref *ref) {
+    mpc_journal *j = mpc__myjournal;
+    if (j == NULL)
+        return -ENOENT;
+    pthread_mutex_lock(&mpc__journal_lock);
+    int r = -ENOSPC;
+    for (int i = 0; i < MPC_JOURNAL_CAP; i++)
+        if (atomic_load(&j->e[i].seg_id) == 0) {
+            j->e[i].index = ref->index;
+            j->e[i].gen = ref->gen;
+            atomic_store(&j->e[i].seg_id, ref->seg_id);
+            r = 0;
+            break;
+        }
+    pthread_mutex_unlock(&mpc__journal_lock);
+    return r;
+}
+
+int mpc_journal_clear(const mpc_ref *ref) {
+    mpc_journal *j = mpc__myjournal;
+    if (j == NULL)
+        return 0;
+    int found = 0;
+    pthread_mutex_lock(&mpc__journal_lock);
+    for (int i = 0; i < MPC_JOURNAL_CAP; i++)
+        if (atomic_load(&j->e[i].seg_id) == ref->seg_id && j->e[i].index == ref->index &&
+            j->e[i].gen == ref->gen) {
+            atomic_store(&j->e[i].seg_id, 0);
+            found = 1;
+            break;
+        }
+    pthread_mutex_unlock(&mpc__journal_lock);
+    return found;
+}
+
 static int mpc__is_keeper = 0;
 static uint64_t *mpc__pending; /* segments to retire after the current sweep */
 static size_t mpc__npending, mpc__cappending;
@@ -184,6 +270,7 @@ static void mpc__client_gone(mpc_client *c, uint8_t *slots_used) {
     mpc_debug("keeper: client pid %d slot %d gone", (int)c->pid, c->slot);
     if (c->slot >= 0) {
         mpc__death d = {(uint32_t)c->slot};
+        mpc__journal_sweep(d.slot);
         mpc__foreach_seg(mpc__death_sweep, &d);
         mpc__foreach_seg(mpc__orphan_sweep, &d);
         mpc__run_pending();
@@ -214,6 +301,7 @@ static int mpc__serve(mpc_client *c, uint8_t *slots_used) {
         c->pid = (pid_t)m.arg;
         reply.status = c->slot < 0 ? -EUSERS : 0;
         reply.arg = c->slot;
+        send_fd = mpc__journal_fd;
         break;
     case OP_REGISTER: {
         mpc_seg_header *h;
@@ -249,6 +337,14 @@ int mpc_keeper_main(int first, const char *name) {
     signal(SIGINT, SIG_IGN);
     signal(SIGPIPE, SIG_IGN);
     prctl(PR_SET_NAME, "mpcore-keeper", 0, 0, 0);
+
+    uint64_t jsize = (sizeof(mpc_journal) * MPC_MAX_PROCS + MPC_PAGE - 1) / MPC_PAGE * MPC_PAGE;
+    int jr = mpc_memfd_create(jsize, jsize, &mpc__journal_fd);
+    if (jr < 0)
+        return jr;
+    mpc__journals = mmap(NULL, jsize, PROT_READ | PROT_WRITE, MAP_SHARED, mpc__journal_fd, 0);
+    if (mpc__journals == MAP_FAILED)
+        return mpc_fail(errno, "keeper: cannot map the journals: %s", strerror(errno));
 
     int lsock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (lsock < 0)
@@ -350,10 +446,25 @@ static int mpc__rpc(mpc_kmsg *m, int send_fd, int *recv_fd) {
 
 static int mpc__hello(void) {
     mpc_kmsg m = {.op = OP_HELLO, .arg = getpid()};
-    int r = mpc__rpc(&m, -1, NULL);
+    int jfd = -1;
+    int r = mpc__rpc(&m, -1, &jfd);
     if (r == -EUSERS)
-        return mpc_fail(EUSERS, "too many processes use mpcore shared memory at once (%d)",
-                        MPC_MAX_PROCS);
+        r = mpc_fail(EUSERS, "too many processes use mpcore shared memory at once (%d)",
+                     MPC_MAX_PROCS);
+    if (r == 0 && jfd >= 0 && m.arg >= 0 && m.arg < MPC_MAX_PROCS) {
+        /* Only our own slot's pages: a process never touches another's. */
+        uint64_t off = (uint64_t)m.arg * sizeof(mpc_journal);
+        uint64_t start = off / MPC_PAGE * MPC_PAGE;
+        void *p = mmap(NULL, off + sizeof(mpc_journal) - start, PROT_READ | PROT_WRITE, MAP_SHARED,
+                       jfd, (off_t)start);
+        if (p != MAP_FAILED) {
+            mpc__jmap = p;
+            mpc__jmaplen = off + sizeof(mpc_journal) - start;
+            mpc__myjournal = (mpc_journal *)((uint8_t *)p + (off - start));
+        }
+    }
+    if (jfd >= 0)
+        close(jfd);
     if (r < 0)
         return r;
     mpc__slot = (int32_t)m.arg;
@@ -505,5 +616,10 @@ void mpc_after_fork_child(void) {
         close(mpc__sock);
     mpc__sock = -1;
     mpc__slot = -1;
+    memcpy(&mpc__journal_lock, &fresh, sizeof fresh);
+    if (mpc__jmap != NULL) /* the parent's journal: never ours to write */
+        munmap(mpc__jmap, mpc__jmaplen);
+    mpc__jmap = NULL;
+    mpc__myjournal = NULL;
     mpc__arena_after_fork_child();
 }

@@ -40,6 +40,11 @@ const char *mpc_errmsg(void);
 /* Clears the explanation (done by bindings before each call). */
 void mpc_clear_error(void);
 
+/* Copies n bytes like memcpy; a large copy is shared with a helper thread
+ * that is joined before returning.  Never fails (without a thread it just
+ * copies alone). */
+void mpc_copy(void *dst, const void *src, size_t n);
+
 extern int mpc_debug_enabled; /* set from MPCORE_DEBUG at load */
 #define mpc_debug(...)                                                      \
     do {                                                                    \
@@ -246,6 +251,21 @@ pid_t mpc_keeper_pid(void);
 int mpc_client_register(uint64_t seg_id, int fd);
 int mpc_client_fetch(uint64_t seg_id, int *fd);
 int mpc_client_retire(uint64_t seg_id);
+
+/* The journal of tickets in transit (keeper.c, NOTE [ Journal ]).  Each
+ * process records there the tickets it holds between taking them off (or
+ * before putting them on) a queue, so that the keeper drops them if the
+ * process dies in between.  Both calls are no-ops in a process without a
+ * keeper connection. */
+
+/* Records a ticket this process holds in transit.  Returns 0, -ENOSPC when
+ * the journal is full (the ticket is then merely not protected), or
+ * -ENOENT when this process has no journal. */
+int mpc_journal_add(const mpc_ref *ref);
+
+/* Forgets a recorded ticket (the first entry equal to ref).  Returns 1 if
+ * one was found, 0 if not.  Never fails. */
+int mpc_journal_clear(const mpc_ref *ref);
 
 /* ------------------------------------------------------------------ */
 /* Message rings (ring.c)                                              */

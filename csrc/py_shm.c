@@ -52,11 +52,20 @@ static int block_getbuffer(BlockObject *self, Py_buffer *view, int flags) {
                              flags);
 }
 
-static PyObject *block_ticket(BlockObject *self, PyObject *unused) {
+/* ticket(journal=False): with journal, the ticket is recorded in this
+ * process's journal until a queue takes it (NOTE [ Journal ]). */
+static PyObject *block_ticket(BlockObject *self, PyObject *args) {
+    int journal = 0;
+    if (!PyArg_ParseTuple(args, "|p", &journal))
+        return NULL;
     mpc_clear_error();
     int r = mpc_block_ticket(&self->b);
     if (r < 0)
         return mpc_py_raise(mpc_type_state(Py_TYPE(self)), r);
+    if (journal) {
+        mpc_ref ref = {self->b.seg_id, self->b.index, self->b.gen};
+        mpc_journal_add(&ref);
+    }
     return Py_BuildValue("(KII)", (unsigned long long)self->b.seg_id, self->b.index, self->b.gen);
 }
 
@@ -74,12 +83,17 @@ static PyObject *block_claim(BlockObject *self, PyObject *unused) {
 /* Checks that a view (itemsize, shape, strides, byte offset) lies inside
  * the block.  Returns 0, or -1 with HandleError set. */
 static int block_check_view(BlockObject *self, Py_ssize_t itemsize, int nd, const npy_intp *shape,
-                            const npy_intp *strides, Py_ssize_t offset) {
+                            const npy_intp *strides, Py_ssize_t offset, Py_ssize_t start,
+                            Py_ssize_t end) {
     mpc_state *st = mpc_type_state(Py_TYPE(self));
     PyObject *E = st ? st->HandleError : PyExc_ValueError;
-    if (itemsize <= 0 || offset < 0 || (uint64_t)offset > self->b.length) {
-        PyErr_Format(E, "handle offset %zd is outside its %llu-byte block", offset,
-                     (unsigned long long)self->b.length);
+    if (end < 0 || (uint64_t)end > self->b.length)
+        end = (Py_ssize_t)self->b.length;
+    if (start < 0 || start > end)
+        start = 0;
+    if (itemsize <= 0 || offset < start || offset > end) {
+        PyErr_Format(E, "handle offset %zd is outside bytes [%zd, %zd) of its block", offset,
+                     start, end);
         return -1;
     }
     int64_t lo = 0, hi = 0;
@@ -97,24 +111,25 @@ static int block_check_view(BlockObject *self, Py_ssize_t itemsize, int nd, cons
             return -1;
         }
     }
-    if (offset + lo < 0 || (uint64_t)(offset + hi + itemsize) > self->b.length) {
-        PyErr_Format(E,
-                     "handle describes bytes [%lld, %lld) of a %llu-byte block: out of bounds",
-                     (long long)(offset + lo), (long long)(offset + hi + itemsize),
-                     (unsigned long long)self->b.length);
+    if (offset + lo < start || offset + hi + itemsize > end) {
+        PyErr_Format(E, "handle describes bytes [%lld, %lld), outside bytes [%zd, %zd) of its "
+                     "%llu-byte block", (long long)(offset + lo), (long long)(offset + hi + itemsize),
+                     start, end, (unsigned long long)self->b.length);
         return -1;
     }
     return 0;
 }
 
-static int parse_dims(PyObject *seq, npy_intp *out, int *nd, const char *what) {
+/* Reads a sequence of integers (a shape or strides).  With E set, a value
+ * out of range raises E (a handle's fault) instead of OverflowError. */
+static int parse_dims(PyObject *seq, npy_intp *out, int *nd, const char *what, PyObject *E) {
     PyObject *fast = PySequence_Fast(seq, what);
     if (fast == NULL)
         return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     if (n > NPY_MAXDIMS) {
         Py_DECREF(fast);
-        PyErr_Format(PyExc_ValueError, "%s has %zd dimensions, more than %d", what, n,
+        PyErr_Format(E ? E : PyExc_ValueError, "%s has %zd dimensions, more than %d", what, n,
                      NPY_MAXDIMS);
         return -1;
     }
@@ -122,6 +137,11 @@ static int parse_dims(PyObject *seq, npy_intp *out, int *nd, const char *what) {
         out[i] = (npy_intp)PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(fast, i));
         if (out[i] == -1 && PyErr_Occurred()) {
             Py_DECREF(fast);
+            if (E != NULL && (PyErr_ExceptionMatches(PyExc_OverflowError) ||
+                              PyErr_ExceptionMatches(PyExc_TypeError))) {
+                PyErr_Clear();
+                PyErr_Format(E, "handle has an absurd %s", what);
+            }
             return -1;
         }
     }
@@ -133,20 +153,19 @@ static int parse_dims(PyObject *seq, npy_intp *out, int *nd, const char *what) {
 /* Block.check_view(itemsize, shape, strides, offset): raises HandleError
  * if the view does not lie inside the block. */
 static PyObject *block_check_view_py(BlockObject *self, PyObject *args) {
-    Py_ssize_t itemsize, offset;
+    Py_ssize_t itemsize, offset, start = 0, end = -1;
     PyObject *shape_o, *strides_o;
     npy_intp shape[NPY_MAXDIMS], strides[NPY_MAXDIMS];
     int nd, nd2;
-    if (!PyArg_ParseTuple(args, "nOOn", &itemsize, &shape_o, &strides_o, &offset))
+    if (!PyArg_ParseTuple(args, "nOOn|nn", &itemsize, &shape_o, &strides_o, &offset, &start, &end))
         return NULL;
-    if (parse_dims(shape_o, shape, &nd, "shape") < 0 ||
-        parse_dims(strides_o, strides, &nd2, "strides") < 0)
+    mpc_state *st = mpc_type_state(Py_TYPE(self));
+    if (parse_dims(shape_o, shape, &nd, "shape", st->HandleError) < 0 ||
+        parse_dims(strides_o, strides, &nd2, "strides", st->HandleError) < 0)
         return NULL;
-    if (nd != nd2) {
-        mpc_state *st = mpc_type_state(Py_TYPE(self));
+    if (nd != nd2)
         return PyErr_Format(st->HandleError, "handle has %d sizes but %d strides", nd, nd2);
-    }
-    if (block_check_view(self, itemsize, nd, shape, strides, offset) < 0)
+    if (block_check_view(self, itemsize, nd, shape, strides, offset, start, end) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -162,17 +181,25 @@ static PyObject *block_array(BlockObject *self, PyObject *args, PyObject *kw) {
         return NULL;
     if (PyArray_ImportNumPyAPI() < 0)
         return NULL;
+    mpc_state *st = mpc_type_state(Py_TYPE(self));
     PyArray_Descr *descr = NULL;
     if (!PyArray_DescrConverter(dtype_o, &descr))
         return NULL;
+    /* Shared bytes can never be object references: reading them as such
+     * would hand out pointers from another process. */
+    if (PyDataType_FLAGCHK(descr, NPY_ITEM_REFCOUNT)) {
+        PyErr_Format(st->HandleError, "arrays of Python objects cannot live in shared memory");
+        goto fail;
+    }
     npy_intp shape[NPY_MAXDIMS], strides[NPY_MAXDIMS];
     int nd, nd2;
     if (PyLong_Check(shape_o)) {
-        shape[0] = (npy_intp)PyLong_AsSsize_t(shape_o);
-        nd = 1;
-        if (shape[0] == -1 && PyErr_Occurred())
+        PyObject *one = PyTuple_Pack(1, shape_o);
+        int r = one ? parse_dims(one, shape, &nd, "shape", st->HandleError) : -1;
+        Py_XDECREF(one);
+        if (r < 0)
             goto fail;
-    } else if (parse_dims(shape_o, shape, &nd, "shape") < 0)
+    } else if (parse_dims(shape_o, shape, &nd, "shape", st->HandleError) < 0)
         goto fail;
     Py_ssize_t itemsize = PyDataType_ELSIZE(descr);
     if (strides_o == Py_None) {
@@ -182,14 +209,14 @@ static PyObject *block_array(BlockObject *self, PyObject *args, PyObject *kw) {
             s *= shape[i] > 0 ? shape[i] : 1;
         }
     } else {
-        if (parse_dims(strides_o, strides, &nd2, "strides") < 0)
+        if (parse_dims(strides_o, strides, &nd2, "strides", st->HandleError) < 0)
             goto fail;
         if (nd2 != nd) {
-            PyErr_Format(PyExc_ValueError, "%d sizes but %d strides", nd, nd2);
+            PyErr_Format(st->HandleError, "handle has %d sizes but %d strides", nd, nd2);
             goto fail;
         }
     }
-    if (block_check_view(self, itemsize, nd, shape, strides, offset) < 0)
+    if (block_check_view(self, itemsize, nd, shape, strides, offset, 0, -1) < 0)
         goto fail;
     PyObject *arr = PyArray_NewFromDescr(&PyArray_Type, descr, nd, shape, strides,
                                          (char *)self->b.addr + offset, NPY_ARRAY_WRITEABLE, NULL);
@@ -221,13 +248,15 @@ static PyObject *block_get_kind(BlockObject *self, void *c) {
 }
 
 static PyObject *block_repr(BlockObject *self) {
-    return PyUnicode_FromFormat("<mpcore Block %llx:%u gen %u, %llu bytes>",
-                                (unsigned long long)self->b.seg_id, self->b.index, self->b.gen,
-                                (unsigned long long)self->b.length);
+    char buf[128];
+    snprintf(buf, sizeof buf, "<mpcore Block %016llx:%u gen %u, %llu bytes>",
+             (unsigned long long)self->b.seg_id, self->b.index, self->b.gen,
+             (unsigned long long)self->b.length);
+    return PyUnicode_FromString(buf);
 }
 
 static PyMethodDef block_methods[] = {
-    {"ticket", (PyCFunction)block_ticket, METH_NOARGS,
+    {"ticket", (PyCFunction)block_ticket, METH_VARARGS,
      "Takes a ticket that keeps the block alive in transit; returns its reference."},
     {"claim", (PyCFunction)block_claim, METH_NOARGS,
      "In a forked child: turns the ticket its parent took into this process's hold."},
@@ -307,7 +336,7 @@ static PyObject *py_alloc_copy(PyObject *m, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     r = mpc_block_alloc(n, MPC_BLOCK_DATA, 0, &b);
     if (r == 0)
-        memcpy(b.addr, (const void *)(uintptr_t)addr, n);
+        mpc_copy(b.addr, (const void *)(uintptr_t)addr, n);
     Py_END_ALLOW_THREADS
     if (r < 0)
         return mpc_py_raise(st, r);
@@ -379,6 +408,28 @@ static PyObject *py_drop_ticket(PyObject *m, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     mpc_ref_drop(&ref);
     Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* drop_journaled(refs): drops each ticket still in this process's journal
+ * (those a get took off a queue that unpickling did not redeem). */
+static PyObject *py_drop_journaled(PyObject *m, PyObject *refs) {
+    PyObject *fast = PySequence_Fast(refs, "refs must be a sequence");
+    if (fast == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); i++) {
+        mpc_ref ref;
+        if (parse_ref(PySequence_Fast_GET_ITEM(fast, i), &ref) < 0) {
+            Py_DECREF(fast);
+            return NULL;
+        }
+        if (mpc_journal_clear(&ref)) {
+            Py_BEGIN_ALLOW_THREADS
+            mpc_ref_drop(&ref);
+            Py_END_ALLOW_THREADS
+        }
+    }
+    Py_DECREF(fast);
     Py_RETURN_NONE;
 }
 
@@ -490,6 +541,8 @@ PyMethodDef mpc_py_shm_methods[] = {
     {"attach", py_attach, METH_VARARGS,
      "attach(handle, already_held=False) -> Block: redeems a handle's ticket"},
     {"drop_ticket", py_drop_ticket, METH_VARARGS, "drop_ticket(handle): drops a ticket unused"},
+    {"drop_journaled", py_drop_journaled, METH_O,
+     "drop_journaled(refs): drops those of the tickets still in this process's journal"},
     {"find", py_find, METH_VARARGS, "find(address, nbytes) -> ((seg, index, gen), base) or None"},
     {"mem_available", py_mem_available, METH_NOARGS,
      "mem_available() -> (bytes, which bound): what this process may still commit"},

@@ -444,6 +444,10 @@ static int mpc__ring_put(mpc_ring *r, const mpc_ref *refs, uint32_t nrefs, const
             if (len > 0)
                 mpc__ring_write(r, pos + MPC_REC_HDR + (uint64_t)nrefs * sizeof(mpc_ref), payload,
                                 len);
+            /* The message carries its tickets now: they leave the
+             * putter's journal before it is published (NOTE [ Journal ]). */
+            for (uint32_t i = 0; i < nrefs; i++)
+                mpc_journal_clear(&refs[i]);
             /* Publish only now that the copy is complete. */
             r->tail = pos + total;
             atomic_store(&r->count, count + 1);
@@ -515,6 +519,10 @@ static int mpc__ring_pop(mpc_ring *r, mpc_ref **refs, uint32_t *nrefs, void **pa
                        rec.len);
     r->head = pos + total;
     atomic_fetch_sub(&r->count, 1);
+    /* The tickets are the getter's now: journal them, so that they are
+     * dropped if it dies before redeeming them (NOTE [ Journal ]). */
+    for (uint32_t i = 0; i < rec.nrefs; i++)
+        mpc_journal_add(&rbuf[i]);
     *refs = rbuf;
     *nrefs = rec.nrefs;
     *payload = pbuf;

@@ -49,18 +49,24 @@ def mpcore_memfds(exclude_pids=()):
     return found
 
 
-def mpcore_processes():
-    """pids of live processes whose command line mentions mpcore's keeper."""
+def mpcore_processes(all_groups=False):
+    """pids of live (not zombie) mpcore keepers in this process group, where
+    the programs a test starts run (other sessions' keepers are not ours)."""
     out = []
+    mygroup = os.getpgid(0)
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             with open(f"/proc/{pid}/comm") as f:
                 comm = f.read().strip()
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if comm == "mpcore-keeper":
+        if comm != "mpcore-keeper" or fields[0] == "Z":
+            continue
+        if all_groups or int(fields[3]) == mygroup:
             out.append(int(pid))
     return out
 

@@ -52,7 +52,7 @@ class Queue:
             if len(payload) > self._ring.max_message() - 16 * (len(refs) + 1):
                 spill = _shm.alloc(len(payload))
                 memoryview(spill)[:] = payload
-                refs.append(spill.ticket())
+                refs.append(spill.ticket(True))
                 payload = _SPILLED
             self._ring.put(refs, payload, block, timeout, self._counted)
         except BaseException:
@@ -63,10 +63,16 @@ class Queue:
     def get(self, block=True, timeout=None):
         self._check_closed()
         refs, payload = self._ring.get(block, timeout)
-        if payload[:1] == _SPILLED:
-            spill = _shm.attach(refs[-1])
-            return _pickle.loads(memoryview(spill)[1:])
-        return _pickle.loads(memoryview(payload)[1:])
+        try:
+            if payload[:1] == _SPILLED:
+                spill = _shm.attach(refs[-1])
+                return _pickle.loads(memoryview(spill)[1:])
+            return _pickle.loads(memoryview(payload)[1:])
+        finally:
+            if refs:
+                # Tickets still journaled were not redeemed (unpickling
+                # failed): drop them rather than leak their blocks.
+                _core.drop_journaled(refs)
 
     def put_nowait(self, obj):
         return self.put(obj, False)
@@ -124,6 +130,8 @@ class SimpleQueue(Queue):
 def _rebuild_queue(cls, ref, maxsize):
     q = cls.__new__(cls)
     q._block = _shm.attach(ref)
+    if q._block.kind != _shm.BLOCK_QUEUE:
+        raise _shm.HandleError(f"handle names a data block, not a queue: {ref}")
     q._ring = _core.Ring(q._block, 0, None, False, maxsize)
     q._maxsize = maxsize
     q._closed = False

@@ -85,8 +85,8 @@ def find(address, nbytes):
 def ticket(block):
     """Takes a ticket for sending `block`; records it in the current
     transfer (a Queue message), if any."""
-    ref = block.ticket()
     refs = getattr(_tls, "refs", None)
+    ref = block.ticket(refs is not None)
     if refs is not None:
         refs.append(ref)
     return ref
@@ -118,6 +118,8 @@ def in_transfer():
 def empty_array(shape, dtype, zero=False):
     import numpy as np
     dtype = np.dtype(dtype)
+    if dtype.hasobject:
+        raise TypeError(f"shared arrays cannot hold Python objects (dtype {dtype})")
     shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
     if any(s < 0 for s in shape):
         raise ValueError(f"negative dimensions are not allowed: {shape}")

@@ -134,7 +134,9 @@ def _rebuild_tensor(param, ref, offset, nbytes, dtype, storage_offset, size, str
                     requires_grad):
     _stats.bump("handles_received")
     block = _shm.attach(ref)
-    dtype = _DTYPES[dtype]
+    dtype = _DTYPES.get(dtype) if type(dtype) is str else None
+    if dtype is None:
+        raise _shm.HandleError("handle has a corrupt dtype")
     itemsize = dtype.itemsize
     # Check the view against the storage's bytes before torch sees it: a
     # forged handle gets HandleError, never an out-of-bounds view.
@@ -142,7 +144,7 @@ def _rebuild_tensor(param, ref, offset, nbytes, dtype, storage_offset, size, str
         raise _shm.HandleError(f"handle names bytes [{offset}, {offset + nbytes}) of a "
                                f"{block.nbytes}-byte block: out of bounds")
     block.check_view(itemsize, size, [s * itemsize for s in stride],
-                     offset + storage_offset * itemsize)
+                     offset + storage_offset * itemsize, offset, offset + nbytes)
     storage = _storage_over(block, offset, nbytes)
     t = torch.empty((0,), dtype=dtype).set_(storage, storage_offset, size, stride)
     if param:

@@ -1,0 +1,705 @@
+"""Shared memory under faults: a low fd limit, a memory cgroup too small for
+the request, processes killed mid-transfer, a sender that exits at once, and
+the keeper's exit with its program.
+
+Each scenario runs as a fresh program (conftest.run_program) tagged through
+its environment, with the test process as the subreaper of its tree, so that
+every process of the program, keeper included, is waited for and reaped
+here.  Afterwards: none of them runs, none holds an mpcore memfd, no keeper
+of the program runs, and /dev/shm gained nothing.  Processes synchronise on
+events, pipes and queues; the only waiting loops poll for processes to exit.
+
+The programs keep torch single-threaded: they fork after torch has
+computed, and torch's thread pool does not survive fork.
+"""
+import ctypes
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import uuid
+
+import pytest
+
+from conftest import children_of, mpcore_memfds, mpcore_processes, require, run_program
+
+# --------------------------------------------------------------------------
+# Running a program and checking that nothing of it is left behind
+# (the same helper as in test_handles.py)
+# --------------------------------------------------------------------------
+
+_PR_SET_CHILD_SUBREAPER = 36
+_TAG = "MPCORE_TEST_TAG"
+
+
+def _set_subreaper(on):
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def _state(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def _comm(pid):
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+class Scenario:
+    """Runs programs tagged through their environment, with this process as
+    their subreaper, so that every process of the program's tree (keeper
+    included) is found, waited for and reaped here."""
+
+    def __init__(self):
+        self.tag = uuid.uuid4().hex
+        self.me = os.getpid()
+        self.kids_before = {p for p, _ in children_of(self.me)}
+        self.shm_before = set(os.listdir("/dev/shm"))
+        _set_subreaper(True)
+
+    def env(self):
+        return {_TAG: self.tag}
+
+    def tagged(self, pid):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            return False
+        return f"{_TAG}={self.tag}".encode() in env
+
+    def live(self):
+        """Processes of the program still running (zombies are not)."""
+        out = []
+        for p in os.listdir("/proc"):
+            if p.isdigit() and int(p) != self.me and self.tagged(int(p)):
+                if _state(int(p)) not in (None, "Z"):
+                    out.append(int(p))
+        return out
+
+    def _reap(self):
+        left = []
+        for pid, _ in children_of(self.me):
+            if pid in self.kids_before:
+                continue
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                continue
+            if not done:
+                left.append(pid)
+        return left
+
+    def wait_tree(self, timeout=30.0):
+        """Waits (bounded) until every process of the program has exited and
+        been reaped; returns those still running at the deadline."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = set(self._reap()) | set(self.live())
+            if not left or time.monotonic() > deadline:
+                return sorted(left)
+            time.sleep(0.02)
+
+    def describe(self, pids):
+        return [(p, _comm(p)) for p in pids]
+
+    def run(self, code, *args, timeout=120):
+        try:
+            return run_program(code, *args, timeout=timeout, env=self.env())
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"the program did not finish within {timeout}s; still running: "
+                        f"{self.describe(self.live())}\nstdout:\n{e.stdout}\nstderr:\n{e.stderr}")
+
+    def check_clean(self):
+        """After the program's main process has exited: its whole tree exits,
+        no mpcore memfd stays open in any of its processes, no keeper of it
+        runs, and /dev/shm gained nothing."""
+        left = self.wait_tree()
+        assert not left, f"processes of the program still running: {self.describe(left)}"
+        memfds = {p: n for p, n in mpcore_memfds(exclude_pids=(self.me,)).items()
+                  if self.tagged(p)}
+        assert not memfds, f"mpcore memfds still open: {memfds}"
+        keepers = [p for p in mpcore_processes() if self.tagged(p)]
+        assert not keepers, f"keepers of the program still running: {keepers}"
+        gained = set(os.listdir("/dev/shm")) - self.shm_before
+        assert not gained, f"/dev/shm gained entries: {sorted(gained)}"
+
+    def close(self):
+        try:
+            for _ in range(50):
+                left = set(self._reap()) | set(self.live())
+                if not left:
+                    break
+                for pid in left:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                time.sleep(0.02)
+        finally:
+            _set_subreaper(False)
+
+    def popen(self, code, *args, **kw):
+        """Starts `code` as a fresh program (like run_program, but not waited
+        for); stdin and stdout are pipes."""
+        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+            f.write(textwrap.dedent(code))
+            self.files.append(f.name)
+        env = dict(os.environ)
+        env.update(self.env())
+        return subprocess.Popen([sys.executable, f.name, *args], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env, **kw)
+
+
+@pytest.fixture
+def scenario():
+    sc = Scenario()
+    sc.files = []
+    try:
+        yield sc
+    finally:
+        sc.close()
+        for f in sc.files:
+            os.unlink(f)
+
+
+def result(proc, prefix="RESULT "):
+    for line in proc.stdout.splitlines():
+        if line.startswith(prefix):
+            return json.loads(line[len(prefix):])
+    pytest.fail(f"the program reported no {prefix.strip()}: rc {proc.returncode}\n"
+                f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}")
+
+
+# --------------------------------------------------------------------------
+# 1. Ten thousand tensors held under RLIMIT_NOFILE = 128
+# --------------------------------------------------------------------------
+
+FDS_PROGRAM = r'''
+import json, os, resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+import torch
+torch.set_num_threads(1)
+import mpcore
+
+N = int(sys.argv[1])
+
+
+def nfds(pid="self"):
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def size(i):
+    return 1 + (i % 7) * 37   # 4 .. 892 bytes: three size classes
+
+
+def producer(q, done, n):
+    held = []
+    for i in range(n):
+        t = torch.full((size(i),), float(i))
+        q.put(t)
+        held.append(t)        # the sender keeps its tensors too
+    q.put(("producer", nfds(), resource.getrlimit(resource.RLIMIT_NOFILE)[0]))
+    done.wait(120)
+
+
+if __name__ == "__main__":
+    ctx = mpcore.get_context("fork")
+    q, done = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=producer, args=(q, done, N))
+    p.start()
+    got, max_fds = [], nfds()
+    for i in range(N):
+        got.append(q.get(timeout=60))
+        if i % 100 == 0:
+            max_fds = max(max_fds, nfds())
+    prod = q.get(timeout=60)
+    max_fds = max(max_fds, nfds())
+    bad = [i for i, t in enumerate(got)
+           if tuple(t.shape) != (size(i),) or not bool((t == float(i)).all())]
+    res = {"max_fds": max_fds, "fds_holding": nfds(), "producer": prod, "nbad": len(bad),
+           "bad": bad[:10], "distinct": len({t.untyped_storage().data_ptr() for t in got}),
+           "shared": all(t.is_shared() for t in got),
+           "limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+           "keeper_fds": nfds(mpcore._core.keeper_pid())}
+    done.set()
+    p.join(60)
+    res["exitcode"] = p.exitcode
+    print("RESULT " + json.dumps(res), flush=True)
+'''
+
+
+@pytest.mark.timeout(240)
+def test_ten_thousand_tensors_under_fd_limit_128(leak_check, scenario):
+    n = 10_000
+    r = scenario.run(FDS_PROGRAM, str(n), timeout=200)
+    res = result(r)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert res["limit"] == 128
+    assert res["exitcode"] == 0
+    assert res["nbad"] == 0, f"{res['nbad']} tensors arrived wrong, e.g. {res['bad']}"
+    assert res["distinct"] == n, "the tensors received do not have distinct storages"
+    assert res["shared"]
+    # Holding 10,000 shared tensors costs a handful of fds, not one each.
+    assert res["max_fds"] < 64 and res["fds_holding"] < 64, res
+    assert res["producer"][1] < 64, res
+    assert res["keeper_fds"] < 64, res
+    scenario.check_clean()
+
+
+# --------------------------------------------------------------------------
+# 2. A real shared-memory shortage: a 64 MB memory cgroup, 128 MB asked for
+# --------------------------------------------------------------------------
+
+CGROUP_CHILD = r'''
+import json, os, sys
+import torch
+torch.set_num_threads(1)
+import mpcore
+
+mpcore._core.connect()          # the keeper starts now, outside the cgroup
+print("READY", os.getpid(), flush=True)
+if sys.stdin.readline().strip() != "GO":
+    sys.exit(5)
+res = {"cgroup": open("/proc/self/cgroup").read(),
+       "available": list(mpcore._core.mem_available())}
+
+
+def attempt(name, fn, nbytes):
+    try:
+        fn()
+        res[name] = {"outcome": "ok", "nbytes": nbytes}
+    except MemoryError as e:
+        res[name] = {"outcome": "MemoryError", "msg": str(e), "nbytes": nbytes}
+    except BaseException as e:
+        res[name] = {"outcome": type(e).__name__, "msg": str(e), "nbytes": nbytes}
+
+
+attempt("numpy", lambda: mpcore.empty((128 << 20,), "uint8"), 128 << 20)
+attempt("torch", lambda: torch.empty(32 << 20).share_memory_(), 128 << 20)
+# A shortage is no lasting state: what fits is still served.
+attempt("small_after", lambda: int(mpcore.zeros((4 << 20,), "uint8").sum()), 4 << 20)
+print("RESULT " + json.dumps(res), flush=True)
+'''
+
+_UNITS = {"bytes": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 1000,
+          "MB": 10 ** 6, "GB": 10 ** 9}
+
+
+def _amounts(msg):
+    """Every amount of memory a message names, in bytes."""
+    return [float(n) * _UNITS[u]
+            for n, u in re.findall(r"(\d+(?:\.\d+)?)\s*(bytes|B|KiB|MiB|GiB|KB|MB|GB)\b", msg)]
+
+
+def _make_memcg(limit):
+    """Creates a memory cgroup limited to `limit` bytes; returns (directory,
+    procs file).  Skips (fails in CI) where that is not possible."""
+    name = f"mpcore-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    with open("/proc/self/cgroup") as f:
+        lines = f.read().splitlines()
+    v1 = v2 = None
+    for line in lines:
+        _, ctrls, path = line.split(":", 2)
+        if "memory" in ctrls.split(","):
+            v1 = path
+        elif ctrls == "":
+            v2 = path
+    made = None
+    try:
+        if v1 is not None and os.path.isdir("/sys/fs/cgroup/memory"):
+            made = os.path.join("/sys/fs/cgroup/memory" + v1.rstrip("/"), name)
+            os.mkdir(made)
+            with open(os.path.join(made, "memory.limit_in_bytes"), "w") as f:
+                f.write(str(limit))
+            return made
+        mount = None
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, right = line.split(" - ", 1)
+                if right.split()[0] == "cgroup2":
+                    mount = left.split()[4]
+        if mount is None or v2 is None:
+            raise OSError("no memory cgroup hierarchy is mounted")
+        parent = mount + v2.rstrip("/")
+        with open(os.path.join(parent, "cgroup.subtree_control"), "w") as f:
+            f.write("+memory")
+        made = os.path.join(parent, name)
+        os.mkdir(made)
+        with open(os.path.join(made, "memory.max"), "w") as f:
+            f.write(str(limit))
+        return made
+    except OSError as e:
+        if made and os.path.isdir(made):
+            os.rmdir(made)
+        require(False, f"cannot create a memory cgroup: {e}")
+
+
+def _remove_memcg(path):
+    deadline = time.monotonic() + 30
+    while os.path.isdir(path):
+        try:
+            os.rmdir(path)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)  # the cgroup empties once its last task is reaped
+
+
+@pytest.mark.timeout(180)
+def test_memory_cgroup_shortage_is_a_memory_error(leak_check, scenario):
+    limit = 64 << 20
+    cg = _make_memcg(limit)
+    p = None
+    try:
+        p = scenario.popen(CGROUP_CHILD)
+        ready = p.stdout.readline().split()
+        assert ready[:1] == ["READY"], (ready, p.stderr.read() if p.poll() is not None else "")
+        assert int(ready[1]) == p.pid
+        with open(os.path.join(cg, "cgroup.procs"), "w") as f:
+            f.write(str(p.pid))
+        with open(f"/proc/{p.pid}/cgroup") as f:
+            assert os.path.basename(cg) in f.read(), "the child did not move into the cgroup"
+        out, err = p.communicate("GO\n", timeout=120)
+    finally:
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait()
+        _remove_memcg(cg)
+    assert p.returncode == 0, (
+        f"the child did not exit normally: {p.returncode} "
+        f"({'killed by ' + signal.Signals(-p.returncode).name if p.returncode < 0 else ''})"
+        f"\nstderr:\n{err[-3000:]}")
+    res = result(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    assert os.path.basename(cg) in res["cgroup"]
+    for name in ("numpy", "torch"):
+        r = res[name]
+        assert r["outcome"] == "MemoryError", f"{name}: {r}"
+        msg, asked = r["msg"], r["nbytes"]
+        amounts = _amounts(msg)
+        # The size asked for (up to a page of bookkeeping) ...
+        assert any(asked <= a <= asked + (1 << 20) for a in amounts), (
+            f"{name}: the message does not name the {asked} bytes asked for: {msg!r}")
+        # ... and what was available, which is under the cgroup's limit.
+        assert "available" in msg.lower(), f"{name}: {msg!r}"
+        assert any(a < limit for a in amounts), (
+            f"{name}: the message does not name the amount available: {msg!r}")
+    assert res["small_after"]["outcome"] == "ok", res["small_after"]
+    scenario.check_clean()
+
+
+# --------------------------------------------------------------------------
+# 3. Producer and consumer SIGKILLed mid-transfer
+# --------------------------------------------------------------------------
+
+KILL_PROGRAM = r'''
+import gc, json, os, signal, sys
+import torch
+torch.set_num_threads(1)
+import mpcore
+
+ROUNDS, CHECK_KEEPER, HOW = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3]
+N = (1 << 20) // 4              # 1 MB of float32
+
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class DieOnUnpickle:
+    """Kills the process that unpickles it: a message (DieOnUnpickle(), t)
+    kills its consumer after the message left the queue, before t's ticket
+    is redeemed."""
+    def __reduce__(self):
+        return (die, ())
+
+
+class DieOnPickle:
+    """Kills the process that pickles it: put((t, DieOnPickle())) kills the
+    producer after t's ticket was taken, before the message is in the queue."""
+    def __reduce__(self):
+        die()
+
+
+def producer_in_message(q, progress):
+    q.put(torch.full((N,), 0.0))
+    q.put((DieOnUnpickle(), torch.full((N,), 1.0)))
+    progress.set()
+    q.put((torch.full((N,), 2.0), DieOnPickle()))
+
+
+def consumer_in_message(q, progress):
+    t = q.get()
+    progress.set()
+    q.get()
+
+
+def producer(q, progress):
+    i = 0
+    while True:
+        q.put(torch.full((N,), float(i)))
+        i += 1
+        if i == 8:
+            progress.set()
+
+
+def consumer(q, progress):
+    held, n = [], 0
+    while True:
+        t = q.get()
+        if float(t[0]) != n or float(t[-1]) != n:
+            os._exit(7)
+        held = (held + [t])[-4:]   # it dies holding some
+        n += 1
+        if n == 8:
+            progress.set()
+
+
+def memfd_inodes(pid, maps=False):
+    inos = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:mpcore"):
+                inos.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+        except OSError:
+            pass
+    if maps:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 6 and parts[5].startswith("/memfd:mpcore"):
+                    inos.add(int(parts[4]))
+    return inos
+
+
+def settle():
+    """Two round trips to the keeper: it serves every ready client in one
+    poll pass, so once the second is answered it has handled each death
+    that happened before the first was sent."""
+    for _ in range(2):
+        try:
+            mpcore._core.attach((0x5EED0001, 0, 1))   # asks the keeper for an unknown segment
+        except mpcore.HandleError:
+            pass
+
+
+if __name__ == "__main__":
+    ctx = mpcore.get_context("fork")
+    mpcore._core.connect()
+    keeper = mpcore._core.keeper_pid()
+    base = len(memfd_inodes(keeper))
+    report = {"keeper": keeper, "base": base, "rounds": []}
+    for rnd in range(ROUNDS):
+        q = ctx.Queue(maxsize=4)
+        pe, ce = ctx.Event(), ctx.Event()
+        if HOW == "in-message":
+            prod = ctx.Process(target=producer_in_message, args=(q, pe), daemon=True)
+            cons = ctx.Process(target=consumer_in_message, args=(q, ce), daemon=True)
+        else:
+            prod = ctx.Process(target=producer, args=(q, pe), daemon=True)
+            cons = ctx.Process(target=consumer, args=(q, ce), daemon=True)
+        prod.start()
+        cons.start()
+        progressed = pe.wait(60) and ce.wait(60)
+        if HOW != "in-message":       # those two kill themselves
+            os.kill(prod.pid, signal.SIGKILL)
+            os.kill(cons.pid, signal.SIGKILL)
+        prod.join(60)
+        cons.join(60)
+        report["rounds"].append({"progressed": progressed,
+                                 "exitcodes": [prod.exitcode, cons.exitcode],
+                                 "keeper_during": len(memfd_inodes(keeper))})
+        settle()
+        del q, pe, ce, prod, cons
+        gc.collect()
+    settle()
+    if CHECK_KEEPER:
+        kept = memfd_inodes(keeper)
+        mine = memfd_inodes(os.getpid(), maps=True)
+        report.update(keeper_after=len(kept), own=len(mine), not_ours=len(kept - mine),
+                      stats=mpcore.stats())
+    print("RESULT " + json.dumps(report), flush=True)
+'''
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("rounds,check_keeper,how", [
+    (1, False, "random"), (3, True, "random"), (1, True, "in-message")],
+    ids=["program-exits", "keeper-drops-dead-holds", "killed-inside-a-message"])
+def test_killed_mid_transfer_leaves_nothing_held(leak_check, scenario, rounds, check_keeper,
+                                                 how):
+    """Producer and consumer die mid-transfer: killed by the parent at a
+    random point of their loops, or ("killed-inside-a-message") each killed
+    at the worst point: the consumer after taking a message out of the queue
+    but before redeeming its tensor's ticket, the producer after taking a
+    ticket for its tensor but before the message is in the queue.  After the
+    queue is dropped, nothing of theirs may stay held."""
+    r = scenario.run(KILL_PROGRAM, str(rounds), "1" if check_keeper else "0", how,
+                     timeout=200)
+    res = result(r)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rnd in res["rounds"]:
+        assert rnd["progressed"], f"no transfer progress before the kill: {res}"
+        assert rnd["exitcodes"] == [-signal.SIGKILL] * 2, res
+    if check_keeper:
+        # The queue and all tensors are dropped and both peers are dead: the
+        # keeper holds no segment but those the live program itself maps.
+        assert res["not_ours"] == 0, (
+            f"the keeper still holds {res['not_ours']} segments of the dead processes "
+            f"({res['keeper_after']} memfds, {res['own']} mapped by the program; "
+            f"{res['base']} before): {res}")
+        assert res["keeper_after"] <= max(res["base"], res["own"]), res
+    scenario.check_clean()
+
+
+# --------------------------------------------------------------------------
+# 4. A sender that exits right after put()
+# --------------------------------------------------------------------------
+
+SENDER_PROGRAM = r'''
+import json, sys
+import numpy as np
+import torch
+torch.set_num_threads(1)
+import mpcore
+
+
+def sender(q):
+    q.put({"big": torch.arange(2 << 20, dtype=torch.float64) * 3 + 1,      # 16 MB
+           "small": torch.tensor([1.5, 2.5, 3.5]),
+           "view": torch.arange(1000.0)[10:20],
+           "array": np.arange(100_000, dtype=np.int64) * 7})               # 800 KB
+    # returns at once: the process exits with its message in the queue
+
+
+if __name__ == "__main__":
+    ctx = mpcore.get_context(sys.argv[1])
+    q = ctx.Queue()
+    p = ctx.Process(target=sender, args=(q,))
+    p.start()
+    p.join(120)
+    res = {"sender_exitcode": p.exitcode}
+    m = q.get(timeout=60)                 # the sender is gone by now
+    res["big"] = bool(torch.equal(m["big"], torch.arange(2 << 20, dtype=torch.float64) * 3 + 1))
+    res["small"] = m["small"].tolist()
+    res["view"] = m["view"].tolist()
+    res["view_offset"] = m["view"].storage_offset()
+    res["array"] = bool((m["array"] == np.arange(100_000, dtype=np.int64) * 7).all())
+    res["shared"] = [m["big"].is_shared(), m["small"].is_shared(), m["view"].is_shared()]
+    m["big"].add_(1)                       # the memory is alive and writable
+    res["written"] = float(m["big"][5]) == 17.0
+    print("RESULT " + json.dumps(res), flush=True)
+'''
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_sender_exits_right_after_put(leak_check, scenario, method):
+    r = scenario.run(SENDER_PROGRAM, method, timeout=150)
+    res = result(r)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert res["sender_exitcode"] == 0
+    assert res["big"] and res["array"], res
+    assert res["small"] == [1.5, 2.5, 3.5]
+    assert res["view"] == [float(i) for i in range(10, 20)] and res["view_offset"] == 10
+    assert all(res["shared"]) and res["written"], res
+    scenario.check_clean()
+
+
+# --------------------------------------------------------------------------
+# 5. The keeper exits with its program
+# --------------------------------------------------------------------------
+
+KEEPER_PROGRAM = r'''
+import json, os, signal, sys
+import torch
+torch.set_num_threads(1)
+import mpcore
+
+
+def child(q, out):
+    t = q.get(timeout=60)
+    out.put(float(t.sum()))
+
+
+if __name__ == "__main__":
+    how = sys.argv[1]
+    ctx = mpcore.get_context("fork")
+    q, out = ctx.Queue(), ctx.Queue()
+    t = torch.ones(1000).share_memory_()
+    if how == "sigkill":
+        ready_r, ready_w = os.pipe()
+        life_r, life_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(ready_r)
+            os.close(life_w)
+            del t
+            held = q.get(timeout=60)
+            os.write(ready_w, b"x")
+            os.read(life_r, 1)         # EOF: the main process was killed
+            ok = float(held.sum()) == 1000.0 and held.is_shared()
+            held.add_(1)               # its memory is alive after its owner died
+            ok = ok and float(held.sum()) == 2000.0
+            print("CHILD " + json.dumps({"ok": ok}), flush=True)
+            os._exit(0)
+        os.close(ready_w)
+        os.close(life_r)
+        q.put(t)
+        assert os.read(ready_r, 1) == b"x"
+        print("KEEPER %d CHILD %d" % (mpcore._core.keeper_pid(), pid), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    p = ctx.Process(target=child, args=(q, out))
+    p.start()
+    q.put(t)
+    assert out.get(timeout=60) == 1000.0
+    p.join(60)
+    assert p.exitcode == 0
+    keep = [t, mpcore.empty((1 << 20,), "uint8"), mpcore.empty((10,), torch.int64)]
+    print("KEEPER %d" % mpcore._core.keeper_pid(), flush=True)
+    if how == "exception":
+        raise RuntimeError("the program fails on purpose, holding shared memory")
+'''
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("how", ["normal", "exception", "sigkill"])
+def test_keeper_exits_with_program(leak_check, scenario, how):
+    r = scenario.run(KEEPER_PROGRAM, how, timeout=120)
+    m = re.search(r"^KEEPER (\d+)", r.stdout, re.M)
+    assert m, f"rc {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr[-3000:]}"
+    keeper = int(m.group(1))
+    assert keeper > 0
+    if how == "normal":
+        assert r.returncode == 0, r.stderr[-3000:]
+    elif how == "exception":
+        assert r.returncode == 1 and "fails on purpose" in r.stderr, r.stderr[-3000:]
+    else:
+        assert r.returncode == -signal.SIGKILL, (r.returncode, r.stderr[-3000:])
+        child = result(r, "CHILD ")
+        assert child["ok"], "the child lost its tensor when the main process was killed"
+    scenario.check_clean()
+    assert _state_or_gone(keeper), f"keeper {keeper} is still running"
+
+
+def _state_or_gone(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
