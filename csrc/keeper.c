@@ -329,7 +329,7 @@ static int mpc__serve(mpc_client *c, uint8_t *slots_used) {
     return mpc__send(c->sock, &reply, send_fd) < 0 ? -1 : 0;
 }
 
-int mpc_keeper_main(int first, const char *name) {
+int mpc_keeper_main(int first, int lsock) {
     mpc__is_keeper = 1;
     mpc__retire_hook = mpc__defer_retire;
     /* Ctrl-C goes to the whole foreground group; the keeper must outlive
@@ -345,17 +345,9 @@ int mpc_keeper_main(int first, const char *name) {
     mpc__journals = mmap(NULL, jsize, PROT_READ | PROT_WRITE, MAP_SHARED, mpc__journal_fd, 0);
     if (mpc__journals == MAP_FAILED)
         return mpc_fail(errno, "keeper: cannot map the journals: %s", strerror(errno));
-
-    int lsock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-    if (lsock < 0)
-        return mpc_fail(errno, "keeper: socket: %s", strerror(errno));
-    struct sockaddr_un sa;
-    socklen_t salen = mpc__addr(name, &sa);
-    if (bind(lsock, (struct sockaddr *)&sa, salen) < 0 || listen(lsock, 128) < 0) {
-        int e = errno;
-        close(lsock);
-        return mpc_fail(e, "keeper: cannot listen on @%s: %s", name, strerror(e));
-    }
+    int fl = fcntl(lsock, F_GETFL);
+    if (fl < 0 || fcntl(lsock, F_SETFL, fl | O_NONBLOCK) < 0)
+        return mpc_fail(errno, "keeper: bad listening socket: %s", strerror(errno));
     static mpc_client clients[MPC_MAX_CLIENTS];
     static struct pollfd pfds[MPC_MAX_CLIENTS + 1];
     uint8_t slots_used[MPC_MAX_PROCS] = {0};
@@ -472,26 +464,32 @@ static int mpc__hello(void) {
 }
 
 int mpc_keeper_spawn(char *const tmpl[], char *name, size_t namelen) {
-    size_t n = 0;
-    while (tmpl[n])
-        n++;
-    char **argv = calloc(n + 2, sizeof *argv);
-    if (argv == NULL)
-        return mpc_fail(ENOMEM, "out of memory");
-    memcpy(argv, tmpl, n * sizeof *argv);
     snprintf(name, namelen, "mpcore-%d-%016" PRIx64, (int)getpid(),
              (uint64_t)((uint64_t)mpc_now_ns() * 0x9E3779B97F4A7C15ULL));
-    argv[n] = name; /* the keeper's address is its last argument */
-
+    /* The address is bound here, before the keeper runs, so that a process
+     * started a moment later can connect at once: its connection waits in
+     * the backlog until the keeper accepts it. */
+    int lsock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (lsock < 0)
+        return mpc_fail(errno, "socket: %s", strerror(errno));
+    struct sockaddr_un sa;
+    socklen_t salen = mpc__addr(name, &sa);
+    if (bind(lsock, (struct sockaddr *)&sa, salen) < 0 || listen(lsock, 128) < 0) {
+        int e = errno;
+        close(lsock);
+        return mpc_fail(e, "cannot listen on @%s: %s", name, strerror(e));
+    }
     int sv[2];
     if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0) {
-        free(argv);
-        return mpc_fail(errno, "socketpair: %s", strerror(errno));
+        int e = errno;
+        close(lsock);
+        return mpc_fail(e, "socketpair: %s", strerror(e));
     }
     posix_spawn_file_actions_t fa;
     posix_spawnattr_t at;
     posix_spawn_file_actions_init(&fa);
     posix_spawn_file_actions_adddup2(&fa, sv[1], 3);
+    posix_spawn_file_actions_adddup2(&fa, lsock, 4);
     /* The keeper must not hold the program's pipes open: a caller waiting
      * for the program's output to end would wait for the keeper too. */
     posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
@@ -508,11 +506,11 @@ int mpc_keeper_spawn(char *const tmpl[], char *name, size_t namelen) {
     posix_spawnattr_setsigdefault(&at, &defs);
     posix_spawnattr_setflags(&at, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
     pid_t pid;
-    int r = posix_spawn(&pid, argv[0], &fa, &at, argv, environ);
+    int r = posix_spawn(&pid, tmpl[0], &fa, &at, tmpl, environ);
     posix_spawn_file_actions_destroy(&fa);
     posix_spawnattr_destroy(&at);
-    free(argv);
     close(sv[1]);
+    close(lsock);
     if (r != 0) {
         close(sv[0]);
         return mpc_fail(r, "cannot start the mpcore keeper (%s): %s", tmpl[0], strerror(r));
@@ -525,6 +523,47 @@ int mpc_keeper_spawn(char *const tmpl[], char *name, size_t namelen) {
 
 pid_t mpc_keeper_pid(void) { return mpc__keeper_pid; }
 
+static char mpc__name[96]; /* the keeper this process is connected to */
+
+/* Connects to the keeper named in MPCORE_KEEPER, or starts one.  Called
+ * with mpc__client_lock held. */
+static int mpc__connect(void) {
+    if (mpc__sock >= 0)
+        return 0;
+    const char *name = getenv("MPCORE_KEEPER");
+    if (name && *name) {
+        int sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+        struct sockaddr_un sa;
+        socklen_t l = mpc__addr(name, &sa);
+        if (sock >= 0 && connect(sock, (struct sockaddr *)&sa, l) == 0) {
+            mpc__sock = sock;
+            snprintf(mpc__name, sizeof mpc__name, "%s", name);
+            return 0;
+        }
+        if (sock >= 0)
+            close(sock);
+    }
+    /* No keeper (or the address of a program that has ended): this process
+     * starts its program's keeper. */
+    if (mpc__spawn_argv == NULL)
+        return mpc_fail(ECONNREFUSED, "no mpcore keeper is running and none can be started");
+    int r = mpc_keeper_spawn(mpc__spawn_argv, mpc__name, sizeof mpc__name);
+    if (r == 0)
+        setenv("MPCORE_KEEPER", mpc__name, 1);
+    return r;
+}
+
+int mpc_client_connect(const char **name) {
+    if (mpc__is_keeper)
+        return mpc_fail(EINVAL, "the keeper is no client");
+    pthread_mutex_lock(&mpc__client_lock);
+    int r = mpc__connect();
+    pthread_mutex_unlock(&mpc__client_lock);
+    if (r == 0 && name)
+        *name = mpc__name;
+    return r;
+}
+
 int mpc_client_slot(uint32_t *slot) {
     if (mpc__is_keeper)
         return mpc_fail(ENOENT, "the keeper holds no blocks");
@@ -536,25 +575,7 @@ int mpc_client_slot(uint32_t *slot) {
     pthread_mutex_lock(&mpc__client_lock);
     int r = 0;
     if (mpc__slot < 0) {
-        const char *name = getenv("MPCORE_KEEPER");
-        if (mpc__sock < 0 && name && *name) {
-            int sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-            struct sockaddr_un sa;
-            socklen_t l = mpc__addr(name, &sa);
-            if (sock >= 0 && connect(sock, (struct sockaddr *)&sa, l) == 0)
-                mpc__sock = sock;
-            else if (sock >= 0)
-                close(sock);
-        }
-        if (mpc__sock < 0) {
-            /* No keeper yet (or a stale address from another program):
-             * this process starts the program's keeper. */
-            char nm[96];
-            if (mpc__spawn_argv == NULL)
-                r = mpc_fail(ECONNREFUSED, "no mpcore keeper is running and none can be started");
-            else if ((r = mpc_keeper_spawn(mpc__spawn_argv, nm, sizeof nm)) == 0)
-                setenv("MPCORE_KEEPER", nm, 1);
-        }
+        r = mpc__connect();
         if (r == 0)
             r = mpc__hello();
     }

@@ -224,20 +224,26 @@ void mpc_after_fork_child(void);
  * every segment, hands it to processes that map the segment, and drops the
  * references of processes that die.  NOTE [ Keeper ] in keeper.c. */
 
-/* Runs the keeper on an already connected socket to the program's first
- * process, listening on the abstract socket `name`.  Returns when no
- * process is connected any more; returns -errno if it cannot start. */
-int mpc_keeper_main(int first_client, const char *name);
+/* Runs the keeper: `first` is a socket already connected to the program's
+ * first process, `lsock` the listening socket bound to its address.
+ * Returns when no process is connected any more; returns -errno if it
+ * cannot start. */
+int mpc_keeper_main(int first, int lsock);
 
 /* Client side: connects this process to the keeper named by the address in
- * MPCORE_KEEPER (or starts one), once.  Stores this process's slot. */
+ * MPCORE_KEEPER, or starts one (and sets MPCORE_KEEPER), without asking
+ * for a slot yet.  Stores the keeper's address in *name.  Returns 0 or
+ * -errno. */
+int mpc_client_connect(const char **name);
+
+/* Connects as mpc_client_connect does, once, and gets this process's slot. */
 int mpc_client_slot(uint32_t *slot);
 
-/* Starts a keeper for this program: spawns the command `tmpl` with a fresh
- * abstract socket name appended as its last argument (a Python that runs
- * mpcore._core.keeper_main on fd 3 and that name), already connected to
- * this process through fd 3.  Stores the name in name (at least 64 bytes).
- * Returns 0 or -errno; nothing is left open on failure. */
+/* Starts a keeper for this program: binds a fresh abstract address, and
+ * spawns the command `tmpl` (a Python that runs mpcore._core.keeper_main)
+ * with fd 3 connected to this process and fd 4 listening on the address.
+ * Stores the address in name (at least 64 bytes).  Returns 0 or -errno;
+ * nothing is left open on failure. */
 int mpc_keeper_spawn(char *const tmpl[], char *name, size_t namelen);
 
 /* Sets the command mpc_client_slot uses to start a keeper when none runs.

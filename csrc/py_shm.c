@@ -501,18 +501,31 @@ static PyObject *py_set_keeper_command(PyObject *m, PyObject *arg) {
 }
 
 static PyObject *py_keeper_main(PyObject *m, PyObject *args) {
-    int fd;
-    const char *name;
-    if (!PyArg_ParseTuple(args, "is", &fd, &name))
+    int fd, lsock;
+    if (!PyArg_ParseTuple(args, "ii", &fd, &lsock))
         return NULL;
     int r;
     mpc_clear_error();
     Py_BEGIN_ALLOW_THREADS
-    r = mpc_keeper_main(fd, name);
+    r = mpc_keeper_main(fd, lsock);
     Py_END_ALLOW_THREADS
     if (r < 0)
         return mpc_py_raise(mpc_get_state(m), r);
     Py_RETURN_NONE;
+}
+
+/* ensure_keeper() -> address: connects to the program's keeper, starting
+ * it if none runs, without waiting for it. */
+static PyObject *py_ensure_keeper(PyObject *m, PyObject *unused) {
+    const char *name = NULL;
+    int r;
+    mpc_clear_error();
+    Py_BEGIN_ALLOW_THREADS
+    r = mpc_client_connect(&name);
+    Py_END_ALLOW_THREADS
+    if (r < 0)
+        return mpc_py_raise(mpc_get_state(m), r);
+    return PyUnicode_FromString(name);
 }
 
 /* connect() -> slot: connects to the program's keeper (starting it if
@@ -550,7 +563,10 @@ PyMethodDef mpc_py_shm_methods[] = {
     {"after_fork_child", py_after_fork_child, METH_NOARGS, "resets per-process state in a child"},
     {"set_keeper_command", py_set_keeper_command, METH_O,
      "set_keeper_command(argv): how to start the keeper when none runs"},
-    {"keeper_main", py_keeper_main, METH_VARARGS, "keeper_main(fd, name): runs the keeper"},
+    {"keeper_main", py_keeper_main, METH_VARARGS,
+     "keeper_main(fd, listen_fd): runs the keeper"},
+    {"ensure_keeper", py_ensure_keeper, METH_NOARGS,
+     "ensure_keeper() -> address: connects to (or starts) this program's keeper"},
     {"connect", py_connect, METH_NOARGS, "connect() -> slot"},
     {"keeper_pid", py_keeper_pid, METH_NOARGS, "pid of the keeper this process started, or 0"},
     {NULL},

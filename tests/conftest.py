@@ -104,6 +104,16 @@ def run_program(code, *args, timeout=60, env=None, launcher=False):
         os.unlink(path)
 
 
+def _is_resource_tracker(pid):
+    # multiprocessing's resource tracker, started by the first spawn of the
+    # test process, lives as long as the test process: it is not a leak.
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"resource_tracker" in f.read()
+    except OSError:
+        return False
+
+
 @pytest.fixture
 def leak_check():
     """After the test: no child process left (zombie or not), and no keeper
@@ -115,7 +125,8 @@ def leak_check():
     import mpcore._core as core
     if core.keeper_pid():
         own_keeper.add(core.keeper_pid())
-    kids = [(p, s) for p, s in children_of(me) if p not in own_keeper]
+    kids = [(p, s) for p, s in children_of(me)
+            if p not in own_keeper and not _is_resource_tracker(p)]
     assert not kids, f"processes left behind: {kids}"
     stray = set(mpcore_processes()) - own_keeper - before
     assert not stray, f"keepers left behind: {stray}"

@@ -36,6 +36,7 @@ __all__ = [
 
 # Tensor sharing is served from mpcore memory once torch is imported.
 _boot.serve_torch(patch_multiprocessing=False)
+_shm.ensure_keeper()
 
 
 def __getattr__(name):

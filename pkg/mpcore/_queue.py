@@ -8,8 +8,21 @@ freed with messages still inside drops them (ring.c).  A pickle too large
 for the ring travels in a block of its own, named by the message.
 There is no feeder thread: put() returns once the message is in shared
 memory, and a killed sender cannot lose a message it has put.
+
+NOTE [ Unbounded queues ]
+multiprocessing.Queue() never blocks in put(): its feeder thread buffers
+what the pipe cannot take.  The ring has a fixed size, so when an unbounded
+queue's ring is full, put() leaves the message with a feeder thread of this
+process, started then and only then, which moves it into the ring as room
+comes; later messages of this process wait behind it, keeping their order.
+As with multiprocessing, the process joins that thread at exit unless
+cancel_join_thread() was called.
 """
+import collections
 import queue as _stdqueue
+import threading
+import weakref
+from multiprocessing import util as _mputil
 
 from . import _core, _pickle, _shm, _stats
 
@@ -30,8 +43,17 @@ class Queue:
                                  kind=_shm.BLOCK_QUEUE)
         self._ring = _core.Ring(self._block, 0, None, True, maxsize)
         self._maxsize = maxsize
-        self._closed = False
+        self._reset()
         _stats.bump("queues_created")
+
+    def _reset(self):
+        self._closed = False
+        self._backlog = 0        # messages with the feeder, not yet in the ring
+        self._pending = None     # deque of (refs, payload) for the feeder
+        self._cond = None
+        self._feeder = None
+        self._join_feeder = True
+        _mputil.register_after_fork(self, Queue._reset)
 
     def __reduce__(self):
         return (_rebuild_queue, (type(self), _shm.ticket(self._block), self._maxsize))
@@ -54,11 +76,72 @@ class Queue:
                 memoryview(spill)[:] = payload
                 refs.append(spill.ticket(True))
                 payload = _SPILLED
+            if self._maxsize == 0:
+                if self._backlog == 0:
+                    try:
+                        self._ring.put(refs, payload, False, None, self._counted)
+                        return
+                    except _stdqueue.Full:
+                        pass
+                self._defer(refs, bytes(payload))
+                return
             self._ring.put(refs, payload, block, timeout, self._counted)
         except BaseException:
             for ref in refs:
                 _core.drop_ticket(ref)
             raise
+
+    def _defer(self, refs, payload):
+        if self._counted:
+            self._ring.task_add()
+        if self._feeder is None:
+            self._pending = collections.deque()
+            self._cond = threading.Condition()
+            self._feeder = threading.Thread(target=Queue._feed,
+                                            args=(self._ring, self._pending, self._cond),
+                                            name="mpcore-queue-feeder", daemon=True)
+            self._feeder.start()
+            self._join_finalizer = _mputil.Finalize(
+                self._feeder, Queue._finalize_join, [weakref.ref(self._feeder)],
+                exitpriority=-5)
+            _mputil.Finalize(self, Queue._finalize_close, [self._pending, self._cond],
+                             exitpriority=10)
+        with self._cond:
+            self._backlog += 1
+            self._pending.append((refs, payload, self))
+            self._cond.notify()
+
+    @staticmethod
+    def _feed(ring, pending, cond):
+        while True:
+            with cond:
+                while not pending:
+                    cond.wait()
+                item = pending.popleft()
+            if item is None:
+                return
+            refs, payload, q = item
+            try:
+                ring.put(refs, payload, True, None, False)
+            except BaseException:
+                for ref in refs:
+                    _core.drop_ticket(ref)
+            finally:
+                with cond:
+                    q._backlog -= 1
+                del q, item
+
+    @staticmethod
+    def _finalize_close(pending, cond):
+        with cond:
+            pending.append(None)
+            cond.notify()
+
+    @staticmethod
+    def _finalize_join(twr):
+        thread = twr()
+        if thread is not None:
+            thread.join()
 
     def get(self, block=True, timeout=None):
         self._check_closed()
@@ -81,25 +164,31 @@ class Queue:
         return self.get(False)
 
     def qsize(self):
-        return self._ring.count()
+        return self._ring.count() + self._backlog
 
     def empty(self):
-        return self._ring.count() == 0
+        return self._ring.count() == 0 and self._backlog == 0
 
     def full(self):
         return self._maxsize > 0 and self._ring.count() >= self._maxsize
 
     def close(self):
-        """Says this process will put no more; other processes are unaffected."""
+        """Says this process will put no more; other processes are unaffected.
+        What the feeder still holds is put before it stops."""
         self._closed = True
+        if self._feeder is not None:
+            Queue._finalize_close(self._pending, self._cond)
 
     def join_thread(self):
-        # There is no feeder thread to join: put() has finished when it returns.
         if not self._closed:
             raise AssertionError(f"Queue {self!r} not closed")
+        if self._feeder is not None and self._join_feeder:
+            self._feeder.join()
 
     def cancel_join_thread(self):
-        pass
+        self._join_feeder = False
+        if self._feeder is not None:
+            self._join_finalizer.cancel()
 
 
 class JoinableQueue(Queue):
@@ -134,7 +223,7 @@ def _rebuild_queue(cls, ref, maxsize):
         raise _shm.HandleError(f"handle names a data block, not a queue: {ref}")
     q._ring = _core.Ring(q._block, 0, None, False, maxsize)
     q._maxsize = maxsize
-    q._closed = False
+    q._reset()
     return q
 
 

@@ -35,11 +35,22 @@ def _keeper_command():
     code = ("import importlib.util as u, sys\n"
             "s = u.spec_from_file_location('mpcore._core', sys.argv[1])\n"
             "m = u.module_from_spec(s); s.loader.exec_module(m)\n"
-            "m.keeper_main(3, sys.argv[-1])\n")
+            "m.keeper_main(3, 4)\n")
     return [sys.executable, "-I", "-S", "-c", code, _core.__file__]
 
 
 _core.set_keeper_command(_keeper_command())
+
+
+def ensure_keeper():
+    """Connects this process to its program's keeper, starting it if none
+    runs, and makes sure processes started from here find the same one.
+
+    NOTE [ One keeper per program ]
+    Done at import: a child that allocated first would otherwise start a
+    keeper of its own, and the parent could never map its memory.  Starting
+    costs no wait: the address is bound before the keeper runs."""
+    os.environ["MPCORE_KEEPER"] = _core.ensure_keeper()
 
 
 def alloc(nbytes, zero=False, kind=BLOCK_DATA):
@@ -163,6 +174,8 @@ def _rebuild_ndarray(ref, dtype, shape, strides, offset):
 
 
 def reduce_ndarray(arr):
+    if arr.dtype.hasobject:
+        return arr.__reduce_ex__(4)
     b, off = array_block(arr)
     if b is None and in_transfer() and arr.nbytes >= COPY_THRESHOLD:
         arr = share_array(arr)
@@ -182,6 +195,7 @@ _inherited = None
 
 def _before_fork():
     global _inherited
+    ensure_keeper()
     held = list(_blocks.values())
     # A ticket per block keeps it alive for the child until the child has
     # made the hold its own, even if the parent lets go at once.

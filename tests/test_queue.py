@@ -1,0 +1,546 @@
+"""mpcore.Queue, SimpleQueue and JoinableQueue: parity with
+multiprocessing's.
+
+Scenarios that start processes are module-level functions taking a start
+method.  Under fork they run inside the pytest process; under spawn they run
+as a fresh program that imports this module (spawning from the pytest
+process would leave multiprocessing's resource tracker behind as a child of
+pytest).  Children report through queues or pipes; every test reaps its
+children even when it fails.  Time bounds here only stop hangs, except one
+loose lower bound on a get() timeout.
+"""
+import os
+import queue
+import re
+import select
+import time
+import traceback
+
+import pytest
+
+import mpcore
+from conftest import run_program
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+MODULE = __name__
+METHODS = ["fork", "spawn"]
+
+
+class Point:
+    """A picklable user class (module-level, so children can import it)."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __eq__(self, other):
+        return type(other) is Point and (self.x, self.y) == (other.x, other.y)
+
+
+# --- helpers ------------------------------------------------------------
+
+def _run_child(result_q, fn_name, *args):
+    try:
+        out = globals()[fn_name](*args)
+    except BaseException:
+        result_q.put(("error", traceback.format_exc()))
+        raise
+    result_q.put(("ok", out))
+
+
+def result(q, procs, timeout=90):
+    """The next report of a child; fails at once if a child died without
+    reporting (the loop's timeouts only bound a hang)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            kind, value = q.get(timeout=0.5)
+            break
+        except queue.Empty:
+            dead = [(p.pid, p.exitcode) for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise AssertionError(f"child died without reporting: {dead}")
+            if time.monotonic() > deadline:
+                raise AssertionError("no report from the child")
+    if kind == "error":
+        raise AssertionError("child failed:\n" + value)
+    return value
+
+
+def reap(procs, timeout=60):
+    for p in procs:
+        if p._popen is not None:
+            p.join(timeout)
+    for p in procs:
+        if p._popen is not None and p.is_alive():
+            p.kill()
+            p.join()
+
+
+def start(ctx, procs, fn_name, result_q, *args):
+    p = ctx.Process(target=_run_child, args=(result_q, fn_name) + args)
+    procs.append(p)
+    p.start()
+    return p
+
+
+def join_all(procs):
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0] * len(procs)
+
+
+def run_scenario(name, method, timeout=150):
+    if method == "fork":
+        globals()[name](method)
+        return
+    code = f"""
+    import sys
+    sys.path.insert(0, {TESTS!r})
+    import {MODULE} as T
+    if __name__ == "__main__":
+        T.{name}({method!r})
+        print("SCENARIO-PASSED")
+        print("KEEPER=%d" % (T.mpcore._core.keeper_pid() or 0))
+    """
+    r = run_program(code, timeout=timeout)
+    assert r.returncode == 0 and "SCENARIO-PASSED" in r.stdout, (
+        f"scenario {name}({method!r}) failed, rc={r.returncode}\n"
+        f"--- stdout\n{r.stdout}\n--- stderr\n{r.stderr}")
+    wait_keeper_gone(int(re.search(r"KEEPER=(\d+)", r.stdout).group(1)))
+
+
+def wait_keeper_gone(pid, timeout=30):
+    """Checks that the keeper of a finished program exits, then waits (a
+    bounded poll) for init to reap it, so that leak_check, which counts
+    zombies too, does not take it for a keeper left running."""
+    if pid <= 0:
+        return
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        ready, _, _ = select.select([fd], [], [], timeout)
+    finally:
+        os.close(fd)
+    assert ready, f"the keeper {pid} of a finished program is still running"
+    deadline = time.monotonic() + timeout
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+# --- one process --------------------------------------------------------
+
+def test_exceptions_are_the_queue_modules():
+    assert mpcore.Empty is queue.Empty
+    assert mpcore.Full is queue.Full
+
+
+OBJECTS = [
+    None, True, 0, -1, 2 ** 100, 3.25, float("inf"), 1 + 2j, "", "text", "ünï©ødé",
+    b"", b"\x00\xff" * 10, bytearray(b"abc"), (), (1, (2, (3,))), [1, [2, [3]]],
+    {"a": 1, (1, 2): [3, {4}]}, {1, 2, 3}, frozenset({"x"}), range(3, 9, 2),
+    Point(1, "y"), [Point(i, i) for i in range(5)], ValueError("boom"),
+]
+
+
+def _same(a, b):
+    if isinstance(a, BaseException):
+        return type(a) is type(b) and a.args == b.args
+    return type(a) is type(b) and a == b
+
+
+def test_put_get_roundtrip_in_order():
+    q = mpcore.Queue()
+    assert q.empty() and q.qsize() == 0
+    for obj in OBJECTS:
+        q.put(obj)
+    assert q.qsize() == len(OBJECTS) and not q.empty() and not q.full()
+    got = [q.get(timeout=10) for _ in OBJECTS]
+    bad = [(a, b) for a, b in zip(OBJECTS, got) if not _same(a, b)]
+    assert not bad, bad
+    assert q.empty() and q.qsize() == 0
+
+
+def test_get_on_empty_queue_raises_empty():
+    q = mpcore.Queue()
+    with pytest.raises(queue.Empty):
+        q.get(block=False)
+    with pytest.raises(queue.Empty):
+        q.get_nowait()
+    with pytest.raises(queue.Empty):
+        q.get(False, 5)     # timeout is ignored when not blocking
+    t0 = time.monotonic()
+    with pytest.raises(queue.Empty):
+        q.get(timeout=0.2)
+    # Loose: a timed get must not give up long before its timeout.
+    assert time.monotonic() - t0 >= 0.1
+    with pytest.raises(queue.Empty):
+        q.get(True, 0)
+    q.put_nowait("x")
+    assert q.get_nowait() == "x"
+    q.put("y", block=False)
+    assert q.get(block=False) == "y"
+    q.put("z", timeout=1)
+    assert q.get(timeout=1) == "z"
+
+
+def test_maxsize():
+    q = mpcore.Queue(2)
+    assert not q.full()
+    q.put(1)
+    q.put(2)
+    assert q.full() and q.qsize() == 2
+    with pytest.raises(queue.Full):
+        q.put_nowait(3)
+    with pytest.raises(queue.Full):
+        q.put(3, block=False)
+    with pytest.raises(queue.Full):
+        q.put(3, timeout=0.1)
+    assert q.qsize() == 2
+    assert q.get() == 1
+    assert not q.full()
+    q.put(3)
+    assert [q.get(), q.get()] == [2, 3]
+    assert q.empty() and not q.full()
+    for maxsize in (0, -1):
+        u = mpcore.Queue(maxsize)
+        for i in range(100):
+            u.put_nowait(i)
+        assert not u.full() and u.qsize() == 100
+        assert [u.get_nowait() for _ in range(100)] == list(range(100))
+
+
+def test_unbounded_queue_holds_more_than_its_ring():
+    """multiprocessing.Queue(maxsize=0) is infinite: put never raises Full
+    and never blocks, even with no consumer yet (a program may fill its
+    task queue before starting its workers)."""
+    q = mpcore.Queue()
+    item = b"x" * 10_000
+    n = 400     # 4 MB in all, more than the ring's 2 MB
+    try:
+        for i in range(n):
+            q.put(item, timeout=5)
+    except queue.Full:
+        pytest.fail(f"put #{i} of an unbounded queue raised queue.Full "
+                    f"({i * len(item)} bytes queued, no consumer)")
+    assert q.qsize() == n
+    assert all(q.get(timeout=10) == item for _ in range(n))
+
+
+def test_close_and_join_thread():
+    q = mpcore.Queue()
+    q.put("before")
+    with pytest.raises(AssertionError):
+        q.join_thread()
+    q.cancel_join_thread()
+    q.close()
+    with pytest.raises(ValueError):
+        q.put("after")
+    with pytest.raises(ValueError):
+        q.get()
+    with pytest.raises(ValueError):
+        q.get_nowait()
+    with pytest.raises(ValueError):
+        q.put_nowait(1)
+    q.join_thread()
+    q.close()   # closing twice is fine
+
+
+def test_simple_queue():
+    q = mpcore.SimpleQueue()
+    assert q.empty()
+    q.put({"k": [1, 2]})
+    q.put(Point(0, 0))
+    assert not q.empty()
+    assert q.get() == {"k": [1, 2]}
+    assert q.get() == Point(0, 0)
+    assert q.empty()
+    q.close()
+
+
+def test_joinable_queue_task_done_and_join():
+    q = mpcore.JoinableQueue()
+    q.join()    # nothing put: returns at once
+    with pytest.raises(ValueError):
+        q.task_done()
+    for i in range(3):
+        q.put(i)
+    assert [q.get(timeout=10) for _ in range(3)] == [0, 1, 2]
+    for _ in range(3):
+        q.task_done()
+    q.join()
+    with pytest.raises(ValueError, match="too many times"):
+        q.task_done()
+    # A put that fails does not count as a task.
+    j = mpcore.JoinableQueue(1)
+    j.put("a")
+    with pytest.raises(queue.Full):
+        j.put_nowait("b")
+    assert j.get() == "a"
+    j.task_done()
+    j.join()
+
+
+def test_messages_larger_than_the_ring():
+    q = mpcore.Queue()
+    big = os.urandom(10 << 20)
+    lst = list(range(1_000_000))
+    q.put(big)
+    q.put(lst)
+    q.put("small")
+    assert q.qsize() == 3
+    assert q.get(timeout=30) == big
+    assert q.get(timeout=30) == lst
+    assert q.get(timeout=30) == "small"
+
+
+def test_many_threads_share_a_queue():
+    import threading
+    q = mpcore.Queue(maxsize=8)
+    n, nthreads = 300, 3
+    out = []
+
+    def produce(k):
+        for i in range(n):
+            q.put((k, i))
+
+    def consume():
+        for _ in range(n * nthreads):
+            out.append(q.get(timeout=60))
+
+    threads = [threading.Thread(target=produce, args=(k,)) for k in range(nthreads)]
+    threads.append(threading.Thread(target=consume))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    assert sorted(out) == [(k, i) for k in range(nthreads) for i in range(n)]
+    for k in range(nthreads):
+        assert [i for kk, i in out if kk == k] == list(range(n))
+
+
+# --- across processes -----------------------------------------------------
+
+def _producer(q, k, n):
+    for i in range(n):
+        q.put((k, i, "p" * (i % 50)))
+
+
+def _consumer(q, results, nsentinels):
+    got, seen = [], 0
+    while seen < nsentinels:
+        item = q.get(timeout=120)
+        if item is None:
+            seen += 1
+        else:
+            got.append(item[:2])
+    results.put(got)
+
+
+def scenario_many_producers_consumers(method):
+    ctx = mpcore.get_context(method)
+    q = mpcore.Queue(maxsize=16)
+    results = mpcore.Queue()
+    nprod, ncons, n = 3, 2, 300
+    procs = []
+    try:
+        for k in range(nprod):
+            p = ctx.Process(target=_producer, args=(q, k, n))
+            procs.append(p)
+            p.start()
+        consumers = []
+        for _ in range(ncons):
+            c = ctx.Process(target=_consumer, args=(q, results, 1))
+            procs.append(c)
+            consumers.append(c)
+            c.start()
+        for p in procs[:nprod]:
+            p.join(120)
+            assert p.exitcode == 0
+        for _ in range(ncons):
+            q.put(None)
+        lists = [results.get(timeout=120) for _ in range(ncons)]
+        join_all(procs)
+    finally:
+        reap(procs)
+    everything = sorted(x for lst in lists for x in lst)
+    assert everything == [(k, i) for k in range(nprod) for i in range(n)]
+    # FIFO: each consumer sees each producer's items in the order put.
+    for lst in lists:
+        for k in range(nprod):
+            seq = [i for kk, i in lst if kk == k]
+            assert seq == sorted(seq)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("method", METHODS)
+def test_many_producers_and_consumers(method, leak_check):
+    run_scenario("scenario_many_producers_consumers", method)
+
+
+def _child_uses_queues(q, jq, sq, small, out):
+    report = {}
+    # Work from the joinable queue, results to q.
+    while True:
+        item = jq.get(timeout=60)
+        if item is None:
+            jq.task_done()
+            break
+        q.put(("done", item * 2))
+        jq.task_done()
+    # A bounded queue passed to a child keeps its bound.
+    small.put(1)
+    small.put(2)
+    report["small_full"] = small.full()
+    try:
+        small.put_nowait(3)
+        report["small_put_nowait"] = "accepted"
+    except queue.Full:
+        report["small_put_nowait"] = "Full"
+    report["sq"] = sq.get()
+    sq.put(Point(7, 8))
+    # Closing in this process leaves other processes' handles open.
+    q.close()
+    for name, call in (("put", lambda: q.put(0)), ("get", lambda: q.get(False))):
+        try:
+            call()
+            report["closed_" + name] = "no error"
+        except ValueError:
+            report["closed_" + name] = "ValueError"
+    out.put(report)
+
+
+def scenario_queues_in_children(method):
+    ctx = mpcore.get_context(method)
+    q, jq, sq = ctx.Queue(), ctx.JoinableQueue(), ctx.SimpleQueue()
+    small, out = ctx.Queue(2), ctx.Queue()
+    assert isinstance(q, mpcore.Queue) and isinstance(jq, mpcore.JoinableQueue)
+    assert isinstance(sq, mpcore.SimpleQueue)
+    p = ctx.Process(target=_child_uses_queues, args=(q, jq, sq, small, out))
+    try:
+        p.start()
+        for i in range(10):
+            jq.put(i)
+        jq.put(None)
+        sq.put("hello")
+        jq.join()       # returns once the child has done every task...
+        # ...and the child put each result before calling task_done().
+        assert q.qsize() == 10
+        assert [q.get_nowait() for _ in range(10)] == [("done", i * 2) for i in range(10)]
+        report = out.get(timeout=90)
+        assert sq.get() == Point(7, 8)
+        p.join(60)
+        assert p.exitcode == 0
+    finally:
+        reap([p])
+    assert report == {"small_full": True, "small_put_nowait": "Full", "sq": "hello",
+                      "closed_put": "ValueError", "closed_get": "ValueError"}
+    assert small.full() and [small.get(), small.get()] == [1, 2]
+    q.put("still open here")
+    assert q.get(timeout=10) == "still open here"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("method", METHODS)
+def test_queues_passed_to_children(method, leak_check):
+    run_scenario("scenario_queues_in_children", method)
+
+
+def _bounded_producer(q, n):
+    for i in range(n):
+        q.put(i)
+
+
+def _big_sender(q):
+    q.put(bytes(range(256)) * (40 << 10))          # 10 MB
+    q.put({"list": list(range(500_000)), "tag": "big"})
+
+
+def scenario_blocking_and_large(method):
+    ctx = mpcore.get_context(method)
+    # A producer blocks on a full bounded queue until the consumer gets.
+    q = mpcore.Queue(maxsize=2)
+    big = mpcore.Queue()
+    procs = []
+    try:
+        p = ctx.Process(target=_bounded_producer, args=(q, 50))
+        procs.append(p)
+        p.start()
+        got = [q.get(timeout=60) for _ in range(50)]
+        # A sender of messages larger than the ring, which exits before
+        # they are read.
+        s = ctx.Process(target=_big_sender, args=(big,))
+        procs.append(s)
+        s.start()
+        s.join(90)
+        assert s.exitcode == 0
+        first = big.get(timeout=60)
+        second = big.get(timeout=60)
+        join_all(procs)
+    finally:
+        reap(procs)
+    assert got == list(range(50))
+    assert first == bytes(range(256)) * (40 << 10)
+    assert second == {"list": list(range(500_000)), "tag": "big"}
+    assert q.empty() and big.empty()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("method", METHODS)
+def test_blocking_producer_and_large_messages(method, leak_check):
+    run_scenario("scenario_blocking_and_large", method)
+
+
+def _nested_child(q_in, q_out):
+    import torch
+    torch.set_num_threads(1)
+    msg = q_in.get(timeout=60)
+    t, arr = msg["tensors"][0], msg["arrays"][0]
+    info = {"types": [type(x).__name__ for x in (t, msg["tensors"][1], arr,
+                                                   msg["nested"]["deep"][0])],
+            "t": t.tolist(), "arr": arr.tolist(),
+            "deep": msg["nested"]["deep"][0].tolist(),
+            "small": msg["nested"]["small"].tolist(),
+            "other": msg["nested"]["other"]}
+    t.add_(1)
+    arr += 1
+    msg["nested"]["deep"][0].mul_(-1)
+    msg["nested"]["small"][0] = 99      # a small unshared array: a copy
+    q_out.put(info)
+
+
+def scenario_nested(method):
+    import numpy as np
+    import torch
+    ctx = mpcore.get_context(method)
+    t = torch.arange(4, dtype=torch.float32)
+    arr = mpcore.zeros((3,), "int64")
+    deep = torch.ones(2, 2, dtype=torch.float64)
+    small = np.array([1, 2, 3])
+    msg = {"tensors": [t, t[1:]], "arrays": [arr],
+           "nested": {"deep": (deep,), "small": small, "other": [Point(1, 2), {"s": "x"}]}}
+    q_in, q_out = mpcore.Queue(), mpcore.Queue()
+    p = ctx.Process(target=_nested_child, args=(q_in, q_out))
+    try:
+        p.start()
+        q_in.put(msg)
+        info = q_out.get(timeout=90)
+        p.join(60)
+        assert p.exitcode == 0
+    finally:
+        reap([p])
+    assert info == {"types": ["Tensor", "Tensor", "ndarray", "Tensor"],
+                    "t": [0, 1, 2, 3], "arr": [0, 0, 0], "deep": [[1, 1], [1, 1]],
+                    "small": [1, 2, 3], "other": [Point(1, 2), {"s": "x"}]}
+    assert t.tolist() == [1, 2, 3, 4]
+    assert arr.tolist() == [1, 1, 1]
+    assert deep.tolist() == [[-1, -1], [-1, -1]]
+    assert small.tolist() == [1, 2, 3]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("method", METHODS)
+def test_nested_containers_of_tensors_and_arrays(method, leak_check):
+    run_scenario("scenario_nested", method)
