@@ -485,6 +485,23 @@ int mpc_keeper_spawn(char *const tmpl[], char *name, size_t namelen) {
         close(lsock);
         return mpc_fail(e, "socketpair: %s", strerror(e));
     }
+    /* Both fds move above 4 first: dup2 onto 3 must not clobber the other
+     * when it happens to be fd 3 itself. */
+    int hi_pair = fcntl(sv[1], F_DUPFD_CLOEXEC, 16);
+    int hi_listen = fcntl(lsock, F_DUPFD_CLOEXEC, 16);
+    close(sv[1]);
+    close(lsock);
+    if (hi_pair < 0 || hi_listen < 0) {
+        int e = errno;
+        close(sv[0]);
+        if (hi_pair >= 0)
+            close(hi_pair);
+        if (hi_listen >= 0)
+            close(hi_listen);
+        return mpc_fail(e, "cannot start the mpcore keeper: %s", strerror(e));
+    }
+    sv[1] = hi_pair;
+    lsock = hi_listen;
     posix_spawn_file_actions_t fa;
     posix_spawnattr_t at;
     posix_spawn_file_actions_init(&fa);
