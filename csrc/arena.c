@@ -557,8 +557,10 @@ int mpc_block_ticket(const mpc_block *b) {
     if (s == NULL || atomic_load(&s->hdr->meta[b->index].gen) != b->gen)
         r = mpc_fail(MPC_ESTALE, "block %u of segment %016" PRIx64 " is no longer live", b->index,
                      b->seg_id);
-    else
+    else {
         atomic_fetch_add(&s->hdr->meta[b->index].refs, 1);
+        mpc__stats.tickets++;
+    }
     pthread_mutex_unlock(&mpc__lock);
     return r;
 }
@@ -620,6 +622,7 @@ int mpc_block_attach(const mpc_ref *ref, int already_held, mpc_block *out) {
     }
     if (!held)
         s->nheld++;
+    mpc__stats.attaches++;
     mpc__fill(s, ref->index, out);
 out:
     pthread_mutex_unlock(&mpc__lock);

@@ -189,6 +189,9 @@ static void mpc__journal_sweep(uint32_t slot) {
     }
 }
 
+/* Entries at or above this index are free: scans stop there. */
+static int mpc__jtop;
+
 int mpc_journal_add(const mpc_ref *ref) {
     mpc_journal *j = mpc__myjournal;
     if (j == NULL)
@@ -196,10 +199,12 @@ int mpc_journal_add(const mpc_ref *ref) {
     pthread_mutex_lock(&mpc__journal_lock);
     int r = -ENOSPC;
     for (int i = 0; i < MPC_JOURNAL_CAP; i++)
-        if (atomic_load(&j->e[i].seg_id) == 0) {
+        if (i >= mpc__jtop || atomic_load(&j->e[i].seg_id) == 0) {
             j->e[i].index = ref->index;
             j->e[i].gen = ref->gen;
             atomic_store(&j->e[i].seg_id, ref->seg_id);
+            if (i >= mpc__jtop)
+                mpc__jtop = i + 1;
             r = 0;
             break;
         }
@@ -213,13 +218,15 @@ int mpc_journal_clear(const mpc_ref *ref) {
         return 0;
     int found = 0;
     pthread_mutex_lock(&mpc__journal_lock);
-    for (int i = 0; i < MPC_JOURNAL_CAP; i++)
+    for (int i = mpc__jtop - 1; i >= 0; i--)
         if (atomic_load(&j->e[i].seg_id) == ref->seg_id && j->e[i].index == ref->index &&
             j->e[i].gen == ref->gen) {
             atomic_store(&j->e[i].seg_id, 0);
             found = 1;
             break;
         }
+    while (mpc__jtop > 0 && atomic_load(&j->e[mpc__jtop - 1].seg_id) == 0)
+        mpc__jtop--;
     pthread_mutex_unlock(&mpc__journal_lock);
     return found;
 }
@@ -659,5 +666,6 @@ void mpc_after_fork_child(void) {
         munmap(mpc__jmap, mpc__jmaplen);
     mpc__jmap = NULL;
     mpc__myjournal = NULL;
+    mpc__jtop = 0;
     mpc__arena_after_fork_child();
 }

@@ -206,9 +206,12 @@ void mpc_ref_drop(const mpc_ref *ref);
 int mpc_block_find(const void *addr, uint64_t len, mpc_block *out);
 
 /* Counts for tests and stats: segments mapped here, bytes mapped, blocks
- * allocated here since start, fetches of a segment fd from the keeper. */
+ * allocated here since start, fetches of a segment fd from the keeper,
+ * segments created here, tickets taken (handles sent) and redeemed
+ * (handles received). */
 typedef struct {
     uint64_t segments, mapped_bytes, blocks_allocated, fd_fetches, segments_created;
+    uint64_t tickets, attaches;
 } mpc_shm_stats;
 void mpc_shm_get_stats(mpc_shm_stats *st);
 

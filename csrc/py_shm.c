@@ -153,11 +153,12 @@ static int parse_dims(PyObject *seq, npy_intp *out, int *nd, const char *what, P
 /* Block.check_view(itemsize, shape, strides, offset): raises HandleError
  * if the view does not lie inside the block. */
 static PyObject *block_check_view_py(BlockObject *self, PyObject *args) {
-    Py_ssize_t itemsize, offset, start = 0, end = -1;
+    Py_ssize_t itemsize, offset, start = 0, end = -1, unit = 1;
     PyObject *shape_o, *strides_o;
     npy_intp shape[NPY_MAXDIMS], strides[NPY_MAXDIMS];
     int nd, nd2;
-    if (!PyArg_ParseTuple(args, "nOOn|nn", &itemsize, &shape_o, &strides_o, &offset, &start, &end))
+    if (!PyArg_ParseTuple(args, "nOOn|nnn", &itemsize, &shape_o, &strides_o, &offset, &start, &end,
+                          &unit))
         return NULL;
     mpc_state *st = mpc_type_state(Py_TYPE(self));
     if (parse_dims(shape_o, shape, &nd, "shape", st->HandleError) < 0 ||
@@ -165,6 +166,9 @@ static PyObject *block_check_view_py(BlockObject *self, PyObject *args) {
         return NULL;
     if (nd != nd2)
         return PyErr_Format(st->HandleError, "handle has %d sizes but %d strides", nd, nd2);
+    for (int i = 0; i < nd; i++)
+        if (__builtin_mul_overflow(strides[i], (npy_intp)unit, &strides[i]))
+            return PyErr_Format(st->HandleError, "handle has absurd strides");
     if (block_check_view(self, itemsize, nd, shape, strides, offset, start, end) < 0)
         return NULL;
     Py_RETURN_NONE;
@@ -261,7 +265,8 @@ static PyMethodDef block_methods[] = {
     {"claim", (PyCFunction)block_claim, METH_NOARGS,
      "In a forked child: turns the ticket its parent took into this process's hold."},
     {"check_view", (PyCFunction)block_check_view_py, METH_VARARGS,
-     "check_view(itemsize, shape, strides, offset): HandleError unless inside the block."},
+     "check_view(itemsize, shape, strides, offset, start=0, end=-1, unit=1): HandleError\n"
+     "unless the view (strides in units of `unit` bytes) lies in bytes [start, end)."},
     {"array", (PyCFunction)(void (*)(void))block_array, METH_VARARGS | METH_KEYWORDS,
      "array(dtype, shape, strides=None, offset=0): a numpy array over the block."},
     {NULL},
@@ -411,8 +416,9 @@ static PyObject *py_drop_ticket(PyObject *m, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* drop_journaled(refs): drops each ticket still in this process's journal
- * (those a get took off a queue that unpickling did not redeem). */
+/* drop_journaled(refs): for each ref, forgets one journaled ticket of that
+ * block and drops it (tickets a get took off a queue that unpickling did
+ * not redeem; tickets of one block are interchangeable). */
 static PyObject *py_drop_journaled(PyObject *m, PyObject *refs) {
     PyObject *fast = PySequence_Fast(refs, "refs must be a sequence");
     if (fast == NULL)
@@ -459,11 +465,13 @@ static PyObject *py_mem_available(PyObject *m, PyObject *unused) {
 static PyObject *py_stats(PyObject *m, PyObject *unused) {
     mpc_shm_stats s;
     mpc_shm_get_stats(&s);
-    return Py_BuildValue("{sKsKsKsKsK}", "segments", (unsigned long long)s.segments,
+    return Py_BuildValue("{sKsKsKsKsKsKsK}", "segments", (unsigned long long)s.segments,
                          "mapped_bytes", (unsigned long long)s.mapped_bytes, "blocks_allocated",
                          (unsigned long long)s.blocks_allocated, "fd_fetches",
                          (unsigned long long)s.fd_fetches, "segments_created",
-                         (unsigned long long)s.segments_created);
+                         (unsigned long long)s.segments_created, "handles_sent",
+                         (unsigned long long)s.tickets, "handles_received",
+                         (unsigned long long)s.attaches);
 }
 
 static PyObject *py_after_fork_child(PyObject *m, PyObject *unused) {

@@ -39,8 +39,19 @@ _boot.serve_torch(patch_multiprocessing=False)
 _shm.ensure_keeper()
 
 
+_TORCH_SPAWN = ("spawn", "start_processes", "ProcessContext", "SpawnContext",
+                "ProcessException", "ProcessRaisedException", "ProcessExitedException")
+
+
 def __getattr__(name):
-    # Whatever mpcore does not reimplement is multiprocessing's.
+    # torch.multiprocessing's spawn API is torch's own for now; whatever else
+    # mpcore does not reimplement is multiprocessing's.
+    if name in _TORCH_SPAWN:
+        try:
+            import torch.multiprocessing as tmp
+        except ImportError:
+            raise AttributeError(f"mpcore.{name} needs torch") from None
+        return getattr(tmp, name)
     try:
         return getattr(_mp, name)
     except AttributeError:

@@ -146,16 +146,11 @@ class Queue:
     def get(self, block=True, timeout=None):
         self._check_closed()
         refs, payload = self._ring.get(block, timeout)
-        try:
-            if payload[:1] == _SPILLED:
-                spill = _shm.attach(refs[-1])
-                return _pickle.loads(memoryview(spill)[1:])
+        if not refs:
             return _pickle.loads(memoryview(payload)[1:])
-        finally:
-            if refs:
-                # Tickets still journaled were not redeemed (unpickling
-                # failed): drop them rather than leak their blocks.
-                _core.drop_journaled(refs)
+        if payload[:1] == _SPILLED:
+            return _shm.receive(refs, _load_spilled, refs[-1])
+        return _shm.receive(refs, _pickle.loads, memoryview(payload)[1:])
 
     def put_nowait(self, obj):
         return self.put(obj, False)
@@ -214,6 +209,10 @@ class SimpleQueue(Queue):
 
     def get(self):
         return Queue.get(self)
+
+
+def _load_spilled(ref):
+    return _pickle.loads(memoryview(_shm.attach(ref))[1:])
 
 
 def _rebuild_queue(cls, ref, maxsize):

@@ -72,6 +72,9 @@ def alloc_copy(address, nbytes):
 def attach(ref):
     """Redeems a handle's ticket and returns this process's Block for it.
     A malformed handle raises HandleError (from the core)."""
+    redeemed = getattr(_tls, "redeemed", None)
+    if redeemed is not None:
+        redeemed.append(ref)
     with _lock:
         b = _blocks.get(ref) if type(ref) is tuple else None
         if b is not None:
@@ -118,6 +121,24 @@ class transfer:
     def __exit__(self, *exc):
         _tls.refs = self._saved
         return False
+
+
+def receive(refs, load, data):
+    """Returns load(data), a message carrying tickets `refs`.  The tickets
+    that unpickling did not redeem (it failed half-way) are then dropped, so
+    their blocks are not held forever."""
+    saved = getattr(_tls, "redeemed", None)
+    redeemed = _tls.redeemed = []
+    try:
+        return load(data)
+    finally:
+        _tls.redeemed = saved
+        if len(redeemed) < len(refs):
+            left = list(refs)
+            for ref in redeemed:
+                if ref in left:
+                    left.remove(ref)
+            _core.drop_journaled(left)
 
 
 def in_transfer():

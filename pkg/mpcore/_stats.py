@@ -16,7 +16,8 @@ def bump(name, n=1):
 def snapshot():
     from . import _core
     out = dict(_counts)
-    out.update({"shm_" + k: v for k, v in _core.stats().items()})
+    for k, v in _core.stats().items():
+        out[k if k.startswith("handles_") else "shm_" + k] = v
     return out
 
 
@@ -29,4 +30,10 @@ def _report():
         f.write(line + "\n")
 
 
+def _after_fork_child():
+    # A child counts what it serves itself, from zero.
+    _counts.clear()
+
+
 atexit.register(_report)
+os.register_at_fork(after_in_child=_after_fork_child)

@@ -32,6 +32,9 @@ _orig = {}
 # or torch.Tensor themselves costs more than the rest of a handle.
 _DTYPES = {str(d).split(".")[1]: d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 _DTYPE_NAME = {d: n for n, d in _DTYPES.items()}
+# One empty tensor per dtype: .new() of it is the cheapest way to get a
+# fresh tensor to set_() onto a storage.
+_PROTO = {}
 
 
 def _storage_block(storage):
@@ -113,7 +116,6 @@ def _is_shared(self):
 # --- pickling -------------------------------------------------------------
 
 def _rebuild_storage(ref, offset, nbytes):
-    _stats.bump("handles_received")
     return _storage_over(_shm.attach(ref), offset, nbytes)
 
 
@@ -123,7 +125,6 @@ def reduce_storage(storage):
     b, off = _move(storage)
     if b is None:
         return (torch.UntypedStorage, (0,))
-    _stats.bump("handles_sent")
     return (_rebuild_storage, (_shm.ticket(b), off, storage.nbytes()))
 
 
@@ -132,21 +133,21 @@ _itemsize = {}
 
 def _rebuild_tensor(param, ref, offset, nbytes, dtype, storage_offset, size, stride,
                     requires_grad):
-    _stats.bump("handles_received")
     block = _shm.attach(ref)
-    dtype = _DTYPES.get(dtype) if type(dtype) is str else None
-    if dtype is None:
-        raise _shm.HandleError("handle has a corrupt dtype")
-    itemsize = dtype.itemsize
+    proto = _PROTO.get(dtype)
+    if proto is None:
+        if type(dtype) is not str or dtype not in _DTYPES:
+            raise _shm.HandleError("handle has a corrupt dtype")
+        proto = _PROTO[dtype] = torch.empty((0,), dtype=_DTYPES[dtype])
+    itemsize = proto.itemsize
     # Check the view against the storage's bytes before torch sees it: a
     # forged handle gets HandleError, never an out-of-bounds view.
     if offset < 0 or nbytes < 0 or offset + nbytes > block.nbytes:
         raise _shm.HandleError(f"handle names bytes [{offset}, {offset + nbytes}) of a "
                                f"{block.nbytes}-byte block: out of bounds")
-    block.check_view(itemsize, size, [s * itemsize for s in stride],
-                     offset + storage_offset * itemsize, offset, offset + nbytes)
-    storage = _storage_over(block, offset, nbytes)
-    t = torch.empty((0,), dtype=dtype).set_(storage, storage_offset, size, stride)
+    block.check_view(itemsize, size, stride, offset + storage_offset * itemsize, offset,
+                     offset + nbytes, itemsize)
+    t = proto.new().set_(_storage_over(block, offset, nbytes), storage_offset, size, stride)
     if param:
         return torch.nn.parameter.Parameter(t, requires_grad=requires_grad)
     if requires_grad:
@@ -169,7 +170,6 @@ def reduce_tensor(tensor):
     b, off = _move(storage)
     if b is None:
         return _torch_reductions.reduce_tensor(tensor)
-    _stats.bump("handles_sent")
     return (_rebuild_tensor,
             (cls is not torch.Tensor, _shm.ticket(b), off, storage.nbytes(),
              _DTYPE_NAME[tensor.dtype], tensor.storage_offset(), tuple(tensor.size()),

@@ -1,0 +1,209 @@
+"""The founding article's programs (../shared/article) under `mpcore run`.
+
+Each program runs unchanged through `python -m mpcore run` and prints what
+the article says it prints, and what plain python prints; MPCORE_STATS shows
+that torch.multiprocessing in them was served by mpcore (and that plain
+python leaves mpcore out).  conftest.article() skips locally when the
+article is absent and fails in CI.  Every program runs in a session of its
+own, and the test waits for all of that session (keeper included) to go.
+"""
+import json
+import math
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import article
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("leak_check")]
+
+SHARED_TENSOR_OUT = """\
+tensor([[0., 0., 0., 0.],
+        [1., 1., 1., 1.],
+        [2., 2., 2., 2.],
+        [3., 3., 3., 3.]])
+"""
+
+HOGWILD_LINE = re.compile(r"^Process (\d+), Epoch (\d+), Loss: (\S+)$")
+
+
+def clean_env(**extra):
+    # Without mpcore's switches, and with python's default buffering: under
+    # PYTHONUNBUFFERED, print() writes a line's text and its newline
+    # separately, so 4 processes' lines interleave mid-line (with or without
+    # mpcore); buffered, each child's lines reach the pipe in one write.
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MPCORE_") and k != "PYTHONUNBUFFERED"}
+    env.update(extra)
+    return env
+
+
+def session_members(sid):
+    found = []
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:
+            found.append((int(p), fields[0]))
+    return found
+
+
+def wait_session_gone(sid, timeout=30):
+    """Waits (on pidfds) for every process of the program's session to exit,
+    and for init to reap them (polled, with a deadline); fails if any is
+    still running."""
+    deadline = time.monotonic() + timeout
+    for pid, state in session_members(sid):
+        if state == "Z":
+            continue
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            continue
+        try:
+            select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        finally:
+            os.close(fd)
+    left = session_members(sid)
+    while left and all(s == "Z" for _, s in left) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        left = session_members(sid)
+    alive = [(pid, s) for pid, s in left if s != "Z"]
+    for pid, _ in alive:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    assert not alive, f"processes of the program left behind: {alive}"
+
+
+def run(path, launcher, env=None, timeout=120):
+    """Runs the program (under `mpcore run` if launcher) from a scratch cwd;
+    returns (CompletedProcess, pid of its first process)."""
+    cmd = [sys.executable] + (["-m", "mpcore", "run"] if launcher else []) + [path]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, env=env or clean_env(),
+                         cwd=os.path.dirname(path))
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise
+    finally:
+        wait_session_gone(p.pid)
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err), p.pid
+
+
+def stats_lines(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# --- shared_tensor.py -----------------------------------------------------------
+
+def test_shared_tensor_under_launcher():
+    r, _ = run(article("shared_tensor.py"), launcher=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == SHARED_TENSOR_OUT
+    assert "Traceback" not in r.stderr
+
+
+def test_shared_tensor_same_as_plain_python():
+    path = article("shared_tensor.py")
+    want, _ = run(path, launcher=False)
+    got, _ = run(path, launcher=True)
+    assert want.returncode == got.returncode == 0, (want.stderr, got.stderr)
+    assert got.stdout == want.stdout == SHARED_TENSOR_OUT
+
+
+def test_shared_tensor_served_by_mpcore(tmp_path):
+    stats = tmp_path / "stats.jsonl"
+    r, pid = run(article("shared_tensor.py"), launcher=True,
+                 env=clean_env(MPCORE_STATS=str(stats)))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == SHARED_TENSOR_OUT
+    lines = stats_lines(stats)
+    main = [l for l in lines if l["pid"] == pid]
+    assert len(main) == 1, lines
+    assert main[0]["processes_started"] == 4
+    assert main[0]["storages_shared"] >= 1
+    assert main[0]["shm_segments_created"] >= 1
+    # Each of the 4 children wrote its own line too: all were mpcore's.
+    assert len({l["pid"] for l in lines} - {pid}) == 4
+
+
+# --- hogwild.py -----------------------------------------------------------------
+
+def check_hogwild_output(stdout):
+    lines = stdout.splitlines()
+    assert len(lines) == 40, stdout
+    seen = {}
+    for line in lines:
+        m = HOGWILD_LINE.match(line)
+        assert m, f"not a progress line: {line!r}"
+        rank, epoch, loss = int(m.group(1)), int(m.group(2)), float(m.group(3))
+        assert math.isfinite(loss) and loss >= 0, line
+        seen.setdefault(rank, []).append(epoch)
+    assert sorted(seen) == [0, 1, 2, 3]
+    for rank, epochs in seen.items():
+        # Each process prints its own epochs in order.
+        assert epochs == list(range(10)), (rank, epochs)
+
+
+def test_hogwild_under_launcher():
+    r, _ = run(article("hogwild.py"), launcher=True)
+    assert r.returncode == 0, r.stderr
+    check_hogwild_output(r.stdout)
+    assert "Traceback" not in r.stderr
+
+
+def test_hogwild_same_shape_as_plain_python():
+    # The losses are random; the 40 lines' shape is what both must print.
+    want, _ = run(article("hogwild.py"), launcher=False)
+    assert want.returncode == 0, want.stderr
+    check_hogwild_output(want.stdout)
+
+
+def test_hogwild_served_by_mpcore(tmp_path):
+    stats = tmp_path / "stats.jsonl"
+    r, pid = run(article("hogwild.py"), launcher=True, env=clean_env(MPCORE_STATS=str(stats)))
+    assert r.returncode == 0, r.stderr
+    check_hogwild_output(r.stdout)
+    lines = stats_lines(stats)
+    main = [l for l in lines if l["pid"] == pid]
+    assert len(main) == 1, lines
+    assert main[0]["processes_started"] == 4
+    assert main[0]["storages_shared"] >= 2      # the Linear's weight and bias
+    assert len({l["pid"] for l in lines} - {pid}) == 4
+
+
+@pytest.mark.parametrize("name", ["shared_tensor.py", "hogwild.py"])
+def test_plain_python_leaves_mpcore_out(tmp_path, name):
+    stats = tmp_path / "stats.jsonl"
+    r, _ = run(article(name), launcher=False, env=clean_env(MPCORE_STATS=str(stats)))
+    assert r.returncode == 0, r.stderr
+    assert not stats.exists(), stats.read_text()
+
+
+# --- dataloader.py --------------------------------------------------------------
+
+def test_dataloader_same_as_plain_python():
+    path = article("dataloader.py")
+    want, _ = run(path, launcher=False)
+    got, _ = run(path, launcher=True)
+    assert want.returncode == got.returncode == 0, (want.stderr, got.stderr)
+    assert got.stdout == want.stdout
+    assert got.stdout.startswith("tensor([ 0,  1,  2,")
+    assert got.stdout.count("tensor(") == 32    # 1000 items in batches of 32

@@ -1,0 +1,490 @@
+"""`import mpcore as mp` as torch.multiprocessing's module surface.
+
+Each name is there and works for real in a small bounded use.  Uses that
+start fork children run in the test process (reaped before the test ends);
+spawn and forkserver, which leave a resource tracker or a fork server behind
+in the process that uses them, run in a fresh program in a session of its
+own, and the test waits for all of that session to go.
+"""
+import ast
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import mpcore as mp
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("leak_check")]
+
+SURFACE = [
+    "Process", "Queue", "SimpleQueue", "JoinableQueue", "Pool", "Event", "Lock", "RLock",
+    "Semaphore", "Condition", "Barrier", "Value", "Array", "Manager", "Pipe", "get_context",
+    "set_start_method", "get_start_method", "get_all_start_methods", "cpu_count",
+    "current_process", "active_children", "set_sharing_strategy", "get_sharing_strategy",
+    "get_all_sharing_strategies",
+]
+
+
+# --- running a fresh program ----------------------------------------------------
+
+def session_members(sid):
+    found = []
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:
+            found.append((int(p), fields[0]))
+    return found
+
+
+def wait_session_gone(sid, timeout=30):
+    """Waits (on pidfds) for every process of the program's session to exit,
+    and for init to reap them (polled, with a deadline)."""
+    deadline = time.monotonic() + timeout
+    for pid, state in session_members(sid):
+        if state == "Z":
+            continue
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            continue
+        try:
+            select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        finally:
+            os.close(fd)
+    left = session_members(sid)
+    while left and all(s == "Z" for _, s in left) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        left = session_members(sid)
+    alive = [(pid, s) for pid, s in left if s != "Z"]
+    for pid, _ in alive:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    assert not alive, f"processes of the program left behind: {alive}"
+
+
+def run_fresh(code, tmp_path, timeout=90):
+    """Runs `code` as a fresh program (plain python) in its own session;
+    returns the CompletedProcess once the whole session is gone."""
+    script = tmp_path / "prog.py"
+    script.write_text(textwrap.dedent(code))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MPCORE_")}
+    p = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise
+    finally:
+        wait_session_gone(p.pid)
+    return subprocess.CompletedProcess(script, p.returncode, out, err)
+
+
+def report(r):
+    assert r.returncode == 0, r.stderr
+    lines = [l for l in r.stdout.splitlines() if l.startswith("REPORT ")]
+    assert len(lines) == 1, r.stdout
+    return ast.literal_eval(lines[0][len("REPORT "):])
+
+
+# --- the names ------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", SURFACE)
+def test_name_is_there(name):
+    import torch.multiprocessing as tmp
+    assert hasattr(tmp, name)          # it is torch's surface ...
+    assert callable(getattr(mp, name))  # ... and mpcore has it
+
+
+def test_all_of_torch_multiprocessing_is_there():
+    import torch.multiprocessing as tmp
+    missing = [n for n in tmp.__all__ if not hasattr(mp, n)]
+    assert not missing
+
+
+def test_torch_spawn_api_is_there():
+    # torch.multiprocessing.spawn / start_processes are its best-known names;
+    # mpcore.spawn must be that function, not the stdlib's multiprocessing.spawn module.
+    import types
+    for name in ("spawn", "start_processes", "ProcessContext", "ProcessRaisedException",
+                 "ProcessExitedException"):
+        assert hasattr(mp, name), name
+    assert not isinstance(mp.spawn, types.ModuleType), mp.spawn
+    assert callable(mp.spawn)
+
+
+def test_process_and_queues_are_mpcores():
+    import multiprocessing
+    from mpcore import _queue
+    assert mp.Queue is _queue.Queue
+    assert mp.SimpleQueue is _queue.SimpleQueue
+    assert mp.JoinableQueue is _queue.JoinableQueue
+    assert issubclass(mp.Process, multiprocessing.process.BaseProcess)
+
+
+# --- small real uses, fork children ---------------------------------------------
+
+def _square(x):
+    return x * x
+
+
+def test_pool_map():
+    pool = mp.Pool(2)
+    try:
+        assert pool.map(_square, range(20)) == [x * x for x in range(20)]
+        assert pool.apply(_square, (7,)) == 49
+    finally:
+        pool.close()
+        pool.join()
+
+
+def _add_to_value(v, n):
+    for _ in range(n):
+        with v.get_lock():
+            v.value += 1
+
+
+def test_value_shared_by_fork_child():
+    v = mp.Value("i", 0)
+    ps = [mp.Process(target=_add_to_value, args=(v, 200)) for _ in range(2)]
+    for p in ps:
+        p.start()
+    _add_to_value(v, 200)
+    for p in ps:
+        p.join()
+    assert [p.exitcode for p in ps] == [0, 0]
+    assert v.value == 600
+
+
+def _fill_array(a):
+    for i in range(len(a)):
+        a[i] = i * 1.5
+
+
+def test_array_shared_by_fork_child():
+    a = mp.Array("d", 5)
+    p = mp.Process(target=_fill_array, args=(a,))
+    p.start()
+    p.join()
+    assert p.exitcode == 0
+    assert list(a) == [0.0, 1.5, 3.0, 4.5, 6.0]
+
+
+def _fill_dict(d, lst):
+    d["child"] = os.getpid()
+    lst.append("from child")
+
+
+def test_manager_dict_and_list():
+    with mp.Manager() as m:
+        d, lst = m.dict(), m.list()
+        p = mp.Process(target=_fill_dict, args=(d, lst))
+        p.start()
+        p.join()
+        assert p.exitcode == 0
+        assert d["child"] == p.pid
+        assert list(lst) == ["from child"]
+
+
+def _set(e):
+    e.set()
+
+
+def test_event_set_by_child():
+    e = mp.Event()
+    assert not e.is_set()
+    p = mp.Process(target=_set, args=(e,))
+    p.start()
+    assert e.wait(60)
+    p.join()
+    assert p.exitcode == 0
+
+
+def _locks_in_child(lock, rlock, sem, out):
+    with lock:
+        with rlock:
+            with rlock:            # re-entrant
+                pass
+    assert sem.acquire(timeout=60)
+    out.put("locked")
+
+
+def test_lock_rlock_semaphore():
+    lock, rlock, sem, out = mp.Lock(), mp.RLock(), mp.Semaphore(0), mp.SimpleQueue()
+    lock.acquire()                 # the child must wait for this
+    p = mp.Process(target=_locks_in_child, args=(lock, rlock, sem, out))
+    p.start()
+    lock.release()
+    sem.release()
+    assert out.get() == "locked"
+    p.join()
+    assert p.exitcode == 0
+
+
+def _notify(cond, flag):
+    with cond:
+        flag.value = 1
+        cond.notify_all()
+
+
+def test_condition_notified_by_child():
+    cond, flag = mp.Condition(), mp.Value("i", 0)
+    with cond:
+        p = mp.Process(target=_notify, args=(cond, flag))
+        p.start()
+        assert cond.wait_for(lambda: flag.value == 1, timeout=60)
+    p.join()
+    assert p.exitcode == 0
+
+
+def _at_barrier(b, q):
+    q.put(b.wait(timeout=60))
+
+
+def test_barrier():
+    b, q = mp.Barrier(3), mp.Queue()
+    ps = [mp.Process(target=_at_barrier, args=(b, q)) for _ in range(2)]
+    for p in ps:
+        p.start()
+    mine = b.wait(timeout=60)
+    theirs = [q.get(timeout=60) for _ in ps]
+    for p in ps:
+        p.join()
+    assert sorted(theirs + [mine]) == [0, 1, 2]
+
+
+def _pipe_child(conn):
+    conn.send(conn.recv() * 2)
+    conn.close()
+
+
+def test_pipe():
+    a, b = mp.Pipe()
+    p = mp.Process(target=_pipe_child, args=(b,))
+    p.start()
+    a.send(21)
+    assert a.recv() == 42
+    p.join()
+    assert p.exitcode == 0
+
+
+def _queues_child(q, sq, jq):
+    q.put(("queue", os.getpid()))
+    sq.put("simple")
+    jq.get()
+    jq.task_done()
+
+
+def test_queues_with_child():
+    q, sq, jq = mp.Queue(), mp.SimpleQueue(), mp.JoinableQueue()
+    jq.put("work")
+    p = mp.Process(target=_queues_child, args=(q, sq, jq))
+    p.start()
+    assert q.get(timeout=60)[0] == "queue"
+    assert sq.get() == "simple"
+    jq.join()                       # returns once the child did task_done()
+    p.join()
+    assert p.exitcode == 0
+    assert q.empty() and sq.empty()
+
+
+def _wait_then_exit(e):
+    e.wait(60)
+
+
+def test_current_process_and_active_children():
+    assert mp.current_process().name == "MainProcess"
+    e = mp.Event()
+    p = mp.Process(target=_wait_then_exit, args=(e,), name="worker-x")
+    p.start()
+    try:
+        assert p in mp.active_children()
+        assert p.name == "worker-x"
+    finally:
+        e.set()
+        p.join()
+    assert p not in mp.active_children()
+
+
+def test_start_method_queries():
+    import multiprocessing
+    assert set(mp.get_all_start_methods()) >= {"fork", "spawn", "forkserver"}
+    assert mp.get_start_method() == multiprocessing.get_start_method()
+    assert mp.cpu_count() == os.cpu_count()
+
+
+def _report_method(q):
+    import multiprocessing
+    q.put(multiprocessing.get_start_method())
+
+
+def test_fork_context_process():
+    ctx = mp.get_context("fork")
+    assert ctx.get_start_method() == "fork"
+    q = ctx.Queue()
+    assert isinstance(q, mp.Queue)
+    p = ctx.Process(target=_report_method, args=(q,))
+    p.start()
+    assert q.get(timeout=60) == "fork"
+    p.join()
+    assert p.exitcode == 0
+
+
+# --- spawn and forkserver, in a fresh program -----------------------------------
+
+CONTEXTS = '''
+import os, sys
+import mpcore
+
+def child(q, method):
+    import multiprocessing
+    q.put((method, sys.modules["__main__"].__name__, multiprocessing.parent_process().pid,
+           os.getppid() == multiprocessing.parent_process().pid))
+
+if __name__ == "__main__":
+    out = {}
+    for method in ("spawn", "forkserver", "fork"):
+        ctx = mpcore.get_context(method)
+        q = ctx.Queue()
+        p = ctx.Process(target=child, args=(q, method))
+        p.start()
+        got = q.get(timeout=60)
+        p.join()
+        out[method] = got + (p.exitcode, type(q).__module__, ctx.get_start_method())
+    print("REPORT", repr((os.getpid(), out)))
+'''
+
+
+def test_contexts_spawn_forkserver_fork(tmp_path):
+    me, out = report(run_fresh(CONTEXTS, tmp_path))
+    # A spawned child imports the script as __mp_main__; fork children keep __main__.
+    assert out["spawn"] == ("spawn", "__mp_main__", me, True, 0, "mpcore._queue", "spawn")
+    assert out["forkserver"][:3] == ("forkserver", "__mp_main__", me)
+    assert out["forkserver"][4:] == (0, "mpcore._queue", "forkserver")
+    assert out["forkserver"][3] is False      # its parent is the fork server
+    assert out["fork"] == ("fork", "__main__", me, True, 0, "mpcore._queue", "fork")
+
+
+def test_set_start_method_is_followed(tmp_path):
+    r = run_fresh('''
+        import sys
+        import mpcore as mp
+
+        def child(q):
+            q.put(sys.modules["__main__"].__name__)
+
+        if __name__ == "__main__":
+            mp.set_start_method("spawn")
+            q = mp.Queue()
+            p = mp.Process(target=child, args=(q,))
+            p.start()
+            name = q.get(timeout=60)
+            p.join()
+            print("REPORT", repr((mp.get_start_method(), name, p.exitcode)))
+    ''', tmp_path)
+    assert report(r) == ("spawn", "__mp_main__", 0)
+
+
+# --- contexts and strategies: errors ----------------------------------------------
+
+@pytest.mark.parametrize("bad", ["threads", "", "Spawn", "fork "])
+def test_invalid_context_raises_value_error(bad):
+    with pytest.raises(ValueError):
+        mp.get_context(bad)
+
+
+def test_default_context():
+    ctx = mp.get_context()
+    assert ctx.get_start_method() == mp.get_start_method()
+    assert mp.get_context("spawn") is mp.get_context("spawn")
+
+
+def test_sharing_strategies():
+    import torch.multiprocessing as tmp
+    assert mp.get_all_sharing_strategies() == tmp.get_all_sharing_strategies()
+    before = mp.get_sharing_strategy()
+    assert before in mp.get_all_sharing_strategies()
+    try:
+        for s in mp.get_all_sharing_strategies():
+            mp.set_sharing_strategy(s)
+            assert mp.get_sharing_strategy() == s
+    finally:
+        mp.set_sharing_strategy(before)
+
+
+@pytest.mark.parametrize("bad", ["shared_memory", "", "FILE_SYSTEM", None])
+def test_unknown_sharing_strategy_rejected(bad):
+    import torch.multiprocessing as tmp
+    before = mp.get_sharing_strategy()
+    with pytest.raises(AssertionError):      # what torch raises
+        tmp.set_sharing_strategy(bad)
+    with pytest.raises(AssertionError):
+        mp.set_sharing_strategy(bad)
+    assert mp.get_sharing_strategy() == before
+
+
+# --- without torch -------------------------------------------------------------------
+
+NO_TORCH = '''
+import sys
+
+class NoTorch:
+    """Plays a machine where torch is not installed."""
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError(f"No module named {name!r}")
+        return None
+
+sys.meta_path.insert(0, NoTorch())
+
+try:
+    import torch
+except ImportError:
+    pass
+else:
+    raise SystemExit("the blocker did not block torch")
+
+import mpcore
+
+def child(q, a):
+    a *= 2
+    q.put(("from child", float(a.sum())))
+
+if __name__ == "__main__":
+    q = mpcore.Queue()
+    a = mpcore.empty((4,), "float64")
+    a[:] = 1.5
+    p = mpcore.Process(target=child, args=(q, a))
+    p.start()
+    got = q.get(timeout=60)
+    p.join()
+    sq = mpcore.SimpleQueue()
+    sq.put({"k": [1, 2]})
+    print("REPORT", repr((got, p.exitcode, a.tolist(), sq.get(), "torch" in sys.modules,
+                          mpcore.get_sharing_strategy())))
+'''
+
+
+def test_import_without_torch(tmp_path):
+    got, code, arr, simple, torch_loaded, strategy = report(run_fresh(NO_TORCH, tmp_path))
+    assert got == ("from child", 12.0)
+    assert code == 0
+    assert arr == [3.0, 3.0, 3.0, 3.0]
+    assert simple == {"k": [1, 2]}
+    assert torch_loaded is False
+    assert strategy == "file_descriptor"
