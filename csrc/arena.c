@@ -293,7 +293,7 @@ static void mpc__trim_idle(void) {
 
 /* Finds or maps a segment.  Called with mpc__lock held; drops it while
  * asking the keeper. */
-static int mpc__get_seg(uint64_t seg_id, mpc_seg **out) {
+static int mpc__get_seg(uint64_t seg_id, int may_block, mpc_seg **out) {
     mpc_seg *s = mpc__lookup(seg_id);
     if (s && (atomic_load(&s->hdr->flags) & MPC_SEG_RETIRED) && !s->nheld && !s->owned) {
         mpc__unmap(s);
@@ -303,6 +303,8 @@ static int mpc__get_seg(uint64_t seg_id, mpc_seg **out) {
         *out = s;
         return 0;
     }
+    if (!may_block)
+        return -EAGAIN;
     int fd = -1;
     pthread_mutex_unlock(&mpc__lock);
     int r = mpc_client_fetch(seg_id, &fd);
@@ -593,14 +595,26 @@ static void mpc__fill(mpc_seg *s, uint32_t i, mpc_block *out) {
     out->kind = s->hdr->meta[i].kind;
 }
 
-int mpc_block_attach(const mpc_ref *ref, int already_held, mpc_block *out) {
+int mpc_segment_prepare(uint64_t seg_id) {
     uint32_t slot;
     int r = mpc_client_slot(&slot);
     if (r < 0)
         return r;
     pthread_mutex_lock(&mpc__lock);
     mpc_seg *s;
-    if ((r = mpc__get_seg(ref->seg_id, &s)) < 0)
+    r = mpc__get_seg(seg_id, 1, &s);
+    pthread_mutex_unlock(&mpc__lock);
+    return r;
+}
+
+int mpc_block_attach(const mpc_ref *ref, int already_held, int may_block, mpc_block *out) {
+    uint32_t slot;
+    int r = may_block ? mpc_client_slot(&slot) : mpc_client_slot_ready(&slot);
+    if (r < 0)
+        return r;
+    pthread_mutex_lock(&mpc__lock);
+    mpc_seg *s;
+    if ((r = mpc__get_seg(ref->seg_id, may_block, &s)) < 0)
         goto out;
     if ((r = mpc__check_ref(s, ref)) < 0)
         goto out;
@@ -683,7 +697,7 @@ void mpc_ref_drop(const mpc_ref *ref) {
     mpc_journal_clear(ref);
     pthread_mutex_lock(&mpc__lock);
     mpc_seg *s;
-    if (mpc__get_seg(ref->seg_id, &s) < 0 || mpc__check_ref(s, ref) < 0) {
+    if (mpc__get_seg(ref->seg_id, 1, &s) < 0 || mpc__check_ref(s, ref) < 0) {
         mpc_clear_error();
         pthread_mutex_unlock(&mpc__lock);
         return;

@@ -588,6 +588,14 @@ int mpc_client_connect(const char **name) {
     return r;
 }
 
+int mpc_client_slot_ready(uint32_t *slot) {
+    int32_t s = __atomic_load_n(&mpc__slot, __ATOMIC_ACQUIRE);
+    if (s < 0)
+        return -EAGAIN;
+    *slot = (uint32_t)s;
+    return 0;
+}
+
 int mpc_client_slot(uint32_t *slot) {
     if (mpc__is_keeper)
         return mpc_fail(ENOENT, "the keeper holds no blocks");

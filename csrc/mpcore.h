@@ -182,10 +182,17 @@ int mpc_block_ticket(const mpc_block *b);
  * for its fd once per segment), checks the reference against the segment's
  * header, and converts the ticket into this process's hold.  If
  * already_held is non-zero this process holds the block already and the
- * ticket is simply dropped.  Returns 0 and fills *out, or -MPC_EHANDLE
- * (forged or corrupt), -MPC_ESTALE (block freed or reused), -ENOENT (no such
- * segment), or another -errno; on failure no reference count changes. */
-int mpc_block_attach(const mpc_ref *ref, int already_held, mpc_block *out);
+ * ticket is simply dropped.  With may_block == 0 it never waits: where it
+ * would have to connect or fetch, it returns -EAGAIN having changed
+ * nothing (call mpc_segment_prepare, then again).  Returns 0 and fills
+ * *out, or -MPC_EHANDLE (forged or corrupt), -MPC_ESTALE (block freed or
+ * reused, or its ticket already redeemed), -ENOENT (no such segment), or
+ * another -errno; on failure no reference count changes. */
+int mpc_block_attach(const mpc_ref *ref, int already_held, int may_block, mpc_block *out);
+
+/* Connects to the keeper and maps segment seg_id, as a blocking attach
+ * would.  Returns 0 or the errors of mpc_block_attach. */
+int mpc_segment_prepare(uint64_t seg_id);
 
 /* Adds this process's hold on a block it can already see (after fork, the
  * child redeems the ticket its parent took for it).  Same returns as
@@ -241,6 +248,9 @@ int mpc_client_connect(const char **name);
 
 /* Connects as mpc_client_connect does, once, and gets this process's slot. */
 int mpc_client_slot(uint32_t *slot);
+
+/* This process's slot if it has one already (0), else -EAGAIN. */
+int mpc_client_slot_ready(uint32_t *slot);
 
 /* Starts a keeper for this program: binds a fresh abstract address, and
  * spawns the command `tmpl` (a Python that runs mpcore._core.keeper_main)

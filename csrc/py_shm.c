@@ -9,20 +9,62 @@
 #include <numpy/npy_2_compat.h>
 #include <string.h>
 
-typedef struct {
+typedef struct BlockObject {
     PyObject_HEAD
     mpc_block b;
     int held;
     PyObject *weakreflist;
+    struct BlockObject *next; /* in the table below */
 } BlockObject;
+
+/* NOTE [ One Block object per block ]
+ * A process holds a block once (one bit in the block's metadata), and the
+ * Block object is that hold.  This table maps each block to its one live
+ * Block object, so that attaching a handle twice gives the same object
+ * (and, for torch, the same storage), so that an address can be mapped back
+ * to its Block, and so that fork can find every block the child inherits.
+ * The table is only touched with the GIL held; attach runs its fast path
+ * with the GIL held too, so two threads cannot make two objects for one
+ * hold. */
+#define BLOCK_TABLE 4096
+static BlockObject *block_table[BLOCK_TABLE];
+static Py_ssize_t block_count;
+
+static inline size_t block_hash(uint64_t seg, uint32_t index, uint32_t gen) {
+    uint64_t h = seg ^ ((uint64_t)index * 0x9E3779B97F4A7C15ULL) ^ ((uint64_t)gen << 17);
+    return (size_t)((h ^ (h >> 29)) % BLOCK_TABLE);
+}
+
+static BlockObject *block_lookup(uint64_t seg, uint32_t index, uint32_t gen) {
+    for (BlockObject *o = block_table[block_hash(seg, index, gen)]; o; o = o->next)
+        if (o->b.seg_id == seg && o->b.index == index && o->b.gen == gen)
+            return o;
+    return NULL;
+}
+
+static void block_unlink(BlockObject *self) {
+    BlockObject **pp = &block_table[block_hash(self->b.seg_id, self->b.index, self->b.gen)];
+    while (*pp && *pp != self)
+        pp = &(*pp)->next;
+    if (*pp) {
+        *pp = self->next;
+        block_count--;
+    }
+}
 
 static PyObject *block_new_from(PyTypeObject *type, const mpc_block *b) {
     BlockObject *self = PyObject_GC_New(BlockObject, type);
-    if (self == NULL)
+    if (self == NULL) {
+        mpc_block_release(b);
         return NULL;
+    }
     self->b = *b;
     self->held = 1;
     self->weakreflist = NULL;
+    size_t h = block_hash(b->seg_id, b->index, b->gen);
+    self->next = block_table[h];
+    block_table[h] = self;
+    block_count++;
     PyObject_GC_Track(self);
     return (PyObject *)self;
 }
@@ -32,6 +74,7 @@ static void block_dealloc(BlockObject *self) {
     PyObject_GC_UnTrack(self);
     if (self->weakreflist)
         PyObject_ClearWeakRefs((PyObject *)self);
+    block_unlink(self);
     if (self->held) {
         self->held = 0;
         Py_BEGIN_ALLOW_THREADS
@@ -375,13 +418,11 @@ static int parse_ref(PyObject *t, mpc_ref *ref) {
     return 0;
 }
 
-/* attach((seg_id, index, gen), already_held=False) -> Block: redeems a
- * ticket. */
-static PyObject *py_attach(PyObject *m, PyObject *args) {
-    PyObject *h;
-    int already = 0;
-    if (!PyArg_ParseTuple(args, "O|p", &h, &already))
-        return NULL;
+/* attach((seg_id, index, gen)) -> Block: redeems a handle's ticket and
+ * returns this process's Block for the block.  The fast path runs with the
+ * GIL held (NOTE [ One Block object per block ]); only connecting to the
+ * keeper and mapping a new segment release it. */
+static PyObject *py_attach(PyObject *m, PyObject *h) {
     mpc_ref ref;
     mpc_state *st = mpc_get_state(m);
     if (parse_ref(h, &ref) < 0) {
@@ -392,17 +433,25 @@ static PyObject *py_attach(PyObject *m, PyObject *args) {
         }
         return NULL;
     }
-    mpc_block b;
-    int r;
     mpc_clear_error();
-    Py_BEGIN_ALLOW_THREADS
-    r = mpc_block_attach(&ref, already, &b);
-    Py_END_ALLOW_THREADS
-    if (r < 0)
-        return mpc_py_raise(st, r);
-    if (already)
-        Py_RETURN_NONE;
-    return block_new_from(st->BlockType, &b);
+    for (;;) {
+        mpc_block b;
+        BlockObject *o = block_lookup(ref.seg_id, ref.index, ref.gen);
+        int r = mpc_block_attach(&ref, o != NULL, 0, &b);
+        if (r == -EAGAIN && o == NULL) {
+            Py_BEGIN_ALLOW_THREADS
+            r = mpc_segment_prepare(ref.seg_id);
+            Py_END_ALLOW_THREADS
+            if (r < 0)
+                return mpc_py_raise(st, r);
+            continue;
+        }
+        if (r < 0)
+            return mpc_py_raise(st, r);
+        if (o != NULL)
+            return Py_NewRef((PyObject *)o);
+        return block_new_from(st->BlockType, &b);
+    }
 }
 
 static PyObject *py_drop_ticket(PyObject *m, PyObject *args) {
@@ -439,17 +488,30 @@ static PyObject *py_drop_journaled(PyObject *m, PyObject *refs) {
     Py_RETURN_NONE;
 }
 
-/* find(address, nbytes) -> (seg_id, index, gen) of the live block mapped
- * here that contains the range, or None. */
+/* find(address, nbytes) -> (Block, offset) for the block held here that
+ * contains the range, or None. */
 static PyObject *py_find(PyObject *m, PyObject *args) {
     unsigned long long addr, n;
     if (!PyArg_ParseTuple(args, "KK", &addr, &n))
         return NULL;
     mpc_block b;
-    if (!mpc_block_find((const void *)(uintptr_t)addr, n, &b))
+    if (!mpc_block_find((const void *)(uintptr_t)addr, n ? n : 1, &b))
         Py_RETURN_NONE;
-    return Py_BuildValue("(KII)K", (unsigned long long)b.seg_id, b.index, b.gen,
-                         (unsigned long long)(uintptr_t)b.addr);
+    BlockObject *o = block_lookup(b.seg_id, b.index, b.gen);
+    if (o == NULL)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(OK)", (PyObject *)o, addr - (unsigned long long)(uintptr_t)b.addr);
+}
+
+static PyObject *py_live_blocks(PyObject *m, PyObject *unused) {
+    PyObject *list = PyList_New(0);
+    for (int i = 0; list && i < BLOCK_TABLE; i++)
+        for (BlockObject *o = block_table[i]; o; o = o->next)
+            if (PyList_Append(list, (PyObject *)o) < 0) {
+                Py_CLEAR(list);
+                break;
+            }
+    return list;
 }
 
 static PyObject *py_mem_available(PyObject *m, PyObject *unused) {
@@ -559,8 +621,8 @@ PyMethodDef mpc_py_shm_methods[] = {
      "alloc(nbytes, zero=False, kind=1) -> Block"},
     {"alloc_copy", py_alloc_copy, METH_VARARGS,
      "alloc_copy(address, nbytes) -> Block holding a copy of that memory"},
-    {"attach", py_attach, METH_VARARGS,
-     "attach(handle, already_held=False) -> Block: redeems a handle's ticket"},
+    {"attach", py_attach, METH_O, "attach(handle) -> Block: redeems a handle's ticket"},
+    {"live_blocks", py_live_blocks, METH_NOARGS, "live_blocks() -> the Blocks held here"},
     {"drop_ticket", py_drop_ticket, METH_VARARGS, "drop_ticket(handle): drops a ticket unused"},
     {"drop_journaled", py_drop_journaled, METH_O,
      "drop_journaled(refs): drops those of the tickets still in this process's journal"},

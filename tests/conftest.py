@@ -96,7 +96,8 @@ def run_program(code, *args, timeout=60, env=None, launcher=False):
         path = f.name
     try:
         cmd = [sys.executable, "-m", "mpcore", "run", path] if launcher else [sys.executable, path]
-        e = dict(os.environ)
+        # A fresh program: it starts a keeper of its own.
+        e = {k: v for k, v in os.environ.items() if k != "MPCORE_KEEPER"}
         e.update(env or {})
         return subprocess.run(cmd + list(args), capture_output=True, text=True,
                               timeout=timeout, env=e)

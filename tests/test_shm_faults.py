@@ -159,7 +159,7 @@ class Scenario:
         with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
             f.write(textwrap.dedent(code))
             self.files.append(f.name)
-        env = dict(os.environ)
+        env = {k: v for k, v in os.environ.items() if k != "MPCORE_KEEPER"}
         env.update(self.env())
         return subprocess.Popen([sys.executable, f.name, *args], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -11,7 +11,7 @@ Pool stays the standard library's: it reaches into its queues' pipes.
 import multiprocessing as _mp
 from multiprocessing import context as _mpctx
 
-from . import _queue, _stats
+from . import _queue, _shm, _stats
 
 _SHARING_STRATEGIES = {"file_descriptor", "file_system"}
 _sharing_strategy = "file_descriptor"
@@ -20,6 +20,7 @@ _sharing_strategy = "file_descriptor"
 class _ProcessMixin:
     def start(self):
         _stats.bump("processes_started")
+        _shm.ensure_keeper()  # a spawned child must find this program's keeper
         return super().start()
 
     def run(self):

@@ -1,24 +1,15 @@
-"""Shared-memory blocks on the Python side: this process's table of held
-blocks, handles for numpy arrays, and what happens around fork.
-
-NOTE [ One Block object per block ]
-A process holds a block once (one bit in the block's metadata), and the
-`Block` object is that hold.  `_blocks` maps each handle to the one live
-Block object, so that attaching a handle twice gives the same object (and,
-for torch, the same storage), and so that fork can find every block the
-child inherits.  Attaching takes `_lock`, so two threads cannot create two
-Block objects for one hold.
+"""Shared-memory blocks on the Python side: handles for numpy arrays,
+tickets in transit, and what happens around fork.  The core keeps the one
+Block object of each block this process holds (NOTE [ One Block object per
+block ] in py_shm.c).
 """
 import os
 import sys
 import threading
-import weakref
 
 from . import _core
 from ._core import HandleError
 
-_blocks = weakref.WeakValueDictionary()  # (seg, index, gen) -> Block
-_lock = threading.RLock()
 _tls = threading.local()
 
 BLOCK_DATA = 1
@@ -55,18 +46,12 @@ def ensure_keeper():
 
 def alloc(nbytes, zero=False, kind=BLOCK_DATA):
     """A new block of `nbytes` bytes held by this process."""
-    b = _core.alloc(nbytes, zero, kind)
-    with _lock:
-        _blocks[b.handle] = b
-    return b
+    return _core.alloc(nbytes, zero, kind)
 
 
 def alloc_copy(address, nbytes):
     """A new block holding a copy of nbytes bytes at address."""
-    b = _core.alloc_copy(address, nbytes)
-    with _lock:
-        _blocks[b.handle] = b
-    return b
+    return _core.alloc_copy(address, nbytes)
 
 
 def attach(ref):
@@ -75,25 +60,13 @@ def attach(ref):
     redeemed = getattr(_tls, "redeemed", None)
     if redeemed is not None:
         redeemed.append(ref)
-    with _lock:
-        b = _blocks.get(ref) if type(ref) is tuple else None
-        if b is not None:
-            _core.attach(ref, True)
-            return b
-        b = _core.attach(ref)
-        _blocks[ref] = b
-        return b
+    return _core.attach(ref)
 
 
 def find(address, nbytes):
     """(Block, byte offset) of the block held here that contains the range,
     or (None, 0)."""
-    hit = _core.find(address, nbytes or 1)
-    if hit is None:
-        return None, 0
-    ref, base = hit
-    b = _blocks.get(ref)
-    return (b, address - base) if b is not None else (None, 0)
+    return _core.find(address, nbytes) or (None, 0)
 
 
 def ticket(block):
@@ -217,11 +190,10 @@ _inherited = None
 def _before_fork():
     global _inherited
     ensure_keeper()
-    held = list(_blocks.values())
     # A ticket per block keeps it alive for the child until the child has
     # made the hold its own, even if the parent lets go at once.
     _inherited = []
-    for b in held:
+    for b in _core.live_blocks():
         try:
             b.ticket()
             _inherited.append(b)
@@ -235,8 +207,7 @@ def _after_fork_parent():
 
 
 def _after_fork_child():
-    global _inherited, _lock
-    _lock = threading.RLock()
+    global _inherited
     _core.after_fork_child()
     inherited, _inherited = _inherited, None
     for b in inherited or ():
