@@ -131,7 +131,7 @@ static int mpc__recv(int sock, mpc_kmsg *m, int *fd) {
     return n == (ssize_t)sizeof *m ? 0 : -EPROTO;
 }
 
-static socklen_t mpc__addr(const char *name, struct sockaddr_un *sa) {
+socklen_t mpc__addr(const char *name, struct sockaddr_un *sa) {
     memset(sa, 0, sizeof *sa);
     sa->sun_family = AF_UNIX;
     size_t n = strlen(name);
@@ -471,78 +471,13 @@ static int mpc__hello(void) {
 }
 
 int mpc_keeper_spawn(char *const tmpl[], char *name, size_t namelen) {
-    snprintf(name, namelen, "mpcore-%d-%016" PRIx64, (int)getpid(),
-             (uint64_t)((uint64_t)mpc_now_ns() * 0x9E3779B97F4A7C15ULL));
-    /* The address is bound here, before the keeper runs, so that a process
-     * started a moment later can connect at once: its connection waits in
-     * the backlog until the keeper accepts it. */
-    int lsock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-    if (lsock < 0)
-        return mpc_fail(errno, "socket: %s", strerror(errno));
-    struct sockaddr_un sa;
-    socklen_t salen = mpc__addr(name, &sa);
-    if (bind(lsock, (struct sockaddr *)&sa, salen) < 0 || listen(lsock, 128) < 0) {
-        int e = errno;
-        close(lsock);
-        return mpc_fail(e, "cannot listen on @%s: %s", name, strerror(e));
-    }
-    int sv[2];
-    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0) {
-        int e = errno;
-        close(lsock);
-        return mpc_fail(e, "socketpair: %s", strerror(e));
-    }
-    /* Both fds move above 4 first: dup2 onto 3 must not clobber the other
-     * when it happens to be fd 3 itself. */
-    int hi_pair = fcntl(sv[1], F_DUPFD_CLOEXEC, 16);
-    int hi_listen = fcntl(lsock, F_DUPFD_CLOEXEC, 16);
-    close(sv[1]);
-    close(lsock);
-    if (hi_pair < 0 || hi_listen < 0) {
-        int e = errno;
-        close(sv[0]);
-        if (hi_pair >= 0)
-            close(hi_pair);
-        if (hi_listen >= 0)
-            close(hi_listen);
-        return mpc_fail(e, "cannot start the mpcore keeper: %s", strerror(e));
-    }
-    sv[1] = hi_pair;
-    lsock = hi_listen;
-    posix_spawn_file_actions_t fa;
-    posix_spawnattr_t at;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_adddup2(&fa, sv[1], 3);
-    posix_spawn_file_actions_adddup2(&fa, lsock, 4);
-    /* The keeper must not hold the program's pipes open: a caller waiting
-     * for the program's output to end would wait for the keeper too. */
-    posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
-    posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
-    if (!mpc_debug_enabled)
-        posix_spawn_file_actions_addopen(&fa, 2, "/dev/null", O_WRONLY, 0);
-    posix_spawnattr_init(&at);
-    sigset_t none, defs;
-    sigemptyset(&none);
-    sigemptyset(&defs);
-    sigaddset(&defs, SIGTERM);
-    sigaddset(&defs, SIGPIPE);
-    posix_spawnattr_setsigmask(&at, &none);
-    posix_spawnattr_setsigdefault(&at, &defs);
-    posix_spawnattr_setflags(&at, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
     pid_t pid;
-    int r = posix_spawn(&pid, tmpl[0], &fa, &at, tmpl, environ);
-    posix_spawn_file_actions_destroy(&fa);
-    posix_spawnattr_destroy(&at);
-    close(sv[1]);
-    close(lsock);
-    if (r != 0) {
-        close(sv[0]);
-        return mpc_fail(r, "cannot start the mpcore keeper (%s): %s", tmpl[0], strerror(r));
+    int r = mpc_spawn_service(tmpl, "mpcore", SOCK_SEQPACKET, name, namelen, &mpc__sock, &pid);
+    if (r == 0) {
+        mpc__keeper_pid = pid;
+        mpc_debug("spawned keeper pid %d at @%s", (int)pid, name);
     }
-    mpc__sock = sv[0];
-    mpc__keeper_pid = pid;
-    mpc_debug("spawned keeper pid %d at @%s", (int)pid, name);
-    return 0;
+    return r;
 }
 
 pid_t mpc_keeper_pid(void) { return mpc__keeper_pid; }

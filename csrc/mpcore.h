@@ -252,11 +252,9 @@ int mpc_client_slot(uint32_t *slot);
 /* This process's slot if it has one already (0), else -EAGAIN. */
 int mpc_client_slot_ready(uint32_t *slot);
 
-/* Starts a keeper for this program: binds a fresh abstract address, and
- * spawns the command `tmpl` (a Python that runs mpcore._core.keeper_main)
- * with fd 3 connected to this process and fd 4 listening on the address.
- * Stores the address in name (at least 64 bytes).  Returns 0 or -errno;
- * nothing is left open on failure. */
+/* Starts a keeper for this program with mpc_spawn_service (the command is
+ * a Python that runs mpcore._core.keeper_main) and keeps its connection.
+ * Returns 0 or -errno. */
 int mpc_keeper_spawn(char *const tmpl[], char *name, size_t namelen);
 
 /* Sets the command mpc_client_slot uses to start a keeper when none runs.
@@ -352,5 +350,68 @@ int mpc_ring_put_counted(mpc_ring *r, const mpc_ref *refs, uint32_t nrefs, const
 int mpc_ring_task_add(mpc_ring *r);
 int mpc_ring_task_done(mpc_ring *r);
 int mpc_ring_join(mpc_ring *r, int64_t deadline_ns);
+
+/* ------------------------------------------------------------------ */
+/* The zygote (proc.c)                                                 */
+/* ------------------------------------------------------------------ */
+
+/* NOTE [ Zygote ] in proc.c. */
+
+#define MPC_ZMAX_FDS 16
+
+typedef struct mpc_zygote mpc_zygote;
+
+/* A request to start a child: the pickled process and the fds it gets. */
+typedef struct {
+    int client;
+    uint64_t token;
+    char *payload;
+    uint32_t len;
+    int nfds;
+    int fds[MPC_ZMAX_FDS];     /* received here */
+    int targets[MPC_ZMAX_FDS]; /* the number each must have in the child */
+} mpc_zreq;
+
+/* Sets up the zygote's books: root is the program's first process (its
+ * end closes when the program ends), lsock the listening socket.  Blocks
+ * SIGCHLD (read through a signalfd) and ignores SIGINT.  Returns 0 or
+ * -errno. */
+int mpc_zygote_open(int root, int lsock, mpc_zygote **z);
+
+/* Serves until a request to start a child arrives (returns 1 and fills
+ * req) or the program has ended (returns 0, having killed every child).
+ * Reaps children and reports their exit on the way.  Returns -errno if
+ * polling fails. */
+int mpc_zygote_wait(mpc_zygote *z, mpc_zreq *req);
+
+/* Threads of this process now, or -errno. */
+int mpc_zygote_threads(void);
+
+/* In the zygote after fork: records the child (pid > 0) and answers
+ * STARTED, or answers FAILED with err and detail (pid <= 0); frees the
+ * request.
+ * Never fails: a requester that cannot be told is dropped, and its
+ * children are killed. */
+void mpc_zygote_started(mpc_zygote *z, mpc_zreq *req, pid_t pid, int err, int64_t detail);
+
+/* Starts a service of the program (NOTE [ Starting a service ]): binds a
+ * fresh abstract address named after prefix for sockets of `type`
+ * (SOCK_SEQPACKET or SOCK_STREAM), and spawns the command tmpl
+ * with fd 3 connected to this process (its end stored in *sock) and fd 4
+ * listening on the address; stdin and stdout are /dev/null, stderr too
+ * unless MPCORE_DEBUG is set.  Stores the address in name (at least 64
+ * bytes) and the pid in *pid.  Returns 0 or -errno; nothing is left open
+ * on failure. */
+int mpc_spawn_service(char *const tmpl[], const char *prefix, int type, char *name, size_t namelen,
+                      int *sock, pid_t *pid);
+
+/* Frees a request's payload and closes its fds.  Never fails. */
+void mpc_zreq_free(mpc_zreq *req);
+
+/* In the child right after fork: dies with the zygote (exits at once if
+ * the zygote is already gone), unblocks signals, puts the handed fds on
+ * their numbers and closes every other fd but stdio, and frees the
+ * zygote's books.  Returns 0 or -errno. */
+int mpc_zygote_child_setup(mpc_zygote *z, mpc_zreq *req, pid_t zygote_pid);
 
 #endif /* MPCORE_H */

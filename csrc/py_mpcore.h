@@ -36,7 +36,9 @@ int64_t mpc_py_deadline(int block, PyObject *timeout);
 /* Each binding file adds its types and functions to the module. */
 int mpc_py_shm_exec(PyObject *m, mpc_state *st);
 int mpc_py_ring_exec(PyObject *m, mpc_state *st);
+int mpc_py_proc_exec(PyObject *m, mpc_state *st);
 extern PyMethodDef mpc_py_shm_methods[];
 extern PyMethodDef mpc_py_ring_methods[];
+extern PyMethodDef mpc_py_proc_methods[];
 
 #endif

@@ -36,8 +36,28 @@ def _process_class(base):
 
 
 ForkProcess = _process_class(_mpctx.ForkProcess)
-SpawnProcess = _process_class(_mpctx.SpawnProcess)
-ForkServerProcess = _process_class(_mpctx.ForkServerProcess)
+
+
+class SpawnProcess(_ProcessMixin, _mpctx.SpawnProcess):
+    """A 'spawn' process, forked by the zygote (NOTE [ Zygote ])."""
+
+    _start_method = "spawn"
+
+    @staticmethod
+    def _Popen(process_obj):
+        from . import _zygote
+        return _zygote.popen(process_obj, "spawn")
+
+
+class ForkServerProcess(_ProcessMixin, _mpctx.ForkServerProcess):
+    """A 'forkserver' process: the zygote is mpcore's fork server."""
+
+    _start_method = "forkserver"
+
+    @staticmethod
+    def _Popen(process_obj):
+        from . import _zygote
+        return _zygote.popen(process_obj, "forkserver")
 _PROCESS = {"fork": ForkProcess, "spawn": SpawnProcess, "forkserver": ForkServerProcess}
 
 

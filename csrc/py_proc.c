@@ -1,0 +1,162 @@
+/* py_proc.c: bindings for the zygote (mpcore._core.Zygote) and for starting
+ * the program's services.  The fork itself happens here, between
+ * PyOS_BeforeFork and PyOS_AfterFork_*, as os.fork does it. */
+#include "py_mpcore.h"
+
+#include <signal.h>
+#include <sys/socket.h>
+#include <string.h>
+
+typedef struct {
+    PyObject_HEAD
+    mpc_zygote *z;
+} ZygoteObject;
+
+static PyObject *zygote_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    int root, lsock;
+    if (!PyArg_ParseTuple(args, "ii", &root, &lsock))
+        return NULL;
+    ZygoteObject *self = (ZygoteObject *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    mpc_clear_error();
+    int r = mpc_zygote_open(root, lsock, &self->z);
+    if (r < 0) {
+        Py_DECREF(self);
+        return mpc_py_raise(mpc_type_state(type), r);
+    }
+    return (PyObject *)self;
+}
+
+static void zygote_dealloc(ZygoteObject *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    free(self->z);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+/* serve() -> None when the program has ended; in a child just forked,
+ * returns the request's payload (bytes).  The zygote itself never returns
+ * otherwise. */
+static PyObject *zygote_serve(ZygoteObject *self, PyObject *unused) {
+    mpc_state *st = mpc_type_state(Py_TYPE(self));
+    if (self->z == NULL)
+        return PyErr_Format(PyExc_RuntimeError, "the zygote was closed");
+    pid_t me = getpid();
+    for (;;) {
+        mpc_zreq req;
+        int r;
+        mpc_clear_error();
+        Py_BEGIN_ALLOW_THREADS
+        r = mpc_zygote_wait(self->z, &req);
+        Py_END_ALLOW_THREADS
+        if (r < 0)
+            return mpc_py_raise(st, r);
+        if (r == 0)
+            Py_RETURN_NONE;
+        /* NOTE [ Zygote ]: never fork while another thread may hold a
+         * lock; the requester falls back to a spawn by exec. */
+        int threads = mpc_zygote_threads();
+        if (threads != 1) {
+            mpc_zygote_started(self->z, &req, 0, EDEADLK, threads);
+            continue;
+        }
+        PyObject *payload = PyBytes_FromStringAndSize(req.payload, req.len);
+        if (payload == NULL) {
+            mpc_zygote_started(self->z, &req, 0, ENOMEM, 0);
+            PyErr_Clear();
+            continue;
+        }
+        PyOS_BeforeFork();
+        pid_t pid = fork();
+        int err = errno;
+        if (pid == 0) {
+            PyOS_AfterFork_Child();
+            r = mpc_zygote_child_setup(self->z, &req, me);
+            self->z = NULL;
+            free(req.payload);
+            if (r < 0) {
+                fprintf(stderr, "mpcore zygote child: %s\n", mpc_errmsg());
+                _exit(70);
+            }
+            return payload;
+        }
+        PyOS_AfterFork_Parent();
+        Py_DECREF(payload);
+        mpc_zygote_started(self->z, &req, pid, err, 0);
+    }
+}
+
+static PyMethodDef zygote_methods[] = {
+    {"serve", (PyCFunction)zygote_serve, METH_NOARGS,
+     "serve() -> payload in a new child, None when the program has ended"},
+    {NULL},
+};
+
+static PyType_Slot zygote_slots[] = {
+    {Py_tp_new, zygote_new},
+    {Py_tp_dealloc, zygote_dealloc},
+    {Py_tp_methods, zygote_methods},
+    {Py_tp_doc, "Zygote(root_fd, listen_fd): the zygote's server loop."},
+    {0, NULL},
+};
+
+static PyType_Spec zygote_spec = {
+    .name = "mpcore._core.Zygote",
+    .basicsize = sizeof(ZygoteObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = zygote_slots,
+};
+
+/* spawn_service(argv, prefix) -> (address, fd, pid): starts a service of
+ * the program (NOTE [ Starting a service ]). */
+static PyObject *py_spawn_service(PyObject *m, PyObject *args) {
+    PyObject *argv_o;
+    const char *prefix;
+    if (!PyArg_ParseTuple(args, "Os", &argv_o, &prefix))
+        return NULL;
+    PyObject *fast = PySequence_Fast(argv_o, "argv must be a sequence of str");
+    if (fast == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    char **argv = calloc((size_t)n + 1, sizeof *argv);
+    if (argv == NULL) {
+        Py_DECREF(fast);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        argv[i] = (char *)PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(fast, i));
+        if (argv[i] == NULL) {
+            free(argv);
+            Py_DECREF(fast);
+            return NULL;
+        }
+    }
+    char name[96];
+    int sock, r;
+    pid_t pid;
+    mpc_clear_error();
+    Py_BEGIN_ALLOW_THREADS
+    r = mpc_spawn_service(argv, prefix, SOCK_STREAM, name, sizeof name, &sock, &pid);
+    Py_END_ALLOW_THREADS
+    free(argv);
+    Py_DECREF(fast);
+    if (r < 0)
+        return mpc_py_raise(mpc_get_state(m), r);
+    return Py_BuildValue("(sii)", name, sock, (int)pid);
+}
+
+PyMethodDef mpc_py_proc_methods[] = {
+    {"spawn_service", py_spawn_service, METH_VARARGS,
+     "spawn_service(argv, prefix) -> (address, fd, pid): starts a service of the program"},
+    {NULL},
+};
+
+int mpc_py_proc_exec(PyObject *m, mpc_state *st) {
+    PyObject *t = PyType_FromModuleAndSpec(m, &zygote_spec, NULL);
+    if (t == NULL)
+        return -1;
+    int r = PyModule_AddObjectRef(m, "Zygote", t);
+    Py_DECREF(t);
+    return r;
+}

@@ -1,0 +1,620 @@
+"""torch.multiprocessing's spawn API (spawn, start_processes, ProcessContext
+and its exceptions) on mpcore's processes, with torch's semantics and
+message texts, and these additions:
+
+  * A child's exception comes back as itself when it pickles: the parent's
+    ProcessRaisedException is raised `from` it, it carries the child's
+    traceback (`child_traceback`, and a note on 3.11+), and its
+    __cause__/__context__ chain comes back as far as that pickles.
+  * Children die with the process that started them (PR_SET_PDEATHSIG, or a
+    pidfd watch where the kernel's signal cannot be relied on), and a
+    KeyboardInterrupt in the parent during join stops and reaps them all.
+  * Each child finds torchrun's rendezvous variables (MASTER_ADDR,
+    MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE) wherever the
+    parent's environment leaves them unset.
+  * nprocs must be a positive integer.
+
+NOTE [ Error files ]
+As torch does, each child reports an exception through a file of its own
+(a one-shot message that cannot deadlock, unlike a queue).  The files go in
+a private directory (mode 0700, a random name per call) that only a failing
+child creates, so a call whose children all succeed touches nothing on disk,
+even if the parent is killed; the parent removes it once every child is
+reaped, and reads no file from a directory that is not its own and private.
+A file holds a pickled dict: the traceback text, and the exception chain as
+one separately pickled blob per exception, so that one exception that does
+not unpickle costs only itself.  A file holding a str (torch's format) is
+read too.
+
+This module must not import torch.
+"""
+import logging
+import multiprocessing
+import multiprocessing.connection
+import operator
+import os
+import pickle
+import secrets
+import shutil
+import signal
+import socket
+import stat
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import warnings
+import weakref
+
+__all__ = [
+    "ProcessContext", "ProcessException", "ProcessExitedException",
+    "ProcessRaisedException", "spawn", "SpawnContext", "start_processes",
+]
+
+ENV_VAR_PARALLEL_START = "TORCH_MP_PARALLEL_START"
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_INTERRUPT_GRACE = 3.0   # seconds between SIGTERM and SIGKILL after a KeyboardInterrupt
+_MAX_CHAIN = 64          # exceptions of a child's chain sent back, at most
+
+
+# --- exceptions ----------------------------------------------------------------
+
+class ProcessException(Exception):
+    __slots__ = ["error_index", "error_pid"]
+
+    def __init__(self, msg, error_index, error_pid):
+        super().__init__(msg)
+        self.msg = msg
+        self.error_index = error_index
+        self.error_pid = error_pid
+
+    def __reduce__(self):
+        return type(self), (self.msg, self.error_index, self.error_pid)
+
+
+class ProcessRaisedException(ProcessException):
+    """Exception raised when a process failed due to an exception raised by the code."""
+
+
+class ProcessExitedException(ProcessException):
+    """Exception raised when a process failed due to signal or exited with a specific code."""
+
+    __slots__ = ["exit_code"]
+
+    def __init__(self, msg, error_index, error_pid, exit_code, signal_name=None):
+        super().__init__(msg, error_index, error_pid)
+        self.exit_code = exit_code
+        self.signal_name = signal_name
+
+    def __reduce__(self):
+        return (type(self),
+                (self.msg, self.error_index, self.error_pid, self.exit_code, self.signal_name))
+
+
+# --- the child's side ----------------------------------------------------------
+
+def _starttime(pid):
+    """The start time of pid (clock ticks since boot), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _set_pdeathsig():
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+    except Exception:
+        return False
+
+
+def _die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _watch(pidfd):
+    import select
+    try:
+        select.select([pidfd], [], [])
+    finally:
+        _die()
+
+
+def _watch_polling(pid, start):
+    while _starttime(pid) == start:
+        time.sleep(0.5)
+    _die()
+
+
+def _die_with_parent(pid, start, use_pdeathsig):
+    """Arranges that this child dies when the process that started it (pid,
+    started at `start`) does; dies now if it is already gone.
+
+    PR_SET_PDEATHSIG fires when the *thread* that made this process exits,
+    and only for its direct parent, and is never delivered if that parent is
+    gone before it is set; so the parent is checked after setting it, and a
+    watching thread on a pidfd stands in where the signal cannot serve: when
+    the parent started us from a thread other than its main one, or through
+    an intermediary (a fork server)."""
+    if use_pdeathsig and _set_pdeathsig() and os.getppid() == pid:
+        return  # our parent was alive once the signal was armed
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        _die()
+    except (OSError, AttributeError):
+        fd = None
+    if _starttime(pid) != start:  # gone, or its pid is another process's now
+        _die()
+    if fd is not None:
+        target, args = _watch, (fd,)
+    else:
+        target, args = _watch_polling, (pid, start)
+    threading.Thread(target=target, args=args, name="mpcore-parent-watch", daemon=True).start()
+
+
+def _exception_chain(exc):
+    """exc and the exceptions of its __cause__/__context__ chain, in order."""
+    order, index, stack = [], {}, [exc]
+    while stack and len(order) < _MAX_CHAIN:
+        e = stack.pop()
+        if id(e) in index:
+            continue
+        index[id(e)] = len(order)
+        order.append(e)
+        for nxt in (e.__context__, e.__cause__):  # the cause is popped first
+            if nxt is not None and id(nxt) not in index:
+                stack.append(nxt)
+    return order, index
+
+
+def _pickled(e):
+    """e pickled, if it pickles and unpickles here; else None."""
+    try:
+        blob = pickle.dumps(e, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.loads(blob)
+        return blob
+    except BaseException:
+        return None
+
+
+def _error_payload(exc):
+    order, index = _exception_chain(exc)
+    chain = []
+    for e in order:
+        tb = e.__traceback__
+        chain.append({
+            "blob": _pickled(e),
+            "frames": "".join(traceback.format_tb(tb)) if tb is not None else "",
+            "text": "".join(traceback.format_exception(type(e), e, tb)),
+            "cause": index.get(id(e.__cause__)) if e.__cause__ is not None else None,
+            "context": index.get(id(e.__context__)) if e.__context__ is not None else None,
+            "suppress_context": bool(e.__suppress_context__),
+        })
+    return {"format": "mpcore-1", "traceback": chain[0]["text"], "chain": chain}
+
+
+def _private_dir(path):
+    """Whether path is a directory of ours that nobody else can enter."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return (stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+            and not st.st_mode & 0o077)
+
+
+def _write_error(error_file, exc):
+    try:
+        payload = _error_payload(exc)
+    except BaseException:
+        payload = traceback.format_exc()  # torch's format: the text alone
+    tmp = f"{error_file}.{os.getpid()}.tmp"
+    try:
+        folder = os.path.dirname(error_file)
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            pass
+        if not _private_dir(folder):
+            raise PermissionError(f"{folder} is not a private directory of this user")
+        with open(tmp, "wb") as f:
+            pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, error_file)  # the parent never reads half a file
+    except OSError:
+        # Nowhere to report to (the parent is gone or dropped its context):
+        # stderr is all there is.
+        traceback.print_exception(type(exc), exc, exc.__traceback__)
+
+
+def _wrap(fn, i, args, error_file, parent=None, env=None, ranks=()):
+    if parent is not None:
+        _die_with_parent(*parent)
+    if env:
+        os.environ.update(env)
+    for name in ranks:
+        os.environ[name] = str(i)
+    try:
+        fn(i, *args)
+    except KeyboardInterrupt:
+        pass  # SIGINT: stopped from outside, as torch's children are
+    except Exception as e:
+        _write_error(error_file, e)
+        sys.exit(1)
+
+
+# --- the parent's side: reading an error file ------------------------------------
+
+class _Unpickler(pickle.Unpickler):
+    # A class defined in the main script is `__mp_main__.X` in a spawn child.
+    def find_class(self, module, name):
+        if module == "__mp_main__":
+            module = "__main__"
+        return super().find_class(module, name)
+
+
+def _loads(blob):
+    import io
+    try:
+        return _Unpickler(io.BytesIO(blob)).load()
+    except BaseException:
+        return None
+
+
+def _read_error_file(path, private=False):
+    """(traceback text, the child's exception or None), or None if there is
+    no readable report (or, when private, none in a private directory)."""
+    if private and not _private_dir(os.path.dirname(path)):
+        return None
+    try:
+        with open(path, "rb") as f:
+            payload = pickle.load(f)
+    except FileNotFoundError:
+        return None
+    except Exception:
+        return None
+    if isinstance(payload, str):
+        return payload, None
+    if not isinstance(payload, dict) or "traceback" not in payload:
+        return None
+    return payload["traceback"], _rebuild_chain(payload.get("chain") or ())
+
+
+def _rebuild_chain(chain):
+    excs = []
+    for node in chain:
+        e = _loads(node["blob"]) if node.get("blob") is not None else None
+        if not isinstance(e, BaseException):
+            e = None
+        excs.append(e)
+    for e, node in zip(excs, chain):
+        if e is None:
+            continue
+        try:
+            e.child_traceback = node["text"]
+        except Exception:
+            pass
+        frames = node.get("frames")
+        if frames and hasattr(e, "add_note"):
+            try:
+                e.add_note(f"[raised in a spawned process; its traceback there, "
+                           f"most recent call last:]\n{frames.rstrip()}")
+            except Exception:
+                pass
+        for attr, key in (("__cause__", "cause"), ("__context__", "context")):
+            k = node.get(key)
+            if k is not None and excs[k] is not None:
+                setattr(e, attr, excs[k])
+        e.__suppress_context__ = node.get("suppress_context", False)
+    return excs[0] if excs else None
+
+
+def _remove_dir(path, owner):
+    if os.getpid() == owner and _private_dir(path):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# --- ProcessContext -------------------------------------------------------------------
+
+def _signal_name(signum):
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"<Unknown signal {signum}>"
+
+
+class ProcessContext:
+    def __init__(self, processes, error_files):
+        self.error_files = error_files
+        self.processes = processes
+        self.sentinels = {process.sentinel: index for index, process in enumerate(processes)}
+        self._error = None
+        self._cleanup = None
+        self._private = False
+
+    def _own_dir(self, path):
+        """Makes this context read error files only from `path`, a private
+        directory, and remove it once its children are reaped (or, failing
+        that, when it is collected or the program exits)."""
+        self._private = True
+        self._cleanup = weakref.finalize(self, _remove_dir, path, os.getpid())
+
+    def _done(self):
+        if self._cleanup is not None:
+            self._cleanup()
+
+    def pids(self):
+        return [int(process.pid) for process in self.processes]
+
+    def _join_procs_with_timeout(self, timeout):
+        """Joins all processes with a shared timeout."""
+        end = time.monotonic() + timeout
+        for process in self.processes:
+            process.join(max(0, end - time.monotonic()))
+
+    def join(self, timeout=None, grace_period=None):
+        r"""Joins one or more processes of this context.
+
+        If one of them exited with a non-zero exit status, this kills the
+        remaining processes (after an optional grace period) and raises an
+        exception with the cause of the first process exiting.
+
+        Returns ``True`` if all processes have been joined successfully,
+        ``False`` if there are more processes that need to be joined.
+
+        Args:
+            timeout (float): Wait this long (in seconds) before giving up on waiting.
+            grace_period (float): When any processes fail, wait this long (in seconds)
+                for others to shutdown gracefully before terminating them. If they
+                still don't exit, wait another grace period before killing them.
+
+        A KeyboardInterrupt (or any other exception) while joining terminates
+        every child, kills those still running after a short grace, reaps
+        them all and is then re-raised.
+        """
+        if self._error is not None:
+            raise self._error
+        if not self.sentinels:
+            self._done()
+            return True
+        try:
+            return self._join(timeout, grace_period)
+        except ProcessException:
+            raise
+        except BaseException:
+            self._abort()
+            raise
+
+    def _join(self, timeout, grace_period):
+        ready = multiprocessing.connection.wait(list(self.sentinels), timeout=timeout)
+        failed = []
+        for sentinel in ready:
+            index = self.sentinels[sentinel]
+            process = self.processes[index]
+            process.join()
+            del self.sentinels[sentinel]
+            if process.exitcode != 0:
+                failed.append(index)
+        if not failed:
+            if self.sentinels:
+                return False
+            self._done()
+            return True
+        # Of children that failed together, one that reported an exception
+        # says most; then the lowest index.
+        error_index = min(failed, key=lambda k: (not os.path.exists(self.error_files[k]), k))
+        self._stop_others(grace_period)
+        error, cause = self._error_for(error_index)
+        self._done()
+        self._error = error
+        if cause is not None:
+            raise error from cause
+        raise error
+
+    def _stop_others(self, grace_period):
+        # First, a grace period for the others to finish by themselves.
+        if grace_period is not None:
+            self._join_procs_with_timeout(grace_period)
+        for process in self.processes:
+            if process.is_alive():
+                log.warning("Terminating process %s via signal SIGTERM", process.pid)
+                process.terminate()
+        # SIGKILL for those still there after another grace period: a process
+        # stuck in C code never runs Python's SIGTERM handler.
+        self._join_procs_with_timeout(30 if grace_period is None else grace_period)
+        for process in self.processes:
+            if process.is_alive():
+                log.warning("Unable to shutdown process %s via SIGTERM , forcefully exiting "
+                            "via SIGKILL", process.pid)
+                process.kill()
+            process.join()
+        self.sentinels.clear()
+
+    def _abort(self):
+        """Stops every child: SIGTERM, SIGKILL after a short grace (at once on
+        a second interrupt), and reaps them; the sentinels stay, so that a
+        later join reports how they ended."""
+        _stop_all(self.processes, _INTERRUPT_GRACE)
+        self._done()
+
+    def _error_for(self, index):
+        process = self.processes[index]
+        report = _read_error_file(self.error_files[index], self._private)
+        if report is None:
+            exitcode = process.exitcode
+            if exitcode < 0:
+                name = _signal_name(-exitcode)
+                return ProcessExitedException(
+                    f"process {index:d} terminated with signal {name}",
+                    error_index=index, error_pid=process.pid, exit_code=exitcode,
+                    signal_name=name), None
+            return ProcessExitedException(
+                f"process {index:d} terminated with exit code {exitcode:d}",
+                error_index=index, error_pid=process.pid, exit_code=exitcode), None
+        text, cause = report
+        msg = f"\n\n-- Process {index:d} terminated with the following error:\n" + text
+        return ProcessRaisedException(msg, index, process.pid), cause
+
+
+class SpawnContext(ProcessContext):
+    def __init__(self, processes, error_files):
+        warnings.warn("SpawnContext is renamed to ProcessContext since 1.4 release.",
+                      stacklevel=2)
+        super().__init__(processes, error_files)
+
+
+def _stop_all(processes, grace):
+    try:
+        for p in processes:
+            if p.exitcode is None and p.is_alive():
+                p.terminate()
+        end = time.monotonic() + grace
+        for p in processes:
+            p.join(max(0, end - time.monotonic()))
+    except KeyboardInterrupt:
+        pass  # a second interrupt: kill at once
+    finally:
+        for p in processes:
+            try:
+                if p.is_alive():
+                    p.kill()
+            except (OSError, ValueError):
+                pass
+        for p in processes:
+            try:
+                p.join()
+            except (OSError, ValueError):
+                pass
+
+
+# --- starting ---------------------------------------------------------------------
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rendezvous_env(nprocs):
+    """The rendezvous variables the parent's environment leaves unset: the
+    shared ones' values, and the names of the per-rank ones."""
+    have = os.environ
+    env = {}
+    if "MASTER_ADDR" not in have:
+        env["MASTER_ADDR"] = "127.0.0.1"
+    if "MASTER_PORT" not in have:
+        env["MASTER_PORT"] = str(_free_port())
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        if name not in have:
+            env[name] = str(nprocs)
+    ranks = tuple(name for name in ("RANK", "LOCAL_RANK") if name not in have)
+    return env, ranks
+
+
+def _check_nprocs(nprocs):
+    if isinstance(nprocs, bool):
+        raise TypeError(f"nprocs must be an int, not bool ({nprocs!r})")
+    try:
+        n = operator.index(nprocs)
+    except TypeError:
+        raise TypeError(f"nprocs must be an int, not {type(nprocs).__name__}") from None
+    if n < 1:
+        raise ValueError(f"nprocs must be a positive number of processes, got nprocs={n}")
+    return n
+
+
+def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
+    """Starts nprocs processes running fn(i, *args) for i in range(nprocs)
+    under start_method; joins them when join is true, else returns their
+    ProcessContext.  See spawn."""
+    nprocs = _check_nprocs(nprocs)
+    import mpcore
+    ctx = mpcore.get_context(start_method)
+    parallel = (start_method == "forkserver"
+                and os.environ.get(ENV_VAR_PARALLEL_START, "0") == "1")
+
+    me = os.getpid()
+    # PR_SET_PDEATHSIG follows the thread that starts the child; a thread
+    # other than the main one may end long before the program does.
+    on_main = threading.current_thread() is threading.main_thread()
+    parent = (me, _starttime(me), on_main)
+    env, ranks = _rendezvous_env(nprocs)
+    # Made only by a child that fails: see NOTE [ Error files ].
+    tmpdir = os.path.join(tempfile.gettempdir(), f"mpcore-spawn-{me}-{secrets.token_hex(8)}")
+    error_files = [os.path.join(tmpdir, f"error-{i}.pickle") for i in range(nprocs)]
+    processes = [None] * nprocs
+
+    def start_one(i):
+        process = ctx.Process(target=_wrap, args=(fn, i, args, error_files[i], parent, env, ranks),
+                              daemon=daemon)
+        process.start()
+        processes[i] = process
+
+    try:
+        if parallel:
+            log.info("Starting processes in parallel.")
+            from concurrent.futures import ThreadPoolExecutor
+            with ThreadPoolExecutor(max_workers=nprocs) as pool:
+                futures = [pool.submit(start_one, i) for i in range(nprocs)]
+            for f in futures:
+                f.result()
+        else:
+            for i in range(nprocs):
+                start_one(i)
+    except BaseException as e:
+        _stop_all([p for p in processes if p is not None], _INTERRUPT_GRACE)
+        _remove_dir(tmpdir, me)
+        if "pickl" in str(e).lower() and hasattr(e, "add_note"):
+            e.add_note(f"start method {start_method!r} pickles fn and args to start each "
+                       "process: fn must be a function defined at the top level of a module")
+        raise
+
+    context = ProcessContext(processes, error_files)
+    context._own_dir(tmpdir)
+    if not join:
+        return context
+    # Loop on join until it returns True or raises an exception.
+    while not context.join():
+        pass
+
+
+def spawn(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
+    r"""Spawns ``nprocs`` processes that run ``fn`` with ``args``.
+
+    If one of the processes exits with a non-zero exit status, the remaining
+    processes are killed and an exception is raised with the cause of
+    termination.  If the child raised an exception, its traceback is in the
+    raised exception's message and, when it pickles, the child's exception
+    itself is the raised exception's ``__cause__``.
+
+    Args:
+        fn (function): the entry point of each process; it must be defined at
+            the top level of a module so that it pickles.  It is called as
+            ``fn(i, *args)``, ``i`` being the process index.
+        args (tuple): Arguments passed to ``fn``.
+        nprocs (int): Number of processes to spawn (at least 1).
+        join (bool): Perform a blocking join on all processes.
+        daemon (bool): The spawned processes' daemon flag.
+        start_method (str): (deprecated) this always uses ``spawn``; use
+            ``start_processes()`` for another start method.
+
+    Each child finds MASTER_ADDR, MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE and
+    LOCAL_WORLD_SIZE set as torchrun would, where the parent left them unset,
+    and dies when the parent does.
+
+    Returns:
+        None if ``join`` is ``True``, :class:`~ProcessContext` if ``join`` is ``False``
+    """
+    if start_method != "spawn":
+        msg = (f"This method only supports start_method=spawn (got: {start_method}).\n"
+               "To use a different start_method use:\n\t\t"
+               " torch.multiprocessing.start_processes(...)")
+        warnings.warn(msg, FutureWarning, stacklevel=2)
+    return start_processes(fn, args, nprocs, join, daemon, start_method="spawn")

@@ -1,0 +1,290 @@
+"""The zygote from Python: starting it, asking it for children (the Popen of
+mpcore's 'spawn' and 'forkserver' contexts), and the child's first steps.
+
+NOTE [ Zygote ] in csrc/proc.c says what the zygote is.  Here:
+- The zygote is started by `mpcore run` at launch, or by the program's first
+  zygote child, in the background: its imports (torch) overlap the
+  program's.  A request waits in the socket's backlog until it is ready.
+- A child gets spawn's semantics: the requester's os.environ, cwd, sys.path
+  and sys.argv as of the request, __main__ imported as __mp_main__
+  (multiprocessing.spawn.prepare does that part), fresh random seeds, and
+  no fd but stdio and those handed to it.
+- If the zygote has more than one thread when asked (something it
+  imported started one), it refuses to fork, and the requester spawns the
+  child by exec instead, saying so once.
+"""
+import errno
+import io
+import os
+import pickle
+import signal
+import socket
+import struct
+import sys
+import threading
+import warnings
+
+from multiprocessing import context as _mpctx
+from multiprocessing import popen_fork, popen_spawn_posix, spawn as _mpspawn, util
+
+from . import _core
+
+_MSG = struct.Struct("=IIQqqII16i")  # mpc_zmsg in proc.c
+_MAGIC = 0x5A59474F
+_SPAWN, _STARTED, _FAILED, _EXIT = 1, 2, 3, 4
+_MAX_FDS = 16
+ENV = "MPCORE_ZYGOTE"
+PRELOAD_ENV = "MPCORE_ZYGOTE_PRELOAD"
+
+
+# --- the zygote process ---------------------------------------------------
+
+def _preload():
+    names = os.environ.get(PRELOAD_ENV)
+    names = names.split(",") if names is not None else ["numpy", "torch"]
+    for name in filter(None, names):
+        try:
+            __import__(name)
+        except ImportError:
+            pass
+    # Libraries with thread pools (OpenBLAS) stop them before a fork and
+    # start them again lazily: one throwaway fork leaves this process with
+    # its one thread, as a zygote must be.
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+
+
+def main():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _preload()
+    import gc
+    gc.collect()
+    gc.freeze()  # children do not copy pages just to touch GC headers
+    payload = _core.Zygote(3, 4).serve()
+    if payload is None:
+        return 0
+    _child_main(payload)  # never returns
+
+
+def _child_main(payload):
+    """In a child just forked from the zygote: become the requested
+    process and run it."""
+    code = 1
+    try:
+        f = io.BytesIO(payload)
+        head = pickle.load(f)
+        os.environ.clear()
+        os.environ.update(head["env"])
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _fresh_seeds()
+        if head["unbuffered"]:
+            sys.stdout.reconfigure(write_through=True)
+            sys.stderr.reconfigure(write_through=True)
+        from multiprocessing import process, resource_tracker
+        resource_tracker._resource_tracker._fd = head["tracker_fd"]
+        process.current_process()._inheriting = True
+        try:
+            _mpspawn.prepare(head["prep"])
+            proc = pickle.load(f)
+        finally:
+            del process.current_process()._inheriting
+        code = proc._bootstrap(parent_sentinel=head["parent_sentinel"])
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _fresh_seeds():
+    # `random` reseeds itself after fork; numpy's global generator would
+    # otherwise be the same in every child, unlike in spawned ones.
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed()
+
+
+# --- the requester side ---------------------------------------------------
+
+class _Client:
+    """This process's connection to the zygote."""
+
+    def __init__(self, address):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect("\0" + address)
+        self.lock = threading.Lock()
+        self.token = 0
+        self.replies = {}
+        self.exits = {}
+
+    def _read_one(self):
+        data = b""
+        while len(data) < _MSG.size:
+            chunk = self.sock.recv(_MSG.size - len(data))
+            if not chunk:
+                raise ConnectionError("the mpcore zygote has gone")
+            data += chunk
+        magic, op, token, arg, arg2, _, _, *_ = _MSG.unpack(data)
+        if op == _EXIT:
+            self.exits[arg] = arg2
+        else:
+            self.replies[token] = (op, arg, arg2)
+
+    def request(self, payload, fds, targets):
+        with self.lock:
+            self.token += 1
+            token = self.token
+            msg = _MSG.pack(_MAGIC, _SPAWN, token, 0, 0, len(payload), len(fds),
+                            *(list(targets) + [0] * (_MAX_FDS - len(targets))))
+            self.sock.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                       struct.pack(f"{len(fds)}i", *fds))])
+            self.sock.sendall(payload)
+            while token not in self.replies:
+                self._read_one()
+            return self.replies.pop(token)
+
+    def exit_status(self, pid, block):
+        with self.lock:
+            while pid not in self.exits:
+                if not block:
+                    self.sock.setblocking(False)
+                    try:
+                        self._read_one()
+                    except BlockingIOError:
+                        return None
+                    finally:
+                        self.sock.setblocking(True)
+                else:
+                    self._read_one()
+            return self.exits.pop(pid)
+
+
+_client = None
+_client_lock = threading.Lock()
+_service = None  # (fd to the zygote, pid) when this process started it
+
+
+def start():
+    """Starts this program's zygote if none runs (or connects to it)."""
+    global _service
+    with _client_lock:
+        if os.environ.get(ENV) or _service is not None:
+            return
+        argv = [sys.executable, "-c", "import mpcore._zygote as z, sys; sys.exit(z.main())"]
+        address, fd, pid = _core.spawn_service(argv, "mpcore-zygote")
+        _service = (fd, pid)
+        os.environ[ENV] = address
+
+
+def _get_client():
+    global _client
+    with _client_lock:
+        if _client is None:
+            address = os.environ.get(ENV)
+            if not address:
+                raise ConnectionError("no zygote")
+            _client = _Client(address)
+        return _client
+
+
+def _after_fork_child():
+    global _client, _service, _client_lock
+    _client_lock = threading.Lock()
+    if _client is not None:
+        _client.sock.close()
+    _client = None
+    if _service is not None:
+        os.close(_service[0])
+        _service = None
+
+
+os.register_at_fork(after_in_child=_after_fork_child)
+_warned = False
+
+
+class Popen(popen_fork.Popen):
+    """Starts a Process by asking the zygote to fork it."""
+
+    method = "spawn"
+    DupFd = popen_spawn_posix._DupFd
+
+    def __init__(self, process_obj):
+        self._fds = []
+        super().__init__(process_obj)
+
+    def duplicate_for_child(self, fd):
+        self._fds.append(fd)
+        return fd
+
+    def _launch(self, process_obj):
+        from multiprocessing import reduction, resource_tracker
+        start()
+        tracker_fd = resource_tracker.getfd()
+        self._fds.append(tracker_fd)
+        prep = _mpspawn.get_preparation_data(process_obj._name)
+        parent_r, child_w = os.pipe()    # EOF for the parent when the child ends
+        child_r, parent_w = os.pipe()    # EOF for the child when the parent ends
+        try:
+            fp = io.BytesIO()
+            _mpctx.set_spawning_popen(self)
+            try:
+                reduction.dump({"env": dict(os.environ), "prep": prep, "tracker_fd": tracker_fd,
+                                "parent_sentinel": child_r,
+                                "unbuffered": bool(os.environ.get("PYTHONUNBUFFERED"))}, fp)
+                reduction.dump(process_obj, fp)
+            finally:
+                _mpctx.set_spawning_popen(None)
+            fds = list(dict.fromkeys([0, 1, 2, child_w, child_r] + self._fds))
+            if len(fds) > _MAX_FDS:
+                raise _Fallback(f"{len(fds)} fds to hand over, more than {_MAX_FDS}")
+            try:
+                op, arg, arg2 = _get_client().request(fp.getbuffer(), fds, fds)
+            except (ConnectionError, OSError) as e:
+                raise _Fallback(f"the zygote cannot be reached ({e})") from None
+            if op == _FAILED:
+                if arg == errno.EDEADLK:
+                    raise _Fallback(f"the zygote has {arg2} threads, so it must not fork")
+                raise OSError(arg, f"the mpcore zygote could not fork: {os.strerror(arg)}")
+        except BaseException:
+            for fd in (parent_r, parent_w):
+                os.close(fd)
+            raise
+        finally:
+            os.close(child_w)
+            os.close(child_r)
+        self.pid = arg
+        self.sentinel = parent_r
+        self.finalizer = util.Finalize(self, util.close_fds, [parent_r, parent_w])
+
+    def poll(self, flag=os.WNOHANG):
+        if self.returncode is None:
+            status = _get_client().exit_status(self.pid, block=flag != os.WNOHANG)
+            if status is not None:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+
+class _Fallback(Exception):
+    pass
+
+
+def popen(process_obj, method):
+    """The Popen for a process of an mpcore 'spawn' or 'forkserver' context:
+    the zygote's, or the standard library's spawn if the zygote cannot."""
+    global _warned
+    try:
+        return Popen(process_obj)
+    except _Fallback as e:
+        if not _warned:
+            _warned = True
+            warnings.warn(f"mpcore: {e}; starting processes by exec instead (slower)",
+                          RuntimeWarning, stacklevel=4)
+        return popen_spawn_posix.Popen(process_obj)
