@@ -92,10 +92,26 @@ def _patch_torch_multiprocessing(tmp):
                  "set_sharing_strategy", "get_sharing_strategy", "get_all_sharing_strategies"):
         setattr(tmp, name, getattr(mpcore, name))
     tmp.__mpcore__ = True
+    _supply_torch_sleep(sys.modules["torch"])
 
 
-def activate_run():
-    """Serves this process of a program started by `mpcore run`."""
+def _supply_torch_sleep(torch):
+    """NOTE [ torch.sleep ]
+    The founding article calls torch.sleep(1), meaning a one-second sleep;
+    PyTorch has no such function.  Under `mpcore run`, and only where torch
+    lacks one, torch.sleep is time.sleep.  Nothing else of torch changes."""
+    if not hasattr(torch, "sleep"):
+        import time
+        torch.sleep = time.sleep
+
+
+def activate_run(launcher=False):
+    """Serves this process of a program started by `mpcore run` (the
+    launcher's own process when launcher is true)."""
     os.environ["MPCORE_RUN"] = "1"
     import mpcore  # noqa: F401  (registers the tensor hooks)
     serve_torch(patch_multiprocessing=True)
+    if launcher:
+        # Started now, the zygote's imports overlap the program's own.
+        from . import _zygote
+        _zygote.start()

@@ -67,7 +67,7 @@ def run(args):
         print(USAGE, file=sys.stderr)
         return 2
     from . import _boot
-    _boot.activate_run()
+    _boot.activate_run(launcher=True)
     if args[0] == "-m":
         _run_module(args[1], args[1:])
         return 0

@@ -47,6 +47,9 @@ def _preload():
             __import__(name)
         except ImportError:
             pass
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed()  # its first call sets up machinery: not in every child
     # Libraries with thread pools (OpenBLAS) stop them before a fork and
     # start them again lazily: one throwaway fork leaves this process with
     # its one thread, as a zygote must be.
