@@ -1,0 +1,140 @@
+"""The zygote: spawn semantics at fork speed, and a safe fallback."""
+import os
+
+import pytest
+
+from conftest import run_program
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_child_gets_spawn_semantics(tmp_path, leak_check):
+    # What a spawned child sees is the requester's state as of the start:
+    # environment, cwd, sys.path and argv, __main__ as __mp_main__, and no
+    # fd of the parent's beyond stdio.
+    r = run_program(f"""
+        import os, sys
+        import mpcore
+        def child(q):
+            targets = set()
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    targets.add(os.readlink(f"/proc/self/fd/{{fd}}"))
+                except OSError:
+                    pass
+            q.put((os.environ.get("PROBE"), os.getcwd(), sys.path[-1], sys.argv[1:],
+                   __name__, child.__module__, os.getppid(), targets))
+        if __name__ == "__main__":
+            leaked = open(__file__)          # an fd the child must not get
+            os.environ["PROBE"] = "set-after-start-of-zygote"
+            os.chdir({str(tmp_path)!r})
+            sys.path.append("/nonexistent/probe")
+            ctx = mpcore.get_context("spawn")
+            q = mpcore.Queue()
+            p = ctx.Process(target=child, args=(q,))
+            p.start()
+            env, cwd, last, argv, name, mod, ppid, targets = q.get(timeout=60)
+            p.join()
+            # The child is the zygote's, not ours: forked, not exec'd.
+            print(env, cwd, last, argv, name, mod, ppid != os.getpid(), p.exitcode)
+            print("leaked" if os.path.realpath(leaked.name) in targets else "clean")
+        """, "a1", "a2", launcher=True)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.split("\n")
+    assert out[0] == (f"set-after-start-of-zygote {tmp_path} /nonexistent/probe ['a1', 'a2'] "
+                      "__mp_main__ __mp_main__ True 0"), r.stdout
+    assert out[1] == "clean"
+
+
+def test_zygote_with_threads_falls_back_and_says_so(tmp_path, leak_check):
+    # A preload that starts a thread: the zygote must not fork, and the
+    # child is started by exec instead, with a warning.
+    (tmp_path / "threaded_preload.py").write_text(
+        "import threading\n"
+        "threading.Thread(target=threading.Event().wait, daemon=True).start()\n")
+    r = run_program("""
+        import mpcore
+        def child(q):
+            q.put(42)
+        if __name__ == "__main__":
+            q = mpcore.Queue()
+            p = mpcore.get_context("spawn").Process(target=child, args=(q,))
+            p.start()
+            print(q.get(timeout=60))
+            p.join()
+            print(p.exitcode)
+        """, env={"MPCORE_ZYGOTE_PRELOAD": "threaded_preload",
+                  "PYTHONPATH": str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["42", "0"]
+    assert "zygote has 2 threads" in r.stderr and "by exec" in r.stderr, r.stderr
+
+
+def test_zygote_lives_as_long_as_its_program(leak_check):
+    r = run_program("""
+        import os, mpcore
+        from mpcore import _zygote
+        def child():
+            pass
+        if __name__ == "__main__":
+            p = mpcore.get_context("spawn").Process(target=child)
+            p.start(); p.join()
+            print(_zygote._service[1], p.exitcode)
+        """)
+    assert r.returncode == 0, r.stderr
+    zpid, code = map(int, r.stdout.split())
+    assert code == 0
+    # The program has exited; its zygote notices at once and leaves (it is
+    # reaped by init, so poll for it to be gone rather than a zombie).
+    import time
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{zpid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            break
+        if state == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"zygote {zpid} outlived its program")
+
+
+def test_requester_killed_children_die(leak_check):
+    # The requester is SIGKILLed: the zygote kills its children at once.
+    r = run_program("""
+        import os, signal, sys, time
+        import mpcore
+        def child(q):
+            q.put(os.getpid())
+            time.sleep(600)
+        if __name__ == "__main__":
+            q = mpcore.Queue()
+            ctx = mpcore.get_context("spawn")
+            procs = [ctx.Process(target=child, args=(q,)) for _ in range(3)]
+            for p in procs:
+                p.start()
+            for _ in procs:
+                q.get(timeout=60)
+            print(" ".join(str(p.pid) for p in procs), flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        """)
+    assert r.returncode == -9
+    pids = [int(x) for x in r.stdout.split()]
+    assert len(pids) == 3
+    import time
+    deadline = time.monotonic() + 1.0
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if _running(p)]
+        time.sleep(0.01)
+    assert not alive, f"children still running 1 s after their parent was killed: {alive}"
+
+
+def _running(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
