@@ -250,6 +250,245 @@ def mpcore_zeros_small(env, target_s):
     return _per_call(loop, target_s, 200, 1e6)
 
 
+# --- 4, 5, 6: starting processes (spawn) ------------------------------------
+#
+# These rows time a whole program's start of processes, so each measurement
+# runs SPAWN_PROGRAM (below) as a program of its own: `python prog.py` on the
+# torch side, `mpcore run prog.py` on the mpcore side (same text; the
+# MPCORE_BENCH_SPAWN variable tells it which spawn to call, see
+# _spawn_impl in the program).  The program times the calls with
+# time.perf_counter and prints one JSON line (PROG_TAG); it also times its own
+# `import torch`, which is reported but not counted.  One program run serves
+# every spawn/process case of the same child (under --quick, all of them).
+
+PROG_TAG = "MPCORE-BENCH-PROG "
+PROG_TIMEOUT_S = 150.0   # bound on one program run
+SPAWN_NPROCS = 4
+SPAWN_REPEATS = 5        # calls timed by spawn-repeat, after a first one ...
+QUICK_SPAWN_REPEATS = 1  # ... under --quick (torch's spawn(4) takes seconds)
+
+SPAWN_PROGRAM = r"""
+# A program that starts processes, as a user's would: it imports torch, and
+# its children (which import this file as __mp_main__) import it too.
+import json, os, sys, time
+_t0 = time.perf_counter()
+import torch
+import torch.multiprocessing
+IMPORT_S = time.perf_counter() - _t0
+MPCORE = os.environ.get("MPCORE_BENCH_SPAWN") == "mpcore"
+
+
+def noop(*args):
+    pass
+
+
+def _mini_spawn(fn, args=(), nprocs=1, join=True):
+    # spawn(fn, args, nprocs) on mpcore's spawn context, the essentials only:
+    # start nprocs processes running fn(i, *args), join them, check exit codes.
+    import mpcore
+    ctx = mpcore.get_context("spawn")
+    procs = [ctx.Process(target=fn, args=(i,) + tuple(args)) for i in range(nprocs)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
+    if bad:
+        raise RuntimeError(f"children exited with codes {bad}")
+
+
+def _spawn_impl():
+    # The torch side: torch's.  The mpcore side (run by `mpcore run`):
+    # torch.multiprocessing.spawn if mpcore serves it there, else
+    # mpcore._spawn.spawn if that exists, else _mini_spawn above.
+    tmp = torch.multiprocessing
+    if not MPCORE:
+        return tmp.spawn, "torch.multiprocessing.spawn"
+    if (getattr(tmp.spawn, "__module__", "") or "").startswith("mpcore"):
+        return tmp.spawn, f"torch.multiprocessing.spawn = {tmp.spawn.__module__}.spawn"
+    try:
+        from mpcore._spawn import spawn
+        return spawn, "mpcore._spawn.spawn"
+    except ImportError as e:
+        return _mini_spawn, f"minimal spawn on mpcore.get_context('spawn') ({e})"
+
+
+def _ctx():
+    if MPCORE:
+        import mpcore
+        return mpcore.get_context("spawn"), "mpcore.get_context('spawn')"
+    return torch.multiprocessing.get_context("spawn"), "torch.multiprocessing.get_context('spawn')"
+
+
+def _start_join(ctx):
+    t0 = time.perf_counter()
+    p = ctx.Process(target=noop)
+    p.start()
+    p.join()
+    el = time.perf_counter() - t0
+    if p.exitcode != 0:
+        raise RuntimeError(f"child exited with code {p.exitcode}")
+    return el
+
+
+def main():
+    sections = sys.argv[1].split(",")
+    nprocs, repeats, target_s = int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+    out = {"import_torch_s": IMPORT_S, "mpcore_run": os.environ.get("MPCORE_RUN") == "1"}
+    if "first" in sections or "repeat" in sections:
+        spawn, out["spawn_impl"] = _spawn_impl()
+        t0 = time.perf_counter()
+        spawn(noop, args=(), nprocs=nprocs, join=True)
+        out["first_s"] = time.perf_counter() - t0
+        if "repeat" in sections:
+            out["repeat_s"] = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                spawn(noop, args=(), nprocs=nprocs, join=True)
+                out["repeat_s"].append(time.perf_counter() - t0)
+    if "process" in sections:
+        ctx, out["process_ctx"] = _ctx()
+        out["process_warmup_s"] = _start_join(ctx)
+        times = []
+        t_end = time.perf_counter() + target_s
+        while len(times) < 2 or (time.perf_counter() < t_end and len(times) < 1000):
+            times.append(_start_join(ctx))
+        out["process_s"] = times
+    print("%s%s" % (os.environ["MPCORE_BENCH_PROG_TAG"], json.dumps(out)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+_batch = []          # the cases this child runs (set by main)
+_prog_results = {}   # impl -> [program results not yet used by a case]
+_prog_dir = None
+_PROG_SECTIONS = {"spawn-first": ("first",), "spawn-repeat": ("first", "repeat"),
+                  "process-spawn": ("process",)}
+
+
+def _prog_path():
+    global _prog_dir
+    if _prog_dir is None:
+        import atexit
+        import shutil
+        import tempfile
+        _prog_dir = tempfile.mkdtemp(prefix="mpcore-bench-")
+        atexit.register(shutil.rmtree, _prog_dir, True)
+        with open(os.path.join(_prog_dir, "spawn_prog.py"), "w") as f:
+            f.write(SPAWN_PROGRAM)
+    return os.path.join(_prog_dir, "spawn_prog.py")
+
+
+def _prog_command(impl, path):
+    if impl == "torch":
+        return [sys.executable, path]
+    script = os.path.join(os.path.dirname(sys.executable), "mpcore")
+    if os.path.exists(script):
+        return [script, "run", path]
+    return [sys.executable, "-m", "mpcore", "run", path]
+
+
+def run_program(impl, sections, target_s, timeout_s=PROG_TIMEOUT_S):
+    """Runs SPAWN_PROGRAM once, as a program of its own, in a new session
+    (its process group is killed on timeout, and anything it leaves alive);
+    returns its result dict."""
+    import signal
+    import subprocess
+    env = dict(os.environ)
+    for k in ("MPCORE_RUN", "MPCORE_KEEPER", "MPCORE_ZYGOTE"):
+        env.pop(k, None)   # the program starts its own (or, torch side, none)
+    env["MPCORE_BENCH_SPAWN"] = impl
+    env["MPCORE_BENCH_PROG_TAG"] = PROG_TAG
+    env["PYTHONUNBUFFERED"] = "1"
+    repeats = QUICK_SPAWN_REPEATS if target_s < 0.5 else SPAWN_REPEATS
+    cmd = _prog_command(impl, _prog_path()) + [
+        ",".join(sections), str(SPAWN_NPROCS), str(repeats), repr(target_s)]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=_prog_dir, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+        why = f"exit code {proc.returncode}"
+    except BaseException as e:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        out, err = proc.communicate()
+        if not isinstance(e, subprocess.TimeoutExpired):
+            raise
+        why = f"timed out after {timeout_s:.0f} s"
+    wall = time.perf_counter() - t0
+    try:   # whatever it left in its group (it should leave nothing)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    for line in out.splitlines():
+        if line.startswith(PROG_TAG) and proc.returncode == 0:
+            r = json.loads(line[len(PROG_TAG):])
+            r["program_wall_s"] = wall
+            r["sections"] = list(sections)
+            return r
+    tail = " | ".join(err.strip().splitlines()[-3:])
+    raise RuntimeError(f"{' '.join(cmd[:3])}: {why}: {tail}")
+
+
+def _program_result(env, case_name, target_s):
+    """A program result with the sections case_name needs: one left by an
+    earlier case of this child, else a new run, which also does the
+    sections of the other program cases of this child (so --quick runs the
+    program once per side)."""
+    need = set(_PROG_SECTIONS[case_name])
+    pool = _prog_results.setdefault(env.impl, [])
+    for r in pool:
+        if need <= set(r["sections"]) and case_name not in r["used_by"]:
+            r["used_by"].append(case_name)
+            return r
+    want = set(need)
+    for other in _batch:
+        if other in _PROG_SECTIONS and other != case_name:
+            want |= set(_PROG_SECTIONS[other])
+    order = ("first", "repeat", "process")
+    r = run_program(env.impl, [s for s in order if s in want], target_s)
+    r["used_by"] = [case_name]
+    pool.append(r)
+    return r
+
+
+def _prog_extra(r):
+    keep = ("import_torch_s", "spawn_impl", "process_ctx", "program_wall_s", "mpcore_run")
+    return {k: r[k] for k in keep if k in r}
+
+
+def spawn_first(env, target_s):
+    # One fresh program per child: the driver's repeats make the "few times".
+    r = _program_result(env, "spawn-first", target_s)
+    extra = _prog_extra(r)
+    extra.update(nprocs=SPAWN_NPROCS)
+    return Measurement(r["first_s"] * 1e3, 1, r["first_s"], extra)
+
+
+def spawn_repeat(env, target_s):
+    r = _program_result(env, "spawn-repeat", target_s)
+    times = r["repeat_s"]
+    mean = sum(times) / len(times)
+    extra = _prog_extra(r)
+    extra.update(repeat_ms_all=[x * 1e3 for x in times], first_ms=r["first_s"] * 1e3,
+                 nprocs=SPAWN_NPROCS)
+    return Measurement(mean * 1e3, len(times), sum(times), extra)
+
+
+def process_spawn(env, target_s):
+    r = _program_result(env, "process-spawn", target_s)
+    times = r["process_s"]
+    mean = sum(times) / len(times)
+    extra = _prog_extra(r)
+    extra.update(min_ms=min(times) * 1e3, warmup_ms=r["process_warmup_s"] * 1e3)
+    return Measurement(mean * 1e3, len(times), sum(times), extra)
+
+
 # --- the registry (table order) --------------------------------------------
 
 KB, MB = 1 << 10, 1 << 20
@@ -274,6 +513,22 @@ add_case("share-64m", "torch.empty(64 MB).share_memory_()", "ms/call", False, sh
 add_case("zeros-4x4", "mpcore.zeros((4,4), float32)", "us/call", False,
          share_small, mpcore_zeros_small,
          note="mpcore.zeros((4,4), torch.float32) against torch's zeros(4,4).share_memory_().")
+
+
+add_case("spawn-first", "first spawn(no-op, nprocs=4)", "ms", False, spawn_first,
+         timeout_s=PROG_TIMEOUT_S + 30,
+         note="In a fresh program that imported torch, the first "
+              "torch.multiprocessing.spawn(noop, nprocs=4, join=True); mpcore: the same "
+              "program under `mpcore run` (see README for which spawn it calls).")
+add_case("spawn-repeat", "spawn(no-op, nprocs=4), repeated", "ms", False, spawn_repeat,
+         timeout_s=PROG_TIMEOUT_S + 30,
+         note=f"Mean of the {SPAWN_REPEATS} spawn(noop, nprocs=4) calls after a first one, "
+              f"in the same program ({QUICK_SPAWN_REPEATS} under --quick).")
+add_case("process-spawn", "spawn Process start+join", "ms", False, process_spawn,
+         timeout_s=PROG_TIMEOUT_S + 30,
+         note="ctx.Process(target=noop).start(); join() with the spawn context, after a "
+              "warm-up one; mean per process, in a program that imported torch (mpcore: "
+              "under `mpcore run`).")
 
 
 # --- command line -----------------------------------------------------------
@@ -302,6 +557,7 @@ def main(argv=None):
                     help="seconds the timed part of each case should take")
     args = ap.parse_args(argv)
     names = [c for c in args.cases.split(",") if c]
+    _batch[:] = names
     unknown = [c for c in names if c not in CASES]
     if unknown:
         ap.error(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")

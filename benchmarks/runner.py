@@ -10,7 +10,11 @@ A row's figure per side is the best of its repeats (max for rates, min for
 times); the JSON also keeps every value and the medians.
 
 --quick runs every case of one side in a single child (two children in all,
-per repeat), with a short timed part, to stay within ~40 s.
+per repeat), with a short timed part, to stay within ~60 s.
+
+The spawn/process rows run a program of their own per measurement (see
+cases.SPAWN_PROGRAM): `python prog.py` for torch, `mpcore run prog.py` for
+mpcore.  The table says which spawn the mpcore side called.
 """
 import argparse
 import datetime
@@ -209,6 +213,9 @@ def format_table(rows, header_note=""):
     out += [fmt(c) for c in lines]
     notes = []
     for row in rows:
+        for line in _program_notes(row):
+            notes.append(f"  note {row['name']}: {line}")
+    for row in rows:
         for e in row["errors"]:
             notes.append(f"  ERROR {row['name']}: {e}")
         for impl in IMPLS:
@@ -218,6 +225,23 @@ def format_table(rows, header_note=""):
         out.append("")
         out += notes
     return "\n".join(out)
+
+
+def _program_notes(row):
+    """For the rows measured in a program of their own: what the mpcore side
+    called, and the program's own `import torch` (not counted)."""
+    ex = {impl: [e for e in row[impl]["extra"] if "import_torch_s" in e] for impl in IMPLS}
+    if not any(ex.values()):
+        return []
+    out = []
+    impls = sorted({e[k] for e in ex["mpcore"] for k in ("spawn_impl", "process_ctx")
+                    if k in e and (k == "spawn_impl") == row["name"].startswith("spawn-")})
+    if impls:
+        out.append("mpcore side used " + "; ".join(impls))
+    imp = [f"{impl} {fmt_value(min(e['import_torch_s'] for e in ex[impl]) * 1e3)} ms"
+           for impl in IMPLS if ex[impl]]
+    out.append("program's own import torch (not counted): " + ", ".join(imp))
+    return out
 
 
 def machine_info():
@@ -311,7 +335,7 @@ def parse_args(argv):
     ap.add_argument("--json", metavar="FILE", help="write every figure to FILE")
     ap.add_argument("--plot", metavar="FILE.png", help="write a bar chart of the ratios")
     ap.add_argument("--quick", action="store_true",
-                    help="short run (~30 s): one child per side, short timed parts")
+                    help="short run (~60 s): one child per side, short timed parts")
     ap.add_argument("--only", metavar="SUBSTRING,...",
                     help="run the cases whose name or title contains one of these")
     ap.add_argument("--repeat", type=int, default=None, metavar="N",

@@ -2,10 +2,16 @@
 
 Tests that start processes are bounded by pytest-timeout (pyproject sets a
 default) and check afterwards that nothing is left behind."""
+import ctypes
 import os
+import select
+import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
+import time
+import uuid
 
 import pytest
 
@@ -87,6 +93,12 @@ def children_of(pid):
     return kids
 
 
+def fresh_env():
+    """This process's environment for a fresh program: one that starts a
+    keeper and a zygote of its own instead of joining ours."""
+    return {k: v for k, v in os.environ.items() if k not in ("MPCORE_KEEPER", "MPCORE_ZYGOTE")}
+
+
 def run_program(code, *args, timeout=60, env=None, launcher=False):
     """Runs `code` as a fresh Python program (optionally under `mpcore run`)
     in its own process tree; returns the CompletedProcess."""
@@ -96,8 +108,7 @@ def run_program(code, *args, timeout=60, env=None, launcher=False):
         path = f.name
     try:
         cmd = [sys.executable, "-m", "mpcore", "run", path] if launcher else [sys.executable, path]
-        # A fresh program: it starts a keeper of its own.
-        e = {k: v for k, v in os.environ.items() if k != "MPCORE_KEEPER"}
+        e = fresh_env()
         e.update(env or {})
         return subprocess.run(cmd + list(args), capture_output=True, text=True,
                               timeout=timeout, env=e)
@@ -115,6 +126,12 @@ def _is_resource_tracker(pid):
         return False
 
 
+def _is_own_zygote(pid):
+    # The test process's zygote, like its keeper, lives as long as it does.
+    from mpcore import _zygote
+    return _zygote._service is not None and _zygote._service[1] == pid
+
+
 @pytest.fixture
 def leak_check():
     """After the test: no child process left (zombie or not), and no keeper
@@ -127,7 +144,203 @@ def leak_check():
     if core.keeper_pid():
         own_keeper.add(core.keeper_pid())
     kids = [(p, s) for p, s in children_of(me)
-            if p not in own_keeper and not _is_resource_tracker(p)]
+            if p not in own_keeper and not _is_resource_tracker(p) and not _is_own_zygote(p)]
     assert not kids, f"processes left behind: {kids}"
     stray = set(mpcore_processes()) - own_keeper - before
     assert not stray, f"keepers left behind: {stray}"
+
+
+# --- fresh programs whose whole process tree is checked afterwards -----------
+
+_PR_SET_CHILD_SUBREAPER = 36
+_TAG = "MPCORE_TEST_TAG"
+
+
+def _set_subreaper(on):
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def _state(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def _comm(pid):
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+class Scenario:
+    """Runs programs tagged through their environment, with this process as
+    their subreaper, so that every process of the program's tree (keeper
+    included) is found, waited for and reaped here."""
+
+    def __init__(self):
+        self.tag = uuid.uuid4().hex
+        self.me = os.getpid()
+        self.kids_before = {p for p, _ in children_of(self.me)}
+        self.shm_before = set(os.listdir("/dev/shm"))
+        _set_subreaper(True)
+
+    def env(self):
+        return {_TAG: self.tag}
+
+    def tagged(self, pid):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            return False
+        return f"{_TAG}={self.tag}".encode() in env
+
+    def live(self):
+        """Processes of the program still running (zombies are not)."""
+        out = []
+        for p in os.listdir("/proc"):
+            if p.isdigit() and int(p) != self.me and self.tagged(int(p)):
+                if _state(int(p)) not in (None, "Z"):
+                    out.append(int(p))
+        return out
+
+    def _reap(self):
+        left = []
+        for pid, _ in children_of(self.me):
+            if pid in self.kids_before:
+                continue
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                continue
+            if not done:
+                left.append(pid)
+        return left
+
+    def wait_tree(self, timeout=30.0):
+        """Waits (bounded) until every process of the program has exited and
+        been reaped; returns those still running at the deadline."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = set(self._reap()) | set(self.live())
+            if not left or time.monotonic() > deadline:
+                return sorted(left)
+            time.sleep(0.02)
+
+    def describe(self, pids):
+        return [(p, _comm(p)) for p in pids]
+
+    def run(self, code, *args, timeout=120):
+        try:
+            return run_program(code, *args, timeout=timeout, env=self.env())
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"the program did not finish within {timeout}s; still running: "
+                        f"{self.describe(self.live())}\nstdout:\n{e.stdout}\nstderr:\n{e.stderr}")
+
+    def check_clean(self):
+        """After the program's main process has exited: its whole tree exits,
+        no mpcore memfd stays open in any of its processes, no keeper of it
+        runs, and /dev/shm gained nothing."""
+        left = self.wait_tree()
+        assert not left, f"processes of the program still running: {self.describe(left)}"
+        memfds = {p: n for p, n in mpcore_memfds(exclude_pids=(self.me,)).items()
+                  if self.tagged(p)}
+        assert not memfds, f"mpcore memfds still open: {memfds}"
+        keepers = [p for p in mpcore_processes() if self.tagged(p)]
+        assert not keepers, f"keepers of the program still running: {keepers}"
+        gained = set(os.listdir("/dev/shm")) - self.shm_before
+        assert not gained, f"/dev/shm gained entries: {sorted(gained)}"
+
+    def close(self):
+        try:
+            for _ in range(50):
+                left = set(self._reap()) | set(self.live())
+                if not left:
+                    break
+                for pid in left:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                time.sleep(0.02)
+        finally:
+            _set_subreaper(False)
+
+    def popen(self, code, *args, **kw):
+        """Starts `code` as a fresh program (like run_program, but not waited
+        for); stdin and stdout are pipes."""
+        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+            f.write(textwrap.dedent(code))
+            self.files.append(f.name)
+        env = fresh_env()
+        env.update(self.env())
+        return subprocess.Popen([sys.executable, f.name, *args], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env, **kw)
+
+
+@pytest.fixture
+def scenario():
+    sc = Scenario()
+    sc.files = []
+    try:
+        yield sc
+    finally:
+        sc.close()
+        for f in sc.files:
+            os.unlink(f)
+
+
+def session_members(sid):
+    """pids (with their state) of the processes in session `sid`."""
+    found = []
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:
+            found.append((int(p), fields[0]))
+    return found
+
+
+def wait_session_gone(sid, timeout=30):
+    """Waits for every process of a finished program's session (its keeper,
+    zygote, resource tracker, children) to exit, then to be reaped; fails
+    listing what is left.  Exits are awaited on pidfds; reaping by init is
+    not an event we can wait on, so that part polls (with a deadline)."""
+    deadline = time.monotonic() + timeout
+    # A process may start another while we wait (a zygote's throwaway fork):
+    # list again until none is running.
+    running = [pid for pid, s in session_members(sid) if s != "Z"]
+    while running and time.monotonic() < deadline:
+        for pid in running:
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:
+                continue
+            try:
+                select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            finally:
+                os.close(fd)
+        running = [pid for pid, s in session_members(sid) if s != "Z"]
+    left = session_members(sid)
+    while left and all(s == "Z" for _, s in left) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        left = session_members(sid)
+    alive = [(pid, s) for pid, s in left if s != "Z"]
+    for pid, _ in alive:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    assert not alive, f"processes of the program left behind: {alive}"

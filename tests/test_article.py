@@ -11,15 +11,13 @@ import json
 import math
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from conftest import article
+from conftest import article, wait_session_gone
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("leak_check")]
 
@@ -42,50 +40,6 @@ def clean_env(**extra):
            if not k.startswith("MPCORE_") and k != "PYTHONUNBUFFERED"}
     env.update(extra)
     return env
-
-
-def session_members(sid):
-    found = []
-    for p in os.listdir("/proc"):
-        if not p.isdigit():
-            continue
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid:
-            found.append((int(p), fields[0]))
-    return found
-
-
-def wait_session_gone(sid, timeout=30):
-    """Waits (on pidfds) for every process of the program's session to exit,
-    and for init to reap them (polled, with a deadline); fails if any is
-    still running."""
-    deadline = time.monotonic() + timeout
-    for pid, state in session_members(sid):
-        if state == "Z":
-            continue
-        try:
-            fd = os.pidfd_open(pid)
-        except OSError:
-            continue
-        try:
-            select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-        finally:
-            os.close(fd)
-    left = session_members(sid)
-    while left and all(s == "Z" for _, s in left) and time.monotonic() < deadline:
-        time.sleep(0.02)
-        left = session_members(sid)
-    alive = [(pid, s) for pid, s in left if s != "Z"]
-    for pid, _ in alive:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    assert not alive, f"processes of the program left behind: {alive}"
 
 
 def run(path, launcher, env=None, timeout=120):

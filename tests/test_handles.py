@@ -16,143 +16,14 @@ crash costs only that case:
 A child reports over a pipe, one JSON line per attempt, and exits 0; the
 program prints one RESULT line per case with the child's exit status.
 """
-import ctypes
 import json
-import os
 import re
 import signal
-import subprocess
 import time
-import uuid
 
 import pytest
 
-from conftest import children_of, mpcore_memfds, mpcore_processes, run_program
-
-# --------------------------------------------------------------------------
-# Running a program and checking that nothing of it is left behind
-# --------------------------------------------------------------------------
-
-_PR_SET_CHILD_SUBREAPER = 36
-_TAG = "MPCORE_TEST_TAG"
-
-
-def _set_subreaper(on):
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
-
-
-def _state(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return None
-
-
-def _comm(pid):
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return "?"
-
-
-class Scenario:
-    """Runs programs tagged through their environment, with this process as
-    their subreaper, so that every process of the program's tree (keeper
-    included) is found, waited for and reaped here."""
-
-    def __init__(self):
-        self.tag = uuid.uuid4().hex
-        self.me = os.getpid()
-        self.kids_before = {p for p, _ in children_of(self.me)}
-        self.shm_before = set(os.listdir("/dev/shm"))
-        _set_subreaper(True)
-
-    def env(self):
-        return {_TAG: self.tag}
-
-    def tagged(self, pid):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-        except OSError:
-            return False
-        return f"{_TAG}={self.tag}".encode() in env
-
-    def live(self):
-        """Processes of the program still running (zombies are not)."""
-        out = []
-        for p in os.listdir("/proc"):
-            if p.isdigit() and int(p) != self.me and self.tagged(int(p)):
-                if _state(int(p)) not in (None, "Z"):
-                    out.append(int(p))
-        return out
-
-    def _reap(self):
-        left = []
-        for pid, _ in children_of(self.me):
-            if pid in self.kids_before:
-                continue
-            try:
-                done, _ = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                continue
-            if not done:
-                left.append(pid)
-        return left
-
-    def wait_tree(self, timeout=30.0):
-        """Waits (bounded) until every process of the program has exited and
-        been reaped; returns those still running at the deadline."""
-        deadline = time.monotonic() + timeout
-        while True:
-            left = set(self._reap()) | set(self.live())
-            if not left or time.monotonic() > deadline:
-                return sorted(left)
-            time.sleep(0.02)
-
-    def describe(self, pids):
-        return [(p, _comm(p)) for p in pids]
-
-    def run(self, code, *args, timeout=120):
-        try:
-            return run_program(code, *args, timeout=timeout, env=self.env())
-        except subprocess.TimeoutExpired as e:
-            pytest.fail(f"the program did not finish within {timeout}s; still running: "
-                        f"{self.describe(self.live())}\nstdout:\n{e.stdout}\nstderr:\n{e.stderr}")
-
-    def check_clean(self):
-        """After the program's main process has exited: its whole tree exits,
-        no mpcore memfd stays open in any of its processes, no keeper of it
-        runs, and /dev/shm gained nothing."""
-        left = self.wait_tree()
-        assert not left, f"processes of the program still running: {self.describe(left)}"
-        memfds = {p: n for p, n in mpcore_memfds(exclude_pids=(self.me,)).items()
-                  if self.tagged(p)}
-        assert not memfds, f"mpcore memfds still open: {memfds}"
-        keepers = [p for p in mpcore_processes() if self.tagged(p)]
-        assert not keepers, f"keepers of the program still running: {keepers}"
-        gained = set(os.listdir("/dev/shm")) - self.shm_before
-        assert not gained, f"/dev/shm gained entries: {sorted(gained)}"
-
-    def close(self):
-        try:
-            for _ in range(50):
-                left = set(self._reap()) | set(self.live())
-                if not left:
-                    break
-                for pid in left:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                time.sleep(0.02)
-        finally:
-            _set_subreaper(False)
-
+from conftest import Scenario
 
 # --------------------------------------------------------------------------
 # The program

@@ -14,6 +14,8 @@ import textwrap
 
 import pytest
 
+from conftest import wait_session_gone
+
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("leak_check")]
 
 MPCORE_BIN = os.path.join(os.path.dirname(sys.executable), "mpcore")
@@ -30,56 +32,6 @@ def write(path, code):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(textwrap.dedent(code))
     return path
-
-
-def session_members(sid):
-    """pids (with their state) of the processes in session `sid`."""
-    found = []
-    for p in os.listdir("/proc"):
-        if not p.isdigit():
-            continue
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid:
-            found.append((int(p), fields[0]))
-    return found
-
-
-def wait_session_gone(sid, timeout=30):
-    """Waits for every process of a finished program's session (its keeper,
-    resource tracker, forkserver, children) to exit, then to be reaped; fails
-    listing what is left.  Exits are awaited on pidfds; reaping by init is
-    not an event we can wait on, so that part polls (with a deadline)."""
-    import select
-    import time
-    deadline = time.monotonic() + timeout
-    for pid, state in session_members(sid):
-        if state == "Z":
-            continue
-        try:
-            fd = os.pidfd_open(pid)
-        except OSError:
-            continue
-        try:
-            select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-        finally:
-            os.close(fd)
-    left = session_members(sid)
-    while left and time.monotonic() < deadline:
-        if any(state != "Z" for _, state in left):
-            break
-        time.sleep(0.02)   # zombies wait for init to reap them
-        left = session_members(sid)
-    alive = [(pid, state) for pid, state in left if state != "Z"]
-    for pid, _ in alive:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    assert not alive, f"processes of the program left behind: {alive}"
 
 
 def run(cmd, cwd, timeout=90, env=None):

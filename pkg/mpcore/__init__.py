@@ -19,6 +19,10 @@ from ._context import (
 )
 from ._queue import Empty, Full, JoinableQueue, Queue, SimpleQueue
 from ._api import empty, share_memory_, stats, zeros
+from ._spawn import (
+    ProcessContext, ProcessException, ProcessExitedException, ProcessRaisedException,
+    SpawnContext, spawn, start_processes,
+)
 
 __version__ = "0.1.0"
 
@@ -32,6 +36,8 @@ __all__ = [
     "get_context", "set_start_method", "get_start_method", "get_all_start_methods",
     "cpu_count", "set_sharing_strategy", "get_sharing_strategy",
     "get_all_sharing_strategies", "empty", "zeros", "share_memory_", "stats",
+    "spawn", "start_processes", "ProcessContext", "SpawnContext", "ProcessException",
+    "ProcessRaisedException", "ProcessExitedException",
 ]
 
 # Tensor sharing is served from mpcore memory once torch is imported.
@@ -39,19 +45,8 @@ _boot.serve_torch(patch_multiprocessing=False)
 _shm.ensure_keeper()
 
 
-_TORCH_SPAWN = ("spawn", "start_processes", "ProcessContext", "SpawnContext",
-                "ProcessException", "ProcessRaisedException", "ProcessExitedException")
-
-
 def __getattr__(name):
-    # torch.multiprocessing's spawn API is torch's own for now; whatever else
-    # mpcore does not reimplement is multiprocessing's.
-    if name in _TORCH_SPAWN:
-        try:
-            import torch.multiprocessing as tmp
-        except ImportError:
-            raise AttributeError(f"mpcore.{name} needs torch") from None
-        return getattr(tmp, name)
+    # Whatever mpcore does not reimplement is multiprocessing's.
     try:
         return getattr(_mp, name)
     except AttributeError:

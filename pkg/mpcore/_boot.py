@@ -89,7 +89,9 @@ def _patch_torch_multiprocessing(tmp):
     """Makes torch.multiprocessing's names mpcore's."""
     import mpcore
     for name in ("Process", "Queue", "SimpleQueue", "JoinableQueue", "get_context",
-                 "set_sharing_strategy", "get_sharing_strategy", "get_all_sharing_strategies"):
+                 "set_sharing_strategy", "get_sharing_strategy", "get_all_sharing_strategies",
+                 "spawn", "start_processes", "ProcessContext", "ProcessException",
+                 "ProcessRaisedException", "ProcessExitedException"):
         setattr(tmp, name, getattr(mpcore, name))
     tmp.__mpcore__ = True
     _supply_torch_sleep(sys.modules["torch"])

@@ -97,13 +97,35 @@ class ProcessExitedException(ProcessException):
 
 # --- the child's side ----------------------------------------------------------
 
-def _starttime(pid):
-    """The start time of pid (clock ticks since boot), or None if it is gone."""
+def _stat(pid):
+    """(state, start time in clock ticks since boot) of pid, or None."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[19])
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return fields[0], int(fields[19])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def _starttime(pid):
+    st = _stat(pid)
+    return st and st[1]
+
+
+def _alive(pid, start):
+    """Whether pid still runs (a zombie does not) and is the process that
+    started at `start`."""
+    st = _stat(pid)
+    if st is None and _stat("self") is None:  # no /proc to ask
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            pass
+        return True
+    return (st is not None and (start is None or st[1] == start)
+            and st[0] not in (b"Z", b"X"))
 
 
 def _set_pdeathsig():
@@ -119,18 +141,21 @@ def _die():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _watch(pidfd):
+def _watch_polling(pid, start):
+    while _alive(pid, start):
+        time.sleep(0.5)
+    _die()
+
+
+def _watch(pidfd, pid, start):
     import select
     try:
         select.select([pidfd], [], [])
-    finally:
-        _die()
-
-
-def _watch_polling(pid, start):
-    while _starttime(pid) == start:
-        time.sleep(0.5)
-    _die()
+    except Exception:
+        pass
+    # The parent is gone, unless the child's code closed the fd (and it may
+    # have been reused): dies at once in the one case, polls in the other.
+    _watch_polling(pid, start)
 
 
 def _die_with_parent(pid, start, use_pdeathsig):
@@ -145,16 +170,23 @@ def _die_with_parent(pid, start, use_pdeathsig):
     an intermediary (a fork server)."""
     if use_pdeathsig and _set_pdeathsig() and os.getppid() == pid:
         return  # our parent was alive once the signal was armed
+    from . import _zygote
+    if _zygote.forked:
+        # The zygote kills the children of a requester that dies, and they
+        # die with the zygote (NOTE [ Zygote ]): no watcher needed.
+        if not _alive(pid, start):
+            _die()
+        return
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
         _die()
     except (OSError, AttributeError):
         fd = None
-    if _starttime(pid) != start:  # gone, or its pid is another process's now
+    if not _alive(pid, start):  # gone, or its pid is another process's now
         _die()
     if fd is not None:
-        target, args = _watch, (fd,)
+        target, args = _watch, (fd, pid, start)
     else:
         target, args = _watch_polling, (pid, start)
     threading.Thread(target=target, args=args, name="mpcore-parent-watch", daemon=True).start()
@@ -268,7 +300,7 @@ def _loads(blob):
         return None
 
 
-def _read_error_file(path, private=False):
+def _read_error_file(path, private=False, where="a spawned process"):
     """(traceback text, the child's exception or None), or None if there is
     no readable report (or, when private, none in a private directory)."""
     if private and not _private_dir(os.path.dirname(path)):
@@ -284,10 +316,10 @@ def _read_error_file(path, private=False):
         return payload, None
     if not isinstance(payload, dict) or "traceback" not in payload:
         return None
-    return payload["traceback"], _rebuild_chain(payload.get("chain") or ())
+    return payload["traceback"], _rebuild_chain(payload.get("chain") or (), where)
 
 
-def _rebuild_chain(chain):
+def _rebuild_chain(chain, where):
     excs = []
     for node in chain:
         e = _loads(node["blob"]) if node.get("blob") is not None else None
@@ -304,8 +336,8 @@ def _rebuild_chain(chain):
         frames = node.get("frames")
         if frames and hasattr(e, "add_note"):
             try:
-                e.add_note(f"[raised in a spawned process; its traceback there, "
-                           f"most recent call last:]\n{frames.rstrip()}")
+                e.add_note(f"[raised in {where}; its traceback there, most recent call "
+                           f"last:]\n{frames.rstrip()}")
             except Exception:
                 pass
         for attr, key in (("__cause__", "cause"), ("__context__", "context")):
@@ -446,7 +478,8 @@ class ProcessContext:
 
     def _error_for(self, index):
         process = self.processes[index]
-        report = _read_error_file(self.error_files[index], self._private)
+        report = _read_error_file(self.error_files[index], self._private,
+                                  f"process {index} (pid {process.pid})")
         if report is None:
             exitcode = process.exitcode
             if exitcode < 0:
@@ -557,6 +590,7 @@ def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method
         process.start()
         processes[i] = process
 
+    context = None
     try:
         if parallel:
             log.info("Starting processes in parallel.")
@@ -568,21 +602,24 @@ def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method
         else:
             for i in range(nprocs):
                 start_one(i)
+        context = ProcessContext(processes, error_files)
+        context._own_dir(tmpdir)
+        if not join:
+            return context
+        # Loop on join until it returns True or raises an exception.
+        while not context.join():
+            pass
+    except ProcessException:
+        raise
     except BaseException as e:
+        # Failed or interrupted while starting (or between start and join):
+        # no child is left running, or unreaped.
         _stop_all([p for p in processes if p is not None], _INTERRUPT_GRACE)
         _remove_dir(tmpdir, me)
-        if "pickl" in str(e).lower() and hasattr(e, "add_note"):
+        if context is None and "pickl" in str(e).lower() and hasattr(e, "add_note"):
             e.add_note(f"start method {start_method!r} pickles fn and args to start each "
                        "process: fn must be a function defined at the top level of a module")
         raise
-
-    context = ProcessContext(processes, error_files)
-    context._own_dir(tmpdir)
-    if not join:
-        return context
-    # Loop on join until it returns True or raises an exception.
-    while not context.join():
-        pass
 
 
 def spawn(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):

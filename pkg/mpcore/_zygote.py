@@ -13,6 +13,7 @@ NOTE [ Zygote ] in csrc/proc.c says what the zygote is.  Here:
   imported started one), it refuses to fork, and the requester spawns the
   child by exec instead, saying so once.
 """
+import atexit
 import errno
 import io
 import os
@@ -34,6 +35,7 @@ _MAGIC = 0x5A59474F
 _SPAWN, _STARTED, _FAILED, _EXIT = 1, 2, 3, 4
 _MAX_FDS = 16
 ENV = "MPCORE_ZYGOTE"
+forked = False  # true in a child the zygote forked
 PRELOAD_ENV = "MPCORE_ZYGOTE_PRELOAD"
 
 
@@ -61,6 +63,10 @@ def _preload():
 
 def main():
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The zygote serves the program; it is not one of its processes, whose
+    # counters MPCORE_STATS collects (its children get the requester's
+    # environment back).
+    os.environ.pop("MPCORE_STATS", None)
     _preload()
     import gc
     gc.collect()
@@ -74,6 +80,8 @@ def main():
 def _child_main(payload):
     """In a child just forked from the zygote: become the requested
     process and run it."""
+    global forked
+    forked = True
     code = 1
     try:
         f = io.BytesIO(payload)
@@ -209,7 +217,13 @@ def _after_fork_child():
         _service = None
 
 
+def _close_client():
+    if _client is not None:
+        _client.sock.close()
+
+
 os.register_at_fork(after_in_child=_after_fork_child)
+atexit.register(_close_client)
 _warned = False
 
 
