@@ -161,3 +161,34 @@ def test_dataloader_same_as_plain_python():
     assert got.stdout == want.stdout
     assert got.stdout.startswith("tensor([ 0,  1,  2,")
     assert got.stdout.count("tensor(") == 32    # 1000 items in batches of 32
+
+
+# --- async_tasks.py -------------------------------------------------------------
+
+def test_async_tasks_under_launcher():
+    # Plain torch fails on torch.sleep, which PyTorch lacks; under mpcore run
+    # it is a sleep in seconds, and the four tasks overlap.
+    plain, _ = run(article("async_tasks.py"), launcher=False)
+    assert plain.returncode != 0 and "torch' has no attribute 'sleep'" in plain.stderr
+    r, _ = run(article("async_tasks.py"), launcher=True)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert sorted(lines) == sorted([f"Starting task in process {i}" for i in range(4)]
+                                   + [f"Ending task in process {i}" for i in range(4)])
+    for i in range(4):
+        assert lines.index(f"Starting task in process {i}") < lines.index(
+            f"Ending task in process {i}")
+    # Every task started before any ended: they ran concurrently.
+    assert all(line.startswith("Starting") for line in lines[:4]), lines
+
+
+def test_launcher_adds_only_torch_sleep(tmp_path):
+    # The one change mpcore run makes to torch's namespace is torch.sleep.
+    probe = tmp_path / "probe.py"
+    probe.write_text("import json, torch\n"
+                     "print(json.dumps(sorted(n for n in dir(torch) if not n.startswith('_'))))\n")
+    plain, _ = run(str(probe), launcher=False)
+    served, _ = run(str(probe), launcher=True)
+    assert plain.returncode == 0 and served.returncode == 0, (plain.stderr, served.stderr)
+    assert set(json.loads(served.stdout)) - set(json.loads(plain.stdout)) == {"sleep"}
+    assert set(json.loads(plain.stdout)) <= set(json.loads(served.stdout))
