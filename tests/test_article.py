@@ -167,7 +167,8 @@ def test_dataloader_same_as_plain_python():
 
 def test_async_tasks_under_launcher():
     # Plain torch fails on torch.sleep, which PyTorch lacks; under mpcore run
-    # it is a sleep in seconds, and the four tasks overlap.
+    # it is a sleep in seconds.  (Each child's lines reach the pipe when it
+    # exits, so their order says nothing about overlap.)
     plain, _ = run(article("async_tasks.py"), launcher=False)
     assert "torch' has no attribute 'sleep'" in plain.stderr
     assert "Ending task" not in plain.stdout
@@ -179,8 +180,6 @@ def test_async_tasks_under_launcher():
     for i in range(4):
         assert lines.index(f"Starting task in process {i}") < lines.index(
             f"Ending task in process {i}")
-    # Every task started before any ended: they ran concurrently.
-    assert all(line.startswith("Starting") for line in lines[:4]), lines
 
 
 def test_launcher_adds_only_torch_sleep(tmp_path):
