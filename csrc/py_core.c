@@ -61,6 +61,37 @@ int64_t mpc_py_deadline(int block, PyObject *timeout) {
     return mpc_now_ns() + (int64_t)(t * 1e9);
 }
 
+char **mpc_py_argv_new(PyObject *seq) {
+    PyObject *fast = PySequence_Fast(seq, "a command must be a sequence of str");
+    if (fast == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    char **argv = calloc((size_t)n + 1, sizeof *argv);
+    if (argv == NULL) {
+        Py_DECREF(fast);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const char *s = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(fast, i));
+        if (s == NULL || (argv[i] = strdup(s)) == NULL) {
+            if (s != NULL)
+                PyErr_NoMemory();
+            mpc_py_argv_free(argv);
+            Py_DECREF(fast);
+            return NULL;
+        }
+    }
+    Py_DECREF(fast);
+    return argv;
+}
+
+void mpc_py_argv_free(char **argv) {
+    for (char **a = argv; a && *a; a++)
+        free(*a);
+    free(argv);
+}
+
 static int mpc_exec(PyObject *m) {
     mpc_state *st = mpc_get_state(m);
     st->HandleError = PyErr_NewExceptionWithDoc(

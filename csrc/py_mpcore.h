@@ -33,6 +33,11 @@ PyObject *mpc_py_raise(mpc_state *st, int err);
  * negative timeout. */
 int64_t mpc_py_deadline(int block, PyObject *timeout);
 
+/* A NULL-terminated, malloc'd copy of a sequence of str (a command), or
+ * NULL with an exception set; freed by mpc_py_argv_free. */
+char **mpc_py_argv_new(PyObject *seq);
+void mpc_py_argv_free(char **argv);
+
 /* Each binding file adds its types and functions to the module. */
 int mpc_py_shm_exec(PyObject *m, mpc_state *st);
 int mpc_py_ring_exec(PyObject *m, mpc_state *st);

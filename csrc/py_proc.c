@@ -115,23 +115,9 @@ static PyObject *py_spawn_service(PyObject *m, PyObject *args) {
     const char *prefix;
     if (!PyArg_ParseTuple(args, "Os", &argv_o, &prefix))
         return NULL;
-    PyObject *fast = PySequence_Fast(argv_o, "argv must be a sequence of str");
-    if (fast == NULL)
+    char **argv = mpc_py_argv_new(argv_o);
+    if (argv == NULL)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    char **argv = calloc((size_t)n + 1, sizeof *argv);
-    if (argv == NULL) {
-        Py_DECREF(fast);
-        return PyErr_NoMemory();
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        argv[i] = (char *)PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(fast, i));
-        if (argv[i] == NULL) {
-            free(argv);
-            Py_DECREF(fast);
-            return NULL;
-        }
-    }
     char name[96];
     int sock, r;
     pid_t pid;
@@ -139,8 +125,7 @@ static PyObject *py_spawn_service(PyObject *m, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     r = mpc_spawn_service(argv, prefix, SOCK_STREAM, name, sizeof name, &sock, &pid);
     Py_END_ALLOW_THREADS
-    free(argv);
-    Py_DECREF(fast);
+    mpc_py_argv_free(argv);
     if (r < 0)
         return mpc_py_raise(mpc_get_state(m), r);
     return Py_BuildValue("(sii)", name, sock, (int)pid);

@@ -544,26 +544,9 @@ static PyObject *py_after_fork_child(PyObject *m, PyObject *unused) {
 static char **keeper_argv; /* kept for the life of the process */
 
 static PyObject *py_set_keeper_command(PyObject *m, PyObject *arg) {
-    PyObject *fast = PySequence_Fast(arg, "keeper command must be a sequence of str");
-    if (fast == NULL)
+    char **argv = mpc_py_argv_new(arg);
+    if (argv == NULL)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    char **argv = calloc((size_t)n + 1, sizeof *argv);
-    if (argv == NULL) {
-        Py_DECREF(fast);
-        return PyErr_NoMemory();
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const char *s = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(fast, i));
-        if (s == NULL || (argv[i] = strdup(s)) == NULL) {
-            for (Py_ssize_t j = 0; j < i; j++)
-                free(argv[j]);
-            free(argv);
-            Py_DECREF(fast);
-            return s ? PyErr_NoMemory() : NULL;
-        }
-    }
-    Py_DECREF(fast);
     /* The previous command may be in use by another thread: leak it. */
     keeper_argv = argv;
     mpc_set_keeper_argv(keeper_argv);
