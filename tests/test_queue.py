@@ -544,3 +544,23 @@ def scenario_nested(method):
 @pytest.mark.parametrize("method", METHODS)
 def test_nested_containers_of_tensors_and_arrays(method, leak_check):
     run_scenario("scenario_nested", method)
+
+
+def test_failed_put_takes_no_ticket_with_it():
+    # Pickling fails after a tensor was handled: the tickets already taken
+    # are dropped, so the tensor's memory is freed with the tensor.
+    import gc
+    import threading
+    import torch
+    from mpcore import _core
+    q = mpcore.Queue()
+    t = torch.ones(10)
+    with pytest.raises(TypeError):
+        q.put([t, threading.Lock()])
+    assert t.is_shared()
+    handle = mpcore._shm.find(t.data_ptr(), 40)[0].handle
+    del t
+    gc.collect()
+    assert all(b.handle != handle for b in _core.live_blocks())
+    q.put("still works")
+    assert q.get(timeout=10) == "still works"

@@ -67,10 +67,11 @@ class Queue:
 
     def put(self, obj, block=True, timeout=None):
         self._check_closed()
-        with _shm.transfer() as t:
-            payload = _pickle.dumps(obj, _INLINE)
+        t = _shm.transfer()
         refs = t.refs
         try:
+            with t:
+                payload = _pickle.dumps(obj, _INLINE)
             if len(payload) > self._ring.max_message() - 16 * (len(refs) + 1):
                 spill = _shm.alloc(len(payload))
                 memoryview(spill)[:] = payload
