@@ -561,6 +561,9 @@ def test_failed_put_takes_no_ticket_with_it():
     handle = mpcore._shm.find(t.data_ptr(), 40)[0].handle
     del t
     gc.collect()
-    assert all(b.handle != handle for b in _core.live_blocks())
+    # Freed: its handle is stale now (a leaked ticket would keep it live,
+    # and this attach would redeem that ticket instead of failing).
+    with pytest.raises(mpcore.HandleError):
+        _core.attach(handle)
     q.put("still works")
     assert q.get(timeout=10) == "still works"
