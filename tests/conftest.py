@@ -4,6 +4,7 @@ Tests that start processes are bounded by pytest-timeout (pyproject sets a
 default) and check afterwards that nothing is left behind."""
 import ctypes
 import os
+import queue
 import select
 import signal
 import subprocess
@@ -344,3 +345,52 @@ def wait_session_gone(sid, timeout=30):
         except OSError:
             pass
     assert not alive, f"processes of the program left behind: {alive}"
+
+
+# --- children started inside the test process ---------------------------------
+
+def result(q, procs, timeout=90):
+    """The next report of a child; fails at once if a child died without
+    reporting (the loop's timeouts only bound a hang)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            kind, value = q.get(timeout=0.5)
+            break
+        except queue.Empty:
+            dead = [(p.pid, p.exitcode) for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise AssertionError(f"child died without reporting: {dead}")
+            if time.monotonic() > deadline:
+                raise AssertionError("no report from the child")
+    if kind == "error":
+        raise AssertionError("child failed:\n" + value)
+    return value
+
+def reap(procs, timeout=60):
+    for p in procs:
+        if p._popen is not None:
+            p.join(timeout)
+    for p in procs:
+        if p._popen is not None and p.is_alive():
+            p.kill()
+            p.join()
+
+def wait_keeper_gone(pid, timeout=30):
+    """Checks that the keeper of a finished program exits, then waits (a
+    bounded poll) for init to reap it, so that leak_check, which counts
+    zombies too, does not take it for a keeper left running."""
+    if pid <= 0:
+        return
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        ready, _, _ = select.select([fd], [], [], timeout)
+    finally:
+        os.close(fd)
+    assert ready, f"the keeper {pid} of a finished program is still running"
+    deadline = time.monotonic() + timeout
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.02)

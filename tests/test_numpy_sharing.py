@@ -10,7 +10,6 @@ tracker behind as a child of pytest).  Every test reaps its children.
 """
 import os
 import re
-import select
 import sys
 import time
 import traceback
@@ -20,7 +19,7 @@ import numpy as np
 import pytest
 
 import mpcore
-from conftest import run_program
+from conftest import run_program, reap, wait_keeper_gone
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 MODULE = __name__
@@ -55,16 +54,6 @@ def in_mpcore_memory(a):
 
 def address(a):
     return a.__array_interface__["data"][0]
-
-
-def reap(procs, timeout=60):
-    for p in procs:
-        if p._popen is not None:
-            p.join(timeout)
-    for p in procs:
-        if p._popen is not None and p.is_alive():
-            p.kill()
-            p.join()
 
 
 def _run_child(result_q, fn_name, *args):
@@ -115,26 +104,6 @@ def run_scenario(name, method, timeout=120, fresh=False, torch_free=False):
     if torch_free:
         assert "TORCH=False" in r.stdout, "torch was imported"
     wait_keeper_gone(int(re.search(r"KEEPER=(\d+)", r.stdout).group(1)))
-
-
-def wait_keeper_gone(pid, timeout=30):
-    """Checks that the keeper of a finished program exits, then waits (a
-    bounded poll) for init to reap it, so that leak_check, which counts
-    zombies too, does not take it for a keeper left running."""
-    if pid <= 0:
-        return
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    try:
-        ready, _, _ = select.select([fd], [], [], timeout)
-    finally:
-        os.close(fd)
-    assert ready, f"the keeper {pid} of a finished program is still running"
-    deadline = time.monotonic() + timeout
-    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
-        time.sleep(0.02)
 
 
 # --- one process --------------------------------------------------------

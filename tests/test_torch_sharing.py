@@ -10,10 +10,7 @@ report through queues; every scenario reaps its children even when it
 fails.  Nothing here waits on a sleep or asserts on time.
 """
 import os
-import queue
 import re
-import select
-import time
 import traceback
 
 import pytest
@@ -23,7 +20,7 @@ from multiprocessing.reduction import ForkingPickler
 from torch import nn
 
 import mpcore
-from conftest import run_program
+from conftest import run_program, result, reap, wait_keeper_gone
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 MODULE = __name__
@@ -71,35 +68,6 @@ def _run_child(result_q, fn_name, *args):
     result_q.put(("ok", out))
 
 
-def result(q, procs, timeout=90):
-    """The next report of a child; fails at once if a child died without
-    reporting (the loop's timeouts only bound a hang)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            kind, value = q.get(timeout=0.5)
-            break
-        except queue.Empty:
-            dead = [(p.pid, p.exitcode) for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                raise AssertionError(f"child died without reporting: {dead}")
-            if time.monotonic() > deadline:
-                raise AssertionError("no report from the child")
-    if kind == "error":
-        raise AssertionError("child failed:\n" + value)
-    return value
-
-
-def reap(procs, timeout=60):
-    for p in procs:
-        if p._popen is not None:
-            p.join(timeout)
-    for p in procs:
-        if p._popen is not None and p.is_alive():
-            p.kill()
-            p.join()
-
-
 def start(ctx, procs, fn_name, result_q, *args):
     p = ctx.Process(target=_run_child, args=(result_q, fn_name) + args)
     procs.append(p)
@@ -125,26 +93,6 @@ def run_scenario(name, method, timeout=150, fresh=False):
         f"scenario {name}({method!r}) failed, rc={r.returncode}\n"
         f"--- stdout\n{r.stdout}\n--- stderr\n{r.stderr}")
     wait_keeper_gone(int(re.search(r"KEEPER=(\d+)", r.stdout).group(1)))
-
-
-def wait_keeper_gone(pid, timeout=30):
-    """Checks that the keeper of a finished program exits, then waits (a
-    bounded poll) for init to reap it, so that leak_check, which counts
-    zombies too, does not take it for a keeper left running."""
-    if pid <= 0:
-        return
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    try:
-        ready, _, _ = select.select([fd], [], [], timeout)
-    finally:
-        os.close(fd)
-    assert ready, f"the keeper {pid} of a finished program is still running"
-    deadline = time.monotonic() + timeout
-    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
-        time.sleep(0.02)
 
 
 # --- in one process -----------------------------------------------------
