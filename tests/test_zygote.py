@@ -138,3 +138,56 @@ def _running(pid):
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_child_output_on_a_terminal_is_line_buffered(tmp_path, leak_check):
+    # A spawned child whose stdout is a terminal prints line by line; the
+    # zygote's own stdout was /dev/null, so its children must be reset.  The
+    # child's line must reach the terminal while the child still runs: the
+    # test only answers (unblocking the child) once it has read that line.
+    import pty
+    import select
+    import subprocess
+    import sys
+    from conftest import fresh_env
+    prog = tmp_path / "tty.py"
+    prog.write_text(
+        "import sys, mpcore\n"
+        "def child(q):\n"
+        "    print('child is running')\n"
+        "    q.get()\n"
+        "if __name__ == '__main__':\n"
+        "    q = mpcore.Queue()\n"
+        "    p = mpcore.get_context('spawn').Process(target=child, args=(q,))\n"
+        "    p.start()\n"
+        "    q.put(sys.stdin.readline())\n"
+        "    p.join()\n"
+        "    print('exit', p.exitcode)\n")
+    master, slave = pty.openpty()
+    env = fresh_env()
+    env.pop("PYTHONUNBUFFERED", None)
+    proc = subprocess.Popen([sys.executable, str(prog)], stdin=slave, stdout=slave,
+                            stderr=subprocess.PIPE, env=env)
+    os.close(slave)
+    out = b""
+    try:
+        while b"child is running" not in out:
+            ready, _, _ = select.select([master], [], [], 60)
+            assert ready, f"no line from the child while it runs; got {out!r}"
+            out += os.read(master, 1024)
+        os.write(master, b"go\n")
+        while b"exit" not in out or not out.rstrip().endswith(b"0"):
+            ready, _, _ = select.select([master], [], [], 60)
+            assert ready, out
+            try:
+                out += os.read(master, 1024)
+            except OSError:
+                break
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+        os.close(master)
+    assert b"exit 0" in out

@@ -90,9 +90,13 @@ def _child_main(payload):
         os.environ.update(head["env"])
         signal.signal(signal.SIGINT, signal.default_int_handler)
         _fresh_seeds()
+        # The zygote's stdout was /dev/null, so Python made it block-buffered;
+        # buffer it as a spawned child would buffer the stdout it now has.
         if head["unbuffered"]:
             sys.stdout.reconfigure(write_through=True)
             sys.stderr.reconfigure(write_through=True)
+        else:
+            sys.stdout.reconfigure(line_buffering=os.isatty(1))
         from multiprocessing import process, resource_tracker
         resource_tracker._resource_tracker._fd = head["tracker_fd"]
         process.current_process()._inheriting = True
