@@ -220,6 +220,8 @@ typedef struct {
     uint64_t segments, mapped_bytes, blocks_allocated, fd_fetches, segments_created;
     uint64_t tickets, attaches;
 } mpc_shm_stats;
+
+/* Copies this process's counters into *st.  Never fails. */
 void mpc_shm_get_stats(mpc_shm_stats *st);
 
 /* Forgets this process's keeper connection and slot after fork (in the
