@@ -55,6 +55,7 @@ typedef struct mpc_seg {
     uint32_t bump;      /* owned arena: blocks below this were handed out once */
     uint64_t idle_tick; /* when nheld last fell to zero */
     uint32_t hint;      /* owned arena: where to look for a free block next */
+    uint32_t pins;      /* threads freeing a block in it without the lock */
     struct mpc_seg *next;             /* hash chain */
     struct mpc_seg *all_prev, *all_next; /* every segment mapped here */
 } mpc_seg;
@@ -182,6 +183,19 @@ static void mpc__free_block(mpc_seg_header *h, uint32_t i) {
     }
 }
 
+/* Frees block i of s after mpc__lock is dropped (freeing a queue drops the
+ * tickets of its messages, which takes the lock again).  The pin keeps
+ * another thread's trim or cache eviction from unmapping s meanwhile.
+ * Called with mpc__lock held; returns with it released. */
+static void mpc__free_unlocked(mpc_seg *s, uint32_t i) {
+    s->pins++;
+    pthread_mutex_unlock(&mpc__lock);
+    mpc__free_block(s->hdr, i);
+    pthread_mutex_lock(&mpc__lock);
+    s->pins--;
+    pthread_mutex_unlock(&mpc__lock);
+}
+
 /* Drops one reference; frees the block if it was the last. */
 static void mpc__unref(mpc_seg_header *h, uint32_t i) {
     if (atomic_fetch_sub(&h->meta[i].refs, 1) == 1)
@@ -270,20 +284,21 @@ err:
 static void mpc__trim_idle(void) {
     uint64_t idle = 0;
     for (mpc_seg *s = mpc__all, *n; s; s = n) {
-            n = s->all_next;
-            if (s->owned || s->nheld)
-                continue;
-            if (atomic_load(&s->hdr->flags) & MPC_SEG_RETIRED) {
-                mpc__unmap(s);
-                continue;
-            }
-            idle += s->size;
+        n = s->all_next;
+        if (s->owned || s->nheld || s->pins)
+            continue;
+        if (atomic_load(&s->hdr->flags) & MPC_SEG_RETIRED) {
+            mpc__unmap(s);
+            continue;
         }
+        idle += s->size;
+    }
     while (idle > MPC_IDLE_BYTES) {
         mpc_seg *oldest = NULL;
         for (mpc_seg *s = mpc__all; s; s = s->all_next)
-                if (!s->owned && !s->nheld && (!oldest || s->idle_tick < oldest->idle_tick))
-                    oldest = s;
+            if (!s->owned && !s->nheld && !s->pins &&
+                (!oldest || s->idle_tick < oldest->idle_tick))
+                oldest = s;
         if (!oldest)
             break;
         idle -= oldest->size;
@@ -295,7 +310,8 @@ static void mpc__trim_idle(void) {
  * asking the keeper. */
 static int mpc__get_seg(uint64_t seg_id, int may_block, mpc_seg **out) {
     mpc_seg *s = mpc__lookup(seg_id);
-    if (s && (atomic_load(&s->hdr->flags) & MPC_SEG_RETIRED) && !s->nheld && !s->owned) {
+    if (s && (atomic_load(&s->hdr->flags) & MPC_SEG_RETIRED) && !s->nheld && !s->owned &&
+        !s->pins) {
         mpc__unmap(s);
         s = NULL;
     }
@@ -427,14 +443,14 @@ static void mpc__activate(mpc_seg *s, uint32_t i, uint64_t length, uint32_t kind
 static void mpc__trim_cache(void) {
     uint64_t cached = 0;
     for (mpc_seg *s = mpc__all; s; s = s->all_next)
-            if (s->owned && s->cls < 0 && !(atomic_load(&s->hdr->meta[0].gen) & 1))
-                cached += s->size;
+        if (s->owned && s->cls < 0 && !s->pins && !(atomic_load(&s->hdr->meta[0].gen) & 1))
+            cached += s->size;
     while (cached > MPC_CACHE_BYTES) {
         mpc_seg *oldest = NULL;
         for (mpc_seg *s = mpc__all; s; s = s->all_next)
-                if (s->owned && s->cls < 0 && !(atomic_load(&s->hdr->meta[0].gen) & 1) &&
-                    (!oldest || s->idle_tick < oldest->idle_tick))
-                    oldest = s;
+            if (s->owned && s->cls < 0 && !s->pins && !(atomic_load(&s->hdr->meta[0].gen) & 1) &&
+                (!oldest || s->idle_tick < oldest->idle_tick))
+                oldest = s;
         if (!oldest)
             break;
         cached -= oldest->size;
@@ -451,11 +467,11 @@ static int mpc__alloc_large(uint64_t length, uint32_t kind, int zero, uint32_t s
     /* Reuse a free segment of ours that fits without wasting over a quarter. */
     mpc_seg *best = NULL;
     for (mpc_seg *s = mpc__all; s; s = s->all_next)
-            if (s->owned && s->cls < 0 && s->hdr->block_size >= bs &&
-                s->hdr->block_size - bs <= bs / 4 &&
-                !(atomic_load(&s->hdr->meta[0].gen) & 1) &&
-                (!best || s->hdr->block_size < best->hdr->block_size))
-                best = s;
+        if (s->owned && s->cls < 0 && s->hdr->block_size >= bs &&
+            s->hdr->block_size - bs <= bs / 4 &&
+            !(atomic_load(&s->hdr->meta[0].gen) & 1) &&
+            (!best || s->hdr->block_size < best->hdr->block_size))
+            best = s;
     if (best) {
         if (zero)
             memset(mpc__block_addr(best, 0), 0, length);
@@ -476,46 +492,46 @@ static int mpc__alloc_small(uint64_t length, uint32_t kind, int zero, uint32_t s
     int cls = mpc__size_class(length);
     uint64_t bs = (uint64_t)MPC_ARENA_MIN << cls;
     for (mpc_seg *s = mpc__all; s; s = s->all_next) {
-            if (!s->owned || s->cls != cls)
-                continue;
-            mpc_seg_header *h = s->hdr;
-            /* Reuse a freed block first: its pages are reserved already. */
-            if (atomic_load(&h->live) < s->bump) {
-                for (uint32_t k = 0; k < s->bump; k++) {
-                    uint32_t i = (s->hint + k) % s->bump;
-                    if (!(atomic_load(&h->meta[i].gen) & 1)) {
-                        if (zero)
-                            memset(mpc__block_addr(s, i), 0, length);
-                        mpc__activate(s, i, length, kind, slot, out);
-                        s->hint = i + 1;
-                        return 0;
-                    }
+        if (!s->owned || s->cls != cls)
+            continue;
+        mpc_seg_header *h = s->hdr;
+        /* Reuse a freed block first: its pages are reserved already. */
+        if (atomic_load(&h->live) < s->bump) {
+            for (uint32_t k = 0; k < s->bump; k++) {
+                uint32_t i = (s->hint + k) % s->bump;
+                if (!(atomic_load(&h->meta[i].gen) & 1)) {
+                    if (zero)
+                        memset(mpc__block_addr(s, i), 0, length);
+                    mpc__activate(s, i, length, kind, slot, out);
+                    s->hint = i + 1;
+                    return 0;
                 }
-            }
-            if (s->bump < h->nblocks) {
-                uint32_t i = s->bump;
-                uint64_t end = h->data_offset + (uint64_t)(i + 1) * bs;
-                if (end > h->reserved) {
-                    /* Reserve in growing steps: each reservation checks
-                     * the memory available, which reads /proc. */
-                    uint64_t want = end - h->reserved;
-                    uint64_t step = h->reserved - h->data_offset;
-                    if (step < MPC_RESERVE_CHUNK)
-                        step = MPC_RESERVE_CHUNK;
-                    if (want < step)
-                        want = step;
-                    if (h->reserved + want > h->size)
-                        want = h->size - h->reserved;
-                    int r = mpc_memfd_reserve(s->fd, h->reserved, want);
-                    if (r < 0)
-                        return r;
-                    h->reserved += want;
-                }
-                s->bump++;
-                mpc__activate(s, i, length, kind, slot, out); /* fresh pages are zero */
-                return 0;
             }
         }
+        if (s->bump < h->nblocks) {
+            uint32_t i = s->bump;
+            uint64_t end = h->data_offset + (uint64_t)(i + 1) * bs;
+            if (end > h->reserved) {
+                /* Reserve in growing steps: each reservation checks
+                 * the memory available, which reads /proc. */
+                uint64_t want = end - h->reserved;
+                uint64_t step = h->reserved - h->data_offset;
+                if (step < MPC_RESERVE_CHUNK)
+                    step = MPC_RESERVE_CHUNK;
+                if (want < step)
+                    want = step;
+                if (h->reserved + want > h->size)
+                    want = h->size - h->reserved;
+                int r = mpc_memfd_reserve(s->fd, h->reserved, want);
+                if (r < 0)
+                    return r;
+                h->reserved += want;
+            }
+            s->bump++;
+            mpc__activate(s, i, length, kind, slot, out); /* fresh pages are zero */
+            return 0;
+        }
+    }
     uint32_t nblocks = (uint32_t)(MPC_ARENA_DATA / bs);
     if (nblocks < 16)
         nblocks = 16;
@@ -685,12 +701,10 @@ void mpc_block_release(const mpc_block *b) {
     }
     if (s->nheld && --s->nheld == 0)
         s->idle_tick = ++mpc__tick;
-    int last = atomic_fetch_sub(&h->meta[b->index].refs, 1) == 1;
-    pthread_mutex_unlock(&mpc__lock);
-    /* The mapping stays while the lock is dropped: only this thread's
-     * trim or a retire could remove it, and neither runs here. */
-    if (last)
-        mpc__free_block(h, b->index);
+    if (atomic_fetch_sub(&h->meta[b->index].refs, 1) == 1)
+        mpc__free_unlocked(s, b->index);
+    else
+        pthread_mutex_unlock(&mpc__lock);
 }
 
 void mpc_ref_drop(const mpc_ref *ref) {
@@ -702,11 +716,10 @@ void mpc_ref_drop(const mpc_ref *ref) {
         pthread_mutex_unlock(&mpc__lock);
         return;
     }
-    mpc_seg_header *h = s->hdr;
-    int last = mpc__drop_ticket_ref(&h->meta[ref->index]) == 1;
-    pthread_mutex_unlock(&mpc__lock);
-    if (last)
-        mpc__free_block(h, ref->index);
+    if (mpc__drop_ticket_ref(&s->hdr->meta[ref->index]) == 1)
+        mpc__free_unlocked(s, ref->index);
+    else
+        pthread_mutex_unlock(&mpc__lock);
 }
 
 int mpc_block_find(const void *addr, uint64_t len, mpc_block *out) {
@@ -714,20 +727,20 @@ int mpc_block_find(const void *addr, uint64_t len, mpc_block *out) {
     int found = 0;
     pthread_mutex_lock(&mpc__lock);
     for (mpc_seg *s = mpc__all; s && !found; s = s->all_next) {
-            uint8_t *data = (uint8_t *)s->hdr + s->hdr->data_offset;
-            uint8_t *end = (uint8_t *)s->hdr + s->size;
-            if (p < data || p >= end)
-                continue;
-            uint32_t i = (uint32_t)((uint64_t)(p - data) / s->hdr->block_size);
-            if (i >= s->hdr->nblocks || !(atomic_load(&s->hdr->meta[i].gen) & 1))
-                break;
-            uint8_t *start = mpc__block_addr(s, i);
-            if (p + len > start + s->hdr->meta[i].length)
-                break;
-            mpc__fill(s, i, out);
-            found = 1;
+        uint8_t *data = (uint8_t *)s->hdr + s->hdr->data_offset;
+        uint8_t *end = (uint8_t *)s->hdr + s->size;
+        if (p < data || p >= end)
+            continue;
+        uint32_t i = (uint32_t)((uint64_t)(p - data) / s->hdr->block_size);
+        if (i >= s->hdr->nblocks || !(atomic_load(&s->hdr->meta[i].gen) & 1))
             break;
-        }
+        uint8_t *start = mpc__block_addr(s, i);
+        if (p + len > start + s->hdr->meta[i].length)
+            break;
+        mpc__fill(s, i, out);
+        found = 1;
+        break;
+    }
     pthread_mutex_unlock(&mpc__lock);
     return found;
 }
@@ -807,12 +820,13 @@ void mpc__arena_after_fork_child(void) {
      * it allocates in arenas of its own, and redeems tickets for what it
      * inherited. */
     for (mpc_seg *s = mpc__all; s; s = s->all_next) {
-            s->owned = 0;
-            s->cls = -1;
-            s->nheld = 0;
-            if (s->fd >= 0) {
-                close(s->fd);
-                s->fd = -1;
-            }
+        s->owned = 0;
+        s->cls = -1;
+        s->nheld = 0;
+        s->pins = 0;
+        if (s->fd >= 0) {
+            close(s->fd);
+            s->fd = -1;
         }
+    }
 }
