@@ -78,9 +78,8 @@ def mpcore_processes(all_groups=False):
     return out
 
 
-def children_of(pid):
-    """Direct children of pid that are still there (zombies included)."""
-    kids = []
+def _proc_stats():
+    """(pid, state, ppid, session) of every process there is now."""
     for p in os.listdir("/proc"):
         if not p.isdigit():
             continue
@@ -89,9 +88,12 @@ def children_of(pid):
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == pid:
-            kids.append((int(p), fields[0]))
-    return kids
+        yield int(p), fields[0], int(fields[1]), int(fields[3])
+
+
+def children_of(pid):
+    """Direct children of pid that are still there (zombies included)."""
+    return [(p, state) for p, state, ppid, _ in _proc_stats() if ppid == pid]
 
 
 def fresh_env():
@@ -300,18 +302,7 @@ def scenario():
 
 def session_members(sid):
     """pids (with their state) of the processes in session `sid`."""
-    found = []
-    for p in os.listdir("/proc"):
-        if not p.isdigit():
-            continue
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid:
-            found.append((int(p), fields[0]))
-    return found
+    return [(p, state) for p, state, _, s in _proc_stats() if s == sid]
 
 
 def wait_session_gone(sid, timeout=30):
@@ -345,6 +336,24 @@ def wait_session_gone(sid, timeout=30):
         except OSError:
             pass
     assert not alive, f"processes of the program left behind: {alive}"
+
+
+def run_in_session(cmd, cwd=None, env=None, timeout=90):
+    """Runs cmd in a session of its own; returns its CompletedProcess once
+    every process of that session (keeper, zygote, children) is gone."""
+    p = subprocess.Popen([str(x) for x in cmd], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise
+    finally:
+        wait_session_gone(p.pid)
+    r = subprocess.CompletedProcess(cmd, p.returncode, out, err)
+    r.pid = p.pid
+    return r
 
 
 # --- children started inside the test process ---------------------------------

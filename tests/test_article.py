@@ -11,13 +11,11 @@ import json
 import math
 import os
 import re
-import signal
-import subprocess
 import sys
 
 import pytest
 
-from conftest import article, wait_session_gone
+from conftest import article, run_in_session
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("leak_check")]
 
@@ -46,18 +44,8 @@ def run(path, launcher, env=None, timeout=120):
     """Runs the program (under `mpcore run` if launcher) from a scratch cwd;
     returns (CompletedProcess, pid of its first process)."""
     cmd = [sys.executable] + (["-m", "mpcore", "run"] if launcher else []) + [path]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True, env=env or clean_env(),
-                         cwd=os.path.dirname(path))
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.communicate()
-        raise
-    finally:
-        wait_session_gone(p.pid)
-    return subprocess.CompletedProcess(cmd, p.returncode, out, err), p.pid
+    r = run_in_session(cmd, os.path.dirname(path), env or clean_env(), timeout)
+    return r, r.pid
 
 
 def stats_lines(path):

@@ -8,13 +8,12 @@ and checks that no process is left behind (conftest.leak_check).
 import json
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from conftest import wait_session_gone
+from conftest import run_in_session
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("leak_check")]
 
@@ -37,20 +36,7 @@ def write(path, code):
 def run(cmd, cwd, timeout=90, env=None):
     """Runs cmd in a session of its own; returns its CompletedProcess once
     every process of that session is gone."""
-    p = subprocess.Popen([str(c) for c in cmd], cwd=cwd, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True,
-                         env=env if env is not None else clean_env())
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.communicate()
-        raise
-    finally:
-        wait_session_gone(p.pid)
-    r = subprocess.CompletedProcess(cmd, p.returncode, out, err)
-    r.pid = p.pid
-    return r
+    return run_in_session(cmd, cwd, env if env is not None else clean_env(), timeout)
 
 
 def plain(script, *args, cwd, **kw):

@@ -8,14 +8,12 @@ own, and the test waits for all of that session to go.
 """
 import ast
 import os
-import signal
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from conftest import wait_session_gone
+from conftest import run_in_session
 
 import mpcore as mp
 
@@ -38,18 +36,7 @@ def run_fresh(code, tmp_path, timeout=90):
     script = tmp_path / "prog.py"
     script.write_text(textwrap.dedent(code))
     env = {k: v for k, v in os.environ.items() if not k.startswith("MPCORE_")}
-    p = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.communicate()
-        raise
-    finally:
-        wait_session_gone(p.pid)
-    return subprocess.CompletedProcess(script, p.returncode, out, err)
+    return run_in_session([sys.executable, script], cwd=tmp_path, env=env, timeout=timeout)
 
 
 def report(r):
