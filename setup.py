@@ -38,7 +38,7 @@ class build_py_with_pth(build_py):
 
 setup(
     package_dir={"": "pkg", "mpcore.bench": "benchmarks"},
-    packages=["mpcore", "mpcore.bench"],
+    packages=["mpcore", "mpcore.data", "mpcore.bench"],
     ext_modules=[Extension(
         "mpcore._core",
         sources=sorted(glob("csrc/*.c")),

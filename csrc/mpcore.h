@@ -416,4 +416,71 @@ void mpc_zreq_free(mpc_zreq *req);
  * zygote's books.  Returns 0 or -errno. */
 int mpc_zygote_child_setup(mpc_zygote *z, mpc_zreq *req, pid_t zygote_pid);
 
+
+/* ------------------------------------------------------------------ */
+/* DataLoader worker pool (pool.c) and collation (collate.c)           */
+/* ------------------------------------------------------------------ */
+
+/* The main process's books on a pool of DataLoader workers: which worker
+ * each batch index goes to, how many tasks are in flight, and the results
+ * that came back early, so that batches are handed out in order.  Results
+ * are opaque pointers the caller owns; the pool only keeps them.
+ * NOTE [ Dispatch and reassembly ] in pool.c. */
+typedef struct mpc_pool mpc_pool;
+
+/* Creates the books for nworkers workers with prefetch tasks each in
+ * flight at most; in_order != 0 hands results out in task order.  drop
+ * frees a kept result when the pool is reset or freed.  Returns 0 and sets
+ * *out, -EINVAL for a count below 1, or -ENOMEM. */
+int mpc_pool_new(int nworkers, int prefetch, int in_order, void (*drop)(void *),
+                 mpc_pool **out);
+
+/* Frees the books and every kept result.  Never fails. */
+void mpc_pool_free(mpc_pool *p);
+
+/* Starts a new epoch: every worker active, no task in flight, kept results
+ * dropped.  Never fails. */
+void mpc_pool_reset(mpc_pool *p);
+
+/* Chooses the worker for the next task (round robin over the active ones;
+ * with in_order == 0, one with fewer than its share in flight) and records
+ * the task.  Returns 0 and sets *worker and *task; -EAGAIN when no worker
+ * can take it (the task is not recorded); -ENOSPC when the prefetch bound
+ * is already reached; -ENOMEM. */
+int mpc_pool_dispatch(mpc_pool *p, int *worker, uint64_t *task);
+
+/* The next result to hand out.  Returns 1 with *worker and *data (now the
+ * caller's) when one is ready; 0 when the caller must wait for the next
+ * result to arrive; -EPIPE when every recorded task has been handed out
+ * (the epoch is over).  Tasks of workers marked inactive are skipped. */
+int mpc_pool_next(mpc_pool *p, int *worker, void **data);
+
+/* Records the result of a task that arrived.  Returns 1 with *worker when
+ * it is to be handed out now (data stays the caller's), 0 when the pool
+ * keeps it until its turn, or -EINVAL (with data still the caller's) when
+ * no such task is in flight. */
+int mpc_pool_arrived(mpc_pool *p, uint64_t task, void *data, int *worker);
+
+/* Notes that a task's result was handed out to the program, which frees
+ * a place in its worker's share.  Never fails. */
+void mpc_pool_delivered(mpc_pool *p, int worker);
+
+/* Notes that a task came back without a result (its worker's iterable
+ * ran out), and marks that worker inactive for the epoch.  Returns 0, or
+ * -EINVAL for an unknown task. */
+int mpc_pool_ended(mpc_pool *p, uint64_t task, int worker);
+
+/* Marks a worker inactive for the rest of the epoch.  Never fails. */
+void mpc_pool_deactivate(mpc_pool *p, int worker);
+
+/* Counters for stats: tasks in flight (sent, result not yet arrived) and
+ * results kept early.  Never fail. */
+uint64_t mpc_pool_outstanding(const mpc_pool *p);
+uint64_t mpc_pool_kept(const mpc_pool *p);
+int mpc_pool_active(const mpc_pool *p, int worker);
+
+/* Copies n pieces of piece bytes each, src[i] to dst + i * piece, so that
+ * they lie end to end.  Never fails. */
+void mpc_gather(void *dst, void *const *src, size_t piece, size_t n);
+
 #endif /* MPCORE_H */

@@ -38,12 +38,33 @@ int64_t mpc_py_deadline(int block, PyObject *timeout);
 char **mpc_py_argv_new(PyObject *seq);
 void mpc_py_argv_free(char **argv);
 
+/* Rings (py_ring.c), for other bindings that wait on one.
+ * mpc_py_ring_of: the ring of a Ring object, or NULL with TypeError.
+ * mpc_py_ring_get: mpc_ring_get that waits until deadline with the GIL
+ *   released, running signal handlers; returns 0 or -errno (-EINTR with an
+ *   exception set when a handler raised).
+ * mpc_py_ring_message: (refs, payload) as Ring.get returns them.
+ * mpc_py_ring_raise: the exception for a failed get (Empty on timeout);
+ *   returns NULL. */
+mpc_ring *mpc_py_ring_of(mpc_state *st, PyObject *o);
+int mpc_py_ring_get(mpc_ring *r, int64_t deadline, mpc_ref **refs, uint32_t *nrefs,
+                    void **payload, uint64_t *len);
+PyObject *mpc_py_ring_message(const mpc_ref *refs, uint32_t nrefs, const void *payload,
+                              uint64_t len);
+PyObject *mpc_py_ring_raise(PyObject *ring, int rc);
+
+/* A new Block of nbytes (py_shm.c), with its first byte in *addr; NULL with
+ * MemoryError (naming the sizes) or another exception on failure. */
+PyObject *mpc_py_block_alloc(mpc_state *st, uint64_t nbytes, void **addr);
+
 /* Each binding file adds its types and functions to the module. */
 int mpc_py_shm_exec(PyObject *m, mpc_state *st);
 int mpc_py_ring_exec(PyObject *m, mpc_state *st);
 int mpc_py_proc_exec(PyObject *m, mpc_state *st);
+int mpc_py_pool_exec(PyObject *m, mpc_state *st);
 extern PyMethodDef mpc_py_shm_methods[];
 extern PyMethodDef mpc_py_ring_methods[];
 extern PyMethodDef mpc_py_proc_methods[];
+extern PyMethodDef mpc_py_collate_methods[];
 
 #endif

@@ -249,8 +249,7 @@ done:
     return result;
 }
 
-/* Builds (refs, payload) from what mpc_ring_get handed over. */
-static PyObject *ring_message(const mpc_ref *refs, uint32_t nrefs, const void *payload,
+PyObject *mpc_py_ring_message(const mpc_ref *refs, uint32_t nrefs, const void *payload,
                               uint64_t len) {
     PyObject *list = PyList_New(nrefs);
     if (list == NULL)
@@ -275,6 +274,38 @@ static PyObject *ring_message(const mpc_ref *refs, uint32_t nrefs, const void *p
     return res;
 }
 
+int mpc_py_ring_get(mpc_ring *r, int64_t deadline, mpc_ref **refs, uint32_t *nrefs,
+                    void **payload, uint64_t *len) {
+    mpc_clear_error();
+    int rc = mpc_ring_get(r, refs, nrefs, payload, len, 0);
+    while (rc == -EAGAIN && deadline != 0) {
+        if (PyErr_CheckSignals() < 0)
+            return -EINTR;
+        Py_BEGIN_ALLOW_THREADS
+        rc = mpc_ring_get(r, refs, nrefs, payload, len, deadline);
+        Py_END_ALLOW_THREADS
+        if (rc == -EINTR)
+            rc = -EAGAIN;
+        else if (rc == -EAGAIN)
+            rc = -ETIMEDOUT;
+    }
+    return rc;
+}
+
+PyObject *mpc_py_ring_raise(PyObject *ring, int rc) {
+    if (PyErr_Occurred())
+        return NULL;
+    return ring_raise(ring, rc, 0);
+}
+
+mpc_ring *mpc_py_ring_of(mpc_state *st, PyObject *o) {
+    if (!PyObject_TypeCheck(o, st->RingType)) {
+        PyErr_Format(PyExc_TypeError, "expected a Ring, got %.100s", Py_TYPE(o)->tp_name);
+        return NULL;
+    }
+    return ((RingObject *)o)->ring;
+}
+
 static PyObject *Ring_get(PyObject *op, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"block", "timeout", NULL};
     RingObject *self = (RingObject *)op;
@@ -290,24 +321,12 @@ static PyObject *Ring_get(PyObject *op, PyObject *args, PyObject *kwds) {
     uint32_t nrefs = 0;
     void *payload = NULL;
     uint64_t len = 0;
-    mpc_clear_error();
-    int rc = mpc_ring_get(self->ring, &refs, &nrefs, &payload, &len, 0);
-    while (rc == -EAGAIN && deadline != 0) {
-        if (PyErr_CheckSignals() < 0)
-            return NULL;
-        Py_BEGIN_ALLOW_THREADS
-        rc = mpc_ring_get(self->ring, &refs, &nrefs, &payload, &len, deadline);
-        Py_END_ALLOW_THREADS
-        if (rc == -EINTR)
-            rc = -EAGAIN;
-        else if (rc == -EAGAIN)
-            rc = -ETIMEDOUT;
-    }
+    int rc = mpc_py_ring_get(self->ring, deadline, &refs, &nrefs, &payload, &len);
     if (rc < 0)
-        return ring_raise(op, rc, 0);
+        return mpc_py_ring_raise(op, rc);
     /* The message has left the ring; if Python cannot take it now (no
      * memory), it is lost, as a message read from a pipe would be. */
-    PyObject *res = ring_message(refs, nrefs, payload, len);
+    PyObject *res = mpc_py_ring_message(refs, nrefs, payload, len);
     free(refs);
     free(payload);
     return res;

@@ -371,6 +371,19 @@ static PyObject *py_alloc(PyObject *m, PyObject *args, PyObject *kw) {
     return block_new_from(st->BlockType, &b);
 }
 
+PyObject *mpc_py_block_alloc(mpc_state *st, uint64_t nbytes, void **addr) {
+    mpc_block b;
+    int r;
+    mpc_clear_error();
+    Py_BEGIN_ALLOW_THREADS
+    r = mpc_block_alloc(nbytes, MPC_BLOCK_DATA, 0, &b);
+    Py_END_ALLOW_THREADS
+    if (r < 0)
+        return mpc_py_raise(st, r);
+    *addr = b.addr;
+    return block_new_from(st->BlockType, &b);
+}
+
 /* alloc_copy(address, nbytes) -> Block holding a copy of nbytes bytes at
  * address (memory the caller keeps alive and readable meanwhile). */
 static PyObject *py_alloc_copy(PyObject *m, PyObject *args) {

@@ -67,16 +67,8 @@ class Queue:
 
     def put(self, obj, block=True, timeout=None):
         self._check_closed()
-        t = _shm.transfer()
-        refs = t.refs
+        refs, payload = encode(obj, self._ring.max_message())
         try:
-            with t:
-                payload = _pickle.dumps(obj, _INLINE)
-            if len(payload) > self._ring.max_message() - 16 * (len(refs) + 1):
-                spill = _shm.alloc(len(payload))
-                memoryview(spill)[:] = payload
-                refs.append(spill.ticket(True))
-                payload = _SPILLED
             if self._maxsize == 0:
                 if self._backlog == 0:
                     try:
@@ -147,11 +139,7 @@ class Queue:
     def get(self, block=True, timeout=None):
         self._check_closed()
         refs, payload = self._ring.get(block, timeout)
-        if not refs:
-            return _pickle.loads(memoryview(payload)[1:])
-        if payload[:1] == _SPILLED:
-            return _shm.receive(refs, _load_spilled, refs[-1])
-        return _shm.receive(refs, _pickle.loads, memoryview(payload)[1:])
+        return decode(refs, payload)
 
     def put_nowait(self, obj):
         return self.put(obj, False)
@@ -210,6 +198,37 @@ class SimpleQueue(Queue):
 
     def get(self):
         return Queue.get(self)
+
+
+def encode(obj, room, prefix=b""):
+    """(refs, payload) of a message carrying obj after `prefix`, for a ring
+    whose messages hold at most `room` bytes: the pickle inline, or, when
+    too large, in a block of its own named by the last ref."""
+    t = _shm.transfer()
+    refs = t.refs
+    try:
+        with t:
+            payload = _pickle.dumps(obj, prefix + _INLINE)
+        if len(payload) > room - 16 * (len(refs) + 1):
+            body = memoryview(payload)[len(prefix):]
+            spill = _shm.alloc(len(body))
+            memoryview(spill)[:] = body
+            refs.append(spill.ticket(True))
+            payload = prefix + _SPILLED
+    except BaseException:
+        for ref in refs:
+            _core.drop_ticket(ref)
+        raise
+    return refs, payload
+
+
+def decode(refs, payload):
+    """The object of a message made by encode() (prefix removed)."""
+    if not refs:
+        return _pickle.loads(memoryview(payload)[1:])
+    if payload[:1] == _SPILLED:
+        return _shm.receive(refs, _load_spilled, refs[-1])
+    return _shm.receive(refs, _pickle.loads, memoryview(payload)[1:])
 
 
 def _load_spilled(ref):

@@ -1,0 +1,273 @@
+/* py_pool.c: mpcore._core.Pool, the main process's side of a pool of
+ * DataLoader workers: the books of pool.c over the ring workers send their
+ * results to.  Every result message starts with a 16-byte header,
+ * little-endian: u64 task, u32 worker, u32 kind; the rest is the kind's
+ * payload, handed back as bytes with the message's refs.  Waiting for a
+ * result releases the GIL and runs signal handlers (py_ring.c). */
+#include "py_mpcore.h"
+
+#include <string.h>
+
+#define HEADER 16
+enum { KIND_END = 3, KIND_RESUME = 4 }; /* see _worker.py for the others */
+
+typedef struct {
+    mpc_ref *refs;
+    uint32_t nrefs;
+    uint32_t kind;
+    void *payload; /* header included */
+    uint64_t len;
+} msg;
+
+typedef struct {
+    PyObject_HEAD
+    mpc_pool *pool;
+    PyObject *ring_obj;
+    mpc_ring *ring;
+} PoolObject;
+
+/* Drops a message nobody will read: its tickets (journaled by the get)
+ * and its memory. */
+static void msg_drop(void *p) {
+    msg *m = p;
+    for (uint32_t i = 0; i < m->nrefs; i++)
+        if (mpc_journal_clear(&m->refs[i]))
+            mpc_ref_drop(&m->refs[i]);
+    free(m->refs);
+    free(m->payload);
+    free(m);
+}
+
+/* (worker, kind, task, refs, payload) for Python; frees m. */
+static PyObject *msg_out(msg *m, int worker) {
+    uint64_t task;
+    memcpy(&task, m->payload, 8);
+    PyObject *rp = mpc_py_ring_message(m->refs, m->nrefs, (char *)m->payload + HEADER,
+                                       m->len - HEADER);
+    free(m->refs);
+    free(m->payload);
+    uint32_t kind = m->kind;
+    free(m);
+    if (rp == NULL)
+        return NULL;
+    PyObject *res = Py_BuildValue("(iIKOO)", worker, kind, (unsigned long long)task,
+                                  PyTuple_GET_ITEM(rp, 0), PyTuple_GET_ITEM(rp, 1));
+    Py_DECREF(rp);
+    return res;
+}
+
+/* Takes the next message off the ring.  Returns a new msg, or NULL with an
+ * exception set (queue.Empty when none came before the deadline). */
+static msg *take(PoolObject *self, int64_t deadline) {
+    msg *m = calloc(1, sizeof *m);
+    if (m == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    int rc = mpc_py_ring_get(self->ring, deadline, &m->refs, &m->nrefs, &m->payload, &m->len);
+    if (rc < 0) {
+        free(m);
+        mpc_py_ring_raise(self->ring_obj, rc);
+        return NULL;
+    }
+    if (m->len < HEADER) {
+        msg_drop(m);
+        PyErr_SetString(PyExc_RuntimeError, "a DataLoader worker sent a malformed result");
+        return NULL;
+    }
+    memcpy(&m->kind, (char *)m->payload + 12, 4);
+    return m;
+}
+
+static PyObject *Pool_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"ring", "nworkers", "prefetch", "in_order", NULL};
+    PyObject *ring;
+    int nworkers, prefetch, in_order = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oii|p:Pool", kwlist, &ring, &nworkers,
+                                     &prefetch, &in_order))
+        return NULL;
+    mpc_state *st = mpc_type_state(type);
+    mpc_ring *r = mpc_py_ring_of(st, ring);
+    if (r == NULL)
+        return NULL;
+    PoolObject *self = (PoolObject *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    mpc_clear_error();
+    int rc = mpc_pool_new(nworkers, prefetch, in_order, msg_drop, &self->pool);
+    if (rc < 0) {
+        Py_DECREF(self);
+        return mpc_py_raise(st, rc);
+    }
+    self->ring_obj = Py_NewRef(ring);
+    self->ring = r;
+    return (PyObject *)self;
+}
+
+static void Pool_dealloc(PyObject *op) {
+    PoolObject *self = (PoolObject *)op;
+    PyTypeObject *tp = Py_TYPE(op);
+    mpc_pool_free(self->pool);
+    Py_XDECREF(self->ring_obj);
+    tp->tp_free(op);
+    Py_DECREF(tp);
+}
+
+static PyObject *Pool_dispatch(PyObject *op, PyObject *unused) {
+    PoolObject *self = (PoolObject *)op;
+    int worker;
+    uint64_t task;
+    mpc_clear_error();
+    int rc = mpc_pool_dispatch(self->pool, &worker, &task);
+    if (rc == -EAGAIN)
+        Py_RETURN_NONE;
+    if (rc < 0)
+        return mpc_py_raise(mpc_type_state(Py_TYPE(op)), rc);
+    return Py_BuildValue("(iK)", worker, (unsigned long long)task);
+}
+
+static PyObject *Pool_next(PyObject *op, PyObject *args) {
+    PoolObject *self = (PoolObject *)op;
+    PyObject *timeout = Py_None;
+    if (!PyArg_ParseTuple(args, "|O:next", &timeout))
+        return NULL;
+    int64_t deadline = mpc_py_deadline(1, timeout);
+    if (deadline == -2)
+        return NULL;
+    for (;;) {
+        int worker;
+        void *data;
+        int r = mpc_pool_next(self->pool, &worker, &data);
+        if (r == 1)
+            return msg_out(data, worker);
+        if (r == -EPIPE)
+            Py_RETURN_NONE;
+        msg *m = take(self, deadline);
+        if (m == NULL)
+            return NULL;
+        uint64_t task;
+        uint32_t from;
+        memcpy(&task, m->payload, 8);
+        memcpy(&from, (char *)m->payload + 8, 4);
+        if (m->kind == KIND_RESUME) { /* a late acknowledgement: nothing to do */
+            msg_drop(m);
+            continue;
+        }
+        mpc_clear_error();
+        if (m->kind == KIND_END) {
+            msg_drop(m);
+            if (mpc_pool_ended(self->pool, task, (int)from) < 0)
+                return mpc_py_raise(mpc_type_state(Py_TYPE(op)), -EINVAL);
+            return Py_BuildValue("(iIKOO)", (int)from, (unsigned)KIND_END,
+                                 (unsigned long long)task, Py_None, Py_None);
+        }
+        r = mpc_pool_arrived(self->pool, task, m, &worker);
+        if (r == 1)
+            return msg_out(m, worker);
+        if (r < 0) {
+            msg_drop(m);
+            return mpc_py_raise(mpc_type_state(Py_TYPE(op)), r);
+        }
+    }
+}
+
+static PyObject *Pool_get_raw(PyObject *op, PyObject *args) {
+    PoolObject *self = (PoolObject *)op;
+    PyObject *timeout = Py_None;
+    if (!PyArg_ParseTuple(args, "|O:get_raw", &timeout))
+        return NULL;
+    int64_t deadline = mpc_py_deadline(1, timeout);
+    if (deadline == -2)
+        return NULL;
+    msg *m = take(self, deadline);
+    if (m == NULL)
+        return NULL;
+    uint32_t from;
+    memcpy(&from, (char *)m->payload + 8, 4);
+    return msg_out(m, (int)from);
+}
+
+static PyObject *Pool_delivered(PyObject *op, PyObject *arg) {
+    int w = (int)PyLong_AsLong(arg);
+    if (w == -1 && PyErr_Occurred())
+        return NULL;
+    mpc_pool_delivered(((PoolObject *)op)->pool, w);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Pool_deactivate(PyObject *op, PyObject *arg) {
+    int w = (int)PyLong_AsLong(arg);
+    if (w == -1 && PyErr_Occurred())
+        return NULL;
+    mpc_pool_deactivate(((PoolObject *)op)->pool, w);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Pool_active(PyObject *op, PyObject *arg) {
+    int w = (int)PyLong_AsLong(arg);
+    if (w == -1 && PyErr_Occurred())
+        return NULL;
+    return PyBool_FromLong(mpc_pool_active(((PoolObject *)op)->pool, w));
+}
+
+static PyObject *Pool_reset(PyObject *op, PyObject *unused) {
+    mpc_pool_reset(((PoolObject *)op)->pool);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Pool_get_outstanding(PyObject *op, void *c) {
+    return PyLong_FromUnsignedLongLong(mpc_pool_outstanding(((PoolObject *)op)->pool));
+}
+
+static PyObject *Pool_get_kept(PyObject *op, void *c) {
+    return PyLong_FromUnsignedLongLong(mpc_pool_kept(((PoolObject *)op)->pool));
+}
+
+static PyMethodDef Pool_methods[] = {
+    {"dispatch", Pool_dispatch, METH_NOARGS,
+     "dispatch() -> (worker, task) for the next task, or None when no worker can take it"},
+    {"next", Pool_next, METH_VARARGS,
+     "next(timeout=None) -> (worker, kind, task, refs, payload) of the next result in turn,\n"
+     "or None when the epoch is over.  A worker whose iterable ended gives kind 3 with\n"
+     "refs and payload None.  Raises queue.Empty when nothing came in time."},
+    {"get_raw", Pool_get_raw, METH_VARARGS,
+     "get_raw(timeout=None) -> (worker, kind, task, refs, payload) of the next message,\n"
+     "outside the books (used while the epoch restarts)."},
+    {"delivered", Pool_delivered, METH_O, "delivered(worker): a result was handed out"},
+    {"deactivate", Pool_deactivate, METH_O, "deactivate(worker): no more tasks for it"},
+    {"active", Pool_active, METH_O, "active(worker) -> bool"},
+    {"reset", Pool_reset, METH_NOARGS, "reset(): a new epoch; kept results are dropped"},
+    {NULL},
+};
+
+static PyGetSetDef Pool_getset[] = {
+    {"outstanding", Pool_get_outstanding, NULL, "tasks sent whose result has not arrived", NULL},
+    {"kept", Pool_get_kept, NULL, "results that arrived early and wait for their turn", NULL},
+    {NULL},
+};
+
+static PyType_Slot Pool_slots[] = {
+    {Py_tp_new, Pool_new},
+    {Py_tp_dealloc, Pool_dealloc},
+    {Py_tp_methods, Pool_methods},
+    {Py_tp_getset, Pool_getset},
+    {Py_tp_doc, "Pool(ring, nworkers, prefetch, in_order=True): books on DataLoader workers\n"
+                "whose results arrive on ring (NOTE [ Dispatch and reassembly ] in pool.c)."},
+    {0, NULL},
+};
+
+static PyType_Spec Pool_spec = {
+    .name = "mpcore._core.Pool",
+    .basicsize = sizeof(PoolObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = Pool_slots,
+};
+
+int mpc_py_pool_exec(PyObject *m, mpc_state *st) {
+    PyObject *type = PyType_FromModuleAndSpec(m, &Pool_spec, NULL);
+    if (type == NULL)
+        return -1;
+    int r = PyModule_AddObjectRef(m, "Pool", type);
+    Py_DECREF(type);
+    return r;
+}

@@ -1,0 +1,21 @@
+"""mpcore.data: torch.utils.data's DataLoader over mpcore's worker pool.
+
+    from mpcore.data import DataLoader
+    loader = DataLoader(dataset, batch_size=32, num_workers=4)
+
+Dataset, IterableDataset, the samplers, default_collate and
+get_worker_info are torch's when torch is installed (and equivalents
+otherwise, with numpy batches).
+"""
+from ._compat import (
+    BatchSampler, Dataset, IterableDataset, RandomSampler, Sampler, SequentialSampler,
+    SubsetRandomSampler, WeightedRandomSampler, default_collate, default_convert,
+    get_worker_info,
+)
+from ._loader import DataLoader
+
+__all__ = [
+    "DataLoader", "Dataset", "IterableDataset", "Sampler", "SequentialSampler",
+    "RandomSampler", "SubsetRandomSampler", "WeightedRandomSampler", "BatchSampler",
+    "default_collate", "default_convert", "get_worker_info",
+]

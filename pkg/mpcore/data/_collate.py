@@ -1,0 +1,90 @@
+"""Both ends of collation into shared memory: the worker's hooks for
+_core.collate (NOTE [ Collating into a block ] in py_collate.c) and the
+main process's rebuild of a batch over the block, without a copy."""
+from .. import _core
+from . import _compat
+
+torch = _compat.torch
+
+if torch is not None:
+    import numpy as np
+
+    from .. import _torch
+
+    _DTYPES = _torch._DTYPES
+    _DTYPE_NAME = _torch._DTYPE_NAME
+
+    def _proto(dtype):
+        p = _torch._PROTO.get(dtype)
+        if p is None:
+            p = _torch._PROTO[dtype] = torch.empty((0,), dtype=_DTYPES[dtype])
+        return p
+
+    def _storage(block):
+        # One storage per block, cached on the side of the Block object's
+        # identity: every leaf of a batch is a view of it.
+        return torch.from_numpy(block.array(np.uint8, (block.nbytes,))).untyped_storage()
+
+    def _tensor_info(t):
+        if t.device.type != "cpu" or t.layout != torch.strided or t.is_nested:
+            return None
+        return (t.nbytes, _DTYPE_NAME[t.dtype], tuple(t.shape))
+
+    class _Stacker:
+        """tensor_stack for one batch: the block's storage is made once."""
+
+        __slots__ = ("block", "storage")
+
+        def __init__(self):
+            self.block = self.storage = None
+
+        def __call__(self, column, block, offset, dtype, shape):
+            if block is not self.block:
+                self.block, self.storage = block, _storage(block)
+            p = _proto(dtype)
+            out = p.new().set_(self.storage, offset // p.itemsize, shape)
+            torch.stack(column, out=out)
+
+    def into_block(samples):
+        stack = _Stacker()
+        try:
+            return _core.collate(samples, torch.Tensor, _tensor_info, stack)
+        finally:
+            stack.block = stack.storage = None
+
+    def rebuild(skeleton, block):
+        storage = None
+
+        def leaf(offset, dtype, shape):
+            nonlocal storage
+            if storage is None:
+                storage = _storage(block)
+            p = _proto(dtype)
+            return p.new().set_(storage, offset // p.itemsize, shape)
+
+        return _walk(skeleton, leaf)
+else:
+    def into_block(samples):
+        return _core.collate(samples, None, None, None)
+
+    def rebuild(skeleton, block):
+        import numpy as np
+
+        def leaf(offset, dtype, shape):
+            return block.array(np.dtype(dtype), shape, None, offset)
+
+        return _walk(skeleton, leaf)
+
+
+def _walk(s, leaf):
+    t = type(s)
+    if t is tuple:
+        tag = s[0]
+        if tag == 0:
+            return leaf(s[1], s[2], s[3])
+        if tag == 1:
+            return s[1](*[_walk(c, leaf) for c in s[2]])
+        return s[1]
+    if t is dict:
+        return {k: _walk(v, leaf) for k, v in s.items()}
+    return [_walk(c, leaf) for c in s]

@@ -1,0 +1,369 @@
+"""mpcore.data.DataLoader: torch's DataLoader, whose worker processes are
+mpcore's pool (py_pool.c, pool.c) and whose batches arrive zero-copy.
+
+NOTE [ One loader, torch's rules ]
+With torch installed, DataLoader subclasses torch's: construction,
+validation, the protected attributes, len(), the samplers and the
+single-process iterator are torch's own.  Only multi-process iteration is
+ours (_PoolIter), and it follows torch's _MultiProcessingDataLoaderIter
+step for step: the same tasks to the same workers in the same order, the
+same seeds, the same errors.  Without torch the base class is
+_standalone.DataLoaderBase, which gives numpy batches.
+
+NOTE [ Batch slots ]
+A worker collates each batch into one block of shared memory that it
+allocates; the main process's batch is views of that block.  When the
+program lets go of the batch's last tensor the block returns to its
+worker's arena, and the worker's next batch of that size takes it again:
+the blocks of a worker are a ring of slots, already faulted in on both
+sides, reused batch after batch.  A program that keeps every batch only
+makes the worker allocate more; nothing waits for a slot to come back.
+"""
+import multiprocessing as _mp
+import pickle
+import queue
+import signal
+import threading
+import time
+import warnings
+from multiprocessing import context as _mpctx
+
+from .. import _context, _core, _queue, _shm
+from . import _collate, _compat, _worker
+
+torch = _compat.torch
+_CHECK_INTERVAL = 0.1       # seconds between looks at the workers while waiting
+_INDEX_CAPACITY = 64 << 10  # bytes of each worker's task ring
+_STOP = pickle.dumps(_worker.STOP)
+_RESUME = pickle.dumps(_worker.RESUME_TASK)
+
+if torch is not None:
+    _Base = torch.utils.data.DataLoader
+else:
+    from ._standalone import DataLoaderBase as _Base
+
+
+class DataLoader(_Base):
+    """torch.utils.data.DataLoader, with mpcore's worker pool.
+
+    Takes torch's arguments with torch's meaning.  With num_workers > 0,
+    batches made by default_collate arrive as views of shared memory that
+    their worker filled (no copy, no file descriptor per tensor), and
+    stats() says whether loading keeps up with the loop."""
+
+    @property
+    def multiprocessing_context(self):
+        return self.__multiprocessing_context
+
+    @multiprocessing_context.setter
+    def multiprocessing_context(self, multiprocessing_context):
+        # torch's checks and messages; a start method's name gives mpcore's
+        # context, and mpcore's contexts are accepted beside the stdlib's.
+        if multiprocessing_context is not None:
+            if self.num_workers > 0:
+                if isinstance(multiprocessing_context, str):
+                    valid_start_methods = _mp.get_all_start_methods()
+                    if multiprocessing_context not in valid_start_methods:
+                        raise ValueError(
+                            "multiprocessing_context option "
+                            f"should specify a valid start method in {valid_start_methods!r}, "
+                            f"but got multiprocessing_context={multiprocessing_context!r}")
+                    multiprocessing_context = _context.get_context(multiprocessing_context)
+                if not isinstance(multiprocessing_context,
+                                  (_mpctx.BaseContext, _context.Context)):
+                    raise TypeError(
+                        "multiprocessing_context option should be a valid context object "
+                        "or a string specifying the start method, but got "
+                        f"multiprocessing_context={multiprocessing_context}")
+            else:
+                raise ValueError(
+                    "multiprocessing_context can only be used with multi-process loading "
+                    f"(num_workers > 0), but got num_workers={self.num_workers}")
+        self.__multiprocessing_context = multiprocessing_context
+
+    def _get_iterator(self):
+        if self.num_workers == 0:
+            return super()._get_iterator()
+        self.check_worker_number_rationality()
+        it = _PoolIter(self)
+        self.__dict__["_mpcore_stats"] = it._stats
+        return it
+
+    def stats(self):
+        """How the last multi-process iteration went: time the loop waited
+        for data against its total time, each worker's throughput, and how
+        full the ring of prefetched batches was.  A wait fraction near 1 and
+        a ring near empty mean loading is the bottleneck."""
+        s = self.__dict__.get("_mpcore_stats")
+        return s.report() if s is not None else _Stats(self.num_workers, 0).report()
+
+
+class _Stats:
+    def __init__(self, nworkers, prefetch):
+        self.prefetch = prefetch
+        self.pids = [None] * nworkers
+        self.batches = [0] * nworkers
+        self.samples = [0] * nworkers
+        self.busy_ns = [0] * nworkers
+        self.wait = 0.0
+        self.delivered = 0
+        self.ready_sum = 0
+        self.start = None
+        self.last = None
+
+    def report(self):
+        total = (self.last - self.start) if self.start is not None else 0.0
+        n = len(self.batches)
+        return {
+            "batches": self.delivered,
+            "total_s": total,
+            "wait_s": self.wait,
+            "wait_fraction": self.wait / total if total > 0 else 0.0,
+            "workers": [{
+                "id": i, "pid": self.pids[i], "batches": self.batches[i],
+                "samples": self.samples[i], "busy_s": self.busy_ns[i] / 1e9,
+                "batches_per_s": self.batches[i] / (self.busy_ns[i] / 1e9)
+                if self.busy_ns[i] else 0.0,
+            } for i in range(n)],
+            "ring": {
+                "slots": self.prefetch * n,
+                "mean_ready": self.ready_sum / self.delivered if self.delivered else 0.0,
+            },
+        }
+
+
+def _start_method(ctx):
+    if ctx is None:
+        return _mp.get_start_method()
+    return ctx.get_start_method()
+
+
+class _PoolIter:
+    """Multi-process iteration over a DataLoader (NOTE [ One loader,
+    torch's rules ]); the books are a _core.Pool."""
+
+    def __init__(self, loader):
+        self._dataset = loader.dataset
+        self._dataset_kind = loader._dataset_kind
+        self._IterableDataset_len_called = loader._IterableDataset_len_called
+        self._auto_collation = loader._auto_collation
+        self._drop_last = loader.drop_last
+        self._index_sampler = loader._index_sampler
+        self._num_workers = n = loader.num_workers
+        self._timeout = loader.timeout
+        self._collate_fn = loader.collate_fn
+        self._persistent_workers = loader.persistent_workers
+        self._prefetch_factor = loader.prefetch_factor
+        self._pin_memory = _pin_memory_setting(loader)
+        self._sampler_iter = iter(self._index_sampler)
+        self._base_seed = _compat.base_seed(loader.generator)
+        self._num_yielded = 0
+        self._shutdown = True
+        self._stats = _Stats(n, self._prefetch_factor)
+
+        ctx = _context.get_context(_start_method(loader.multiprocessing_context))
+        self._results = _queue.Queue()
+        self._index_queues = [_queue.Queue(capacity=_INDEX_CAPACITY) for _ in range(n)]
+        self._index_rings = [q._ring for q in self._index_queues]
+        self._pool = _core.Pool(self._results._ring, n, self._prefetch_factor,
+                                getattr(loader, "in_order", True))
+        self._workers = []
+        self._shutdown = False
+        parent = _compat.parent_token()
+        try:
+            for i in range(n):
+                w = ctx.Process(
+                    target=_worker.main,
+                    args=(self._dataset_kind, self._dataset, self._index_queues[i],
+                          self._results, self._auto_collation, self._collate_fn,
+                          self._drop_last, self._base_seed, loader.worker_init_fn, i, n,
+                          parent),
+                    daemon=True)
+                w.start()
+                self._workers.append(w)
+                self._stats.pids[i] = w.pid
+            self._reset(loader, first_iter=True)
+        except BaseException:
+            self._shutdown_workers()
+            raise
+
+    def __iter__(self):
+        return self
+
+    def __len__(self):
+        return len(self._index_sampler)
+
+    def __getstate__(self):
+        raise NotImplementedError("{} cannot be pickled", self.__class__.__name__)
+
+    def _reset(self, loader, first_iter=False):
+        self._sampler_iter = iter(self._index_sampler)
+        self._num_yielded = 0
+        self._IterableDataset_len_called = loader._IterableDataset_len_called
+        self._pool.reset()
+        if not first_iter:
+            for ring in self._index_rings:
+                ring.put([], _RESUME)
+            waiting = self._num_workers
+            while waiting > 0:
+                _, kind, _, refs, _ = self._wait(self._pool.get_raw)
+                if kind == _worker.RESUME:
+                    waiting -= 1
+                elif refs:
+                    _core.drop_journaled(refs)  # a batch of the abandoned epoch
+        for _ in range(self._prefetch_factor * self._num_workers):
+            self._try_put_index()
+
+    def _try_put_index(self):
+        try:
+            index = next(self._sampler_iter)
+        except StopIteration:
+            return
+        got = self._pool.dispatch()
+        if got is None:
+            return
+        worker, task = got
+        self._index_rings[worker].put([], pickle.dumps((task, index), 4))
+
+    def __next__(self):
+        stats = self._stats
+        if stats.start is None:
+            stats.start = time.perf_counter()
+        data = self._next_data()
+        stats.last = time.perf_counter()
+        self._num_yielded += 1
+        if (self._dataset_kind == _compat.ITERABLE
+                and self._IterableDataset_len_called is not None
+                and self._num_yielded > self._IterableDataset_len_called):
+            warnings.warn(
+                f"Length of IterableDataset {self._dataset} was reported to be "
+                f"{self._IterableDataset_len_called}(when accessing len(dataloader)), but "
+                f"{self._num_yielded} samples have been fetched. For multiprocessing "
+                "data-loading, this could be caused by not properly configuring the "
+                "IterableDataset replica at each worker. Please see "
+                "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset "
+                "for examples.", stacklevel=2)
+        return data
+
+    def _next_data(self):
+        if self._shutdown:
+            raise StopIteration
+        stats = self._stats
+        while True:
+            stats.ready_sum += self._pool.kept + self._results._ring.count()
+            got = self._wait(self._pool.next)
+            if got is None:
+                if not self._persistent_workers:
+                    self._shutdown_workers()
+                raise StopIteration
+            worker, kind, _, refs, payload = got
+            if kind == _worker.END:
+                if not self._persistent_workers:
+                    self._index_rings[worker].put([], _STOP)
+                self._try_put_index()
+                continue
+            self._pool.delivered(worker)
+            self._try_put_index()
+            return self._process(worker, kind, refs, payload)
+
+    def _process(self, worker, kind, refs, payload):
+        if kind == _worker.COLLATED:
+            skeleton, busy, n = pickle.loads(payload)
+            data = _collate.rebuild(skeleton, _shm.receive(refs, _shm.attach, refs[0]))
+        else:
+            data, busy, n = _queue.decode(refs, payload)
+        stats = self._stats
+        stats.delivered += 1
+        stats.batches[worker] += 1
+        stats.samples[worker] += n
+        stats.busy_ns[worker] += busy
+        if kind == _worker.ERROR:
+            data.reraise()
+        if self._pin_memory:
+            from torch.utils.data._utils.pin_memory import pin_memory
+            data = pin_memory(data, self._pin_memory)
+        return data
+
+    def _wait(self, get):
+        """get(timeout) until it gives something, looking at the workers
+        every _CHECK_INTERVAL, within the loader's timeout."""
+        timeout = self._timeout
+        t0 = time.perf_counter()
+        deadline = t0 + timeout if timeout > 0 else None
+        try:
+            while True:
+                step = _CHECK_INTERVAL
+                if deadline is not None:
+                    step = max(0.0, min(step, deadline - time.perf_counter()))
+                try:
+                    return get(step)
+                except queue.Empty:
+                    pass
+                self._check_workers()
+                if deadline is not None and time.perf_counter() >= deadline:
+                    raise RuntimeError(f"DataLoader timed out after {timeout} seconds")
+        finally:
+            self._stats.wait += time.perf_counter() - t0
+
+    def _check_workers(self):
+        failed = []
+        for i, w in enumerate(self._workers):
+            if (self._persistent_workers or self._pool.active(i)) and w.exitcode is not None:
+                failed.append(w)
+        if not failed:
+            return
+        self._shutdown_workers()
+        raise RuntimeError("; ".join(_death(w) for w in failed))
+
+    def _shutdown_workers(self):
+        if self._shutdown:
+            return
+        self._shutdown = True
+        for ring in self._index_rings:
+            try:
+                ring.put([], _STOP, False)
+            except Exception:
+                pass
+        deadline = time.monotonic() + 1.0
+        for w in self._workers:
+            w.join(max(0.0, deadline - time.monotonic()))
+        for w in self._workers:
+            if w.exitcode is None:
+                w.kill()
+                w.join()
+        self._pool.reset()
+        for ring in self._index_rings:
+            ring.close()
+
+    def __del__(self):
+        try:
+            self._shutdown_workers()
+        except Exception:
+            pass
+
+
+def _death(w):
+    code = w.exitcode
+    if code < 0:
+        try:
+            name = signal.strsignal(-code) or f"signal {-code}"
+        except ValueError:
+            name = f"signal {-code}"
+        return f"DataLoader worker (pid {w.pid}) is killed by signal: {name}."
+    return f"DataLoader worker (pid {w.pid}) exited unexpectedly with exit code {code}."
+
+
+def _pin_memory_setting(loader):
+    """torch's warnings about pin_memory; the device to pin for, or None."""
+    if not loader.pin_memory:
+        return None
+    if loader.pin_memory_device:
+        warnings.warn(
+            "pin_memory_device is deprecated, the current accelerator will be used as the "
+            f"device,ignore pin_memory_device='{loader.pin_memory_device}'.", stacklevel=3)
+    if torch is None or not torch.accelerator.is_available():
+        warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "
+                      "then device pinned memory won't be used.", stacklevel=3)
+        return None
+    acc = torch.accelerator.current_accelerator()
+    return acc.type if acc is not None and acc.type != "mps" else None
