@@ -226,8 +226,10 @@ static PyObject *leaf_skeleton(node *nd) {
 }
 
 /* Pass 2 for one node over a column of samples.  Sets *skel (a new
- * reference) and returns 0, or returns FALLBACK, or -1 with an exception. */
-static int fill(node *nd, PyObject **col, ctx *c, PyObject **skel) {
+ * reference) and returns 0, or returns FALLBACK, or -1 with an exception.
+ * transposed: the column is one position of sequences (zip(*batch) in
+ * torch), so that a column of strings stays the tuple torch returns. */
+static int fill(node *nd, PyObject **col, ctx *c, PyObject **skel, int transposed) {
     Py_ssize_t B = c->batch;
     char *dst = c->base + nd->offset;
     int r = 0;
@@ -314,11 +316,15 @@ static int fill(node *nd, PyObject **col, ctx *c, PyObject **skel) {
         break;
     }
     case N_RAW: {
-        PyObject *list = PyList_New(B);
+        PyObject *list = transposed ? PyTuple_New(B) : PyList_New(B);
         if (list == NULL)
             return -1;
-        for (Py_ssize_t i = 0; i < B; i++)
-            PyList_SET_ITEM(list, i, Py_NewRef(col[i]));
+        for (Py_ssize_t i = 0; i < B; i++) {
+            if (transposed)
+                PyTuple_SET_ITEM(list, i, Py_NewRef(col[i]));
+            else
+                PyList_SET_ITEM(list, i, Py_NewRef(col[i]));
+        }
         *skel = Py_BuildValue("(iN)", 2, list);
         return *skel ? 0 : -1;
     }
@@ -352,7 +358,7 @@ static int fill(node *nd, PyObject **col, ctx *c, PyObject **skel) {
             }
             PyObject *child = NULL;
             if (r == 0)
-                r = fill(&nd->child[k], sub, c, &child);
+                r = fill(&nd->child[k], sub, c, &child, key == NULL);
             if (r == 0) {
                 if (key != NULL) {
                     r = PyDict_SetItem(out, key, child);
@@ -413,7 +419,7 @@ static PyObject *py_collate(PyObject *m, PyObject *args) {
             r = -1;
     }
     if (r == 0)
-        r = fill(&root, ((PyListObject *)samples)->ob_item, &c, &skel);
+        r = fill(&root, ((PyListObject *)samples)->ob_item, &c, &skel, 0);
     if (r == 0)
         result = PyTuple_Pack(2, c.block, skel);
     else if (r == FALLBACK)

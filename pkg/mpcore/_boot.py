@@ -95,6 +95,15 @@ def _patch_torch_multiprocessing(tmp):
         setattr(tmp, name, getattr(mpcore, name))
     tmp.__mpcore__ = True
     _supply_torch_sleep(sys.modules["torch"])
+    when_imported("torch.utils.data", _patch_torch_data)
+
+
+def _patch_torch_data(tud):
+    """Makes torch.utils.data.DataLoader mpcore's (get_worker_info is
+    torch's own: mpcore's workers fill it in)."""
+    from .data import DataLoader
+    tud.DataLoader = DataLoader
+    sys.modules["torch.utils.data.dataloader"].DataLoader = DataLoader
 
 
 def _supply_torch_sleep(torch):
