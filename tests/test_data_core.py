@@ -1,0 +1,261 @@
+"""The DataLoader's C parts on their own: the pool's books (csrc/pool.c via
+_core.Pool), collation into a block (csrc/py_collate.c), and mpcore.data
+where torch is missing or where `mpcore run` serves torch's names."""
+import struct
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from mpcore import Queue, _core
+from mpcore.data import _collate, _worker
+
+from conftest import run_in_session
+
+HEADER = struct.Struct("<QII")
+
+
+def make_pool(nworkers=3, prefetch=2, in_order=True):
+    q = Queue()
+    return _core.Pool(q._ring, nworkers, prefetch, in_order), q._ring
+
+
+def send(ring, task, worker, kind=_worker.PICKLED, body=b"", refs=()):
+    ring.put(list(refs), HEADER.pack(task, worker, kind) + body)
+
+
+# --- dispatch and reassembly --------------------------------------------------
+
+def test_dispatch_is_round_robin_up_to_the_prefetch_bound():
+    pool, _ = make_pool(3, 2)
+    got = [pool.dispatch() for _ in range(6)]
+    assert got == [(i % 3, i) for i in range(6)]
+    with pytest.raises(OSError, match="in flight"):
+        pool.dispatch()
+    assert pool.outstanding == 6
+
+
+def test_results_are_handed_out_in_task_order():
+    pool, ring = make_pool(3, 2)
+    for _ in range(6):
+        pool.dispatch()
+    for task in (2, 1, 5, 0, 4, 3):
+        send(ring, task, task % 3, body=bytes([task]))
+    out = []
+    for _ in range(6):
+        worker, kind, task, refs, payload = pool.next(1.0)
+        pool.delivered(worker)
+        out.append((worker, task, payload))
+    assert out == [(t % 3, t, bytes([t])) for t in range(6)]
+    assert pool.kept == 0 and pool.outstanding == 0
+    assert pool.next(0) is None  # the epoch is over
+
+
+def test_out_of_order_hands_results_out_as_they_come():
+    pool, ring = make_pool(2, 2, in_order=False)
+    for _ in range(4):
+        pool.dispatch()
+    for task in (3, 0, 2, 1):
+        send(ring, task, task % 2)
+    assert [pool.next(1.0)[2] for _ in range(4)] == [3, 0, 2, 1]
+    assert pool.next(0) is None
+
+
+def test_out_of_order_skips_a_worker_holding_its_share():
+    pool, _ = make_pool(2, 2, in_order=False)
+    first = [pool.dispatch() for _ in range(4)]
+    assert [w for w, _ in first] == [0, 1, 0, 1]
+
+
+def test_an_ended_worker_gets_no_more_tasks_and_its_tasks_are_skipped():
+    pool, ring = make_pool(2, 2)
+    for _ in range(4):
+        pool.dispatch()  # tasks 0, 2 -> worker 0; 1, 3 -> worker 1
+    send(ring, 0, 0, kind=_worker.END)
+    worker, kind, task, refs, payload = pool.next(1.0)
+    assert (worker, kind, task) == (0, _worker.END, 0)
+    assert not pool.active(0)
+    assert pool.dispatch() == (1, 4)
+    for task in (1, 3, 4):
+        send(ring, task, 1)
+    assert [pool.next(1.0)[2] for _ in range(3)] == [1, 3, 4]  # 2 is never coming
+    assert pool.next(0) is None
+
+
+def test_nothing_arrives_in_time():
+    import queue
+    pool, _ = make_pool(1, 1)
+    pool.dispatch()
+    with pytest.raises(queue.Empty):
+        pool.next(0.05)
+
+
+def test_a_result_for_no_task_is_an_error():
+    pool, ring = make_pool(1, 1)
+    pool.dispatch()
+    send(ring, 7, 0)
+    with pytest.raises(ValueError, match="task 7"):
+        pool.next(1.0)
+
+
+def test_reset_drops_kept_results_and_their_blocks():
+    pool, ring = make_pool(2, 1)
+    pool.dispatch(), pool.dispatch()
+    block = _core.alloc(1 << 16)
+    ref = block.ticket()
+    handle = block.handle
+    del block
+    send(ring, 1, 1, refs=[ref])  # arrives early: kept
+    with pytest.raises(Exception):
+        pool.next(0.05)
+    assert pool.kept == 1
+    pool.reset()
+    assert pool.kept == 0
+    with pytest.raises(_core.HandleError):
+        _core.attach(handle + ())  # the block's last ticket is gone
+
+
+# --- collation into a block ---------------------------------------------------
+
+def rebuild_np(skeleton, block):
+    """The batch as numpy views of its block (what a program without torch
+    gets)."""
+    return _collate._walk(skeleton, lambda off, dt, shape: block.array(np.dtype(dt), shape,
+                                                                       None, off))
+
+
+def collate_np(samples):
+    got = _core.collate(samples, None, None, None)
+    return None if got is None else rebuild_np(got[1], got[0])
+
+
+def test_numbers_and_arrays_collate_as_numpy_without_torch_hooks():
+    out = collate_np([{"i": 1, "f": 0.5, "b": True, "a": np.arange(3, dtype=np.int16)},
+                      {"i": 2, "f": 2, "b": False, "a": np.arange(3, 6, dtype=np.int16)}])
+    assert out["i"].dtype == np.int64 and out["i"].tolist() == [1, 2]
+    assert out["f"].dtype == np.float64 and out["f"].tolist() == [0.5, 2.0]
+    assert out["b"].dtype == np.bool_ and out["b"].tolist() == [True, False]
+    assert out["a"].dtype == np.int16 and out["a"].tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+@pytest.mark.parametrize("samples", [
+    [1, 2.5],                       # torch.tensor of mixed numbers: torch decides
+    [True, 2],
+    [1, 1 << 70],                   # does not fit int64
+    [np.ones(3), np.ones(4)],       # shapes differ: torch raises its own error
+    [np.ones(3), np.ones(3, np.float32)],
+    [np.ones((3, 3))[:, 0], np.ones(3)],  # not contiguous
+    [{"a": 1}, {"b": 1}],           # keys differ
+    [[1, 2], [1]],                  # lengths differ
+    [object(), object()],
+    [None, None],
+    [np.array(["a"]), np.array(["b"])],
+])
+def test_what_collate_does_not_take_goes_back_to_the_caller(samples):
+    assert _core.collate(samples, None, None, None) is None
+
+
+def test_strings_in_a_sequence_stay_tuples_in_a_dict_lists():
+    block, skel = _core.collate([("a", {"s": b"x"}), ("b", {"s": b"y"})], None, None, None)
+    assert rebuild_np(skel, block) == [("a", "b"), {"s": [b"x", b"y"]}]
+
+
+def test_a_deep_structure_goes_back_to_the_caller():
+    deep = 1
+    for _ in range(100):
+        deep = [deep]
+    assert _core.collate([deep, deep], None, None, None) is None
+
+
+# --- without torch, and under mpcore run ---------------------------------------
+
+NO_TORCH = '''
+import sys
+
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError(f"No module named {name!r}")
+        return None
+
+sys.meta_path.insert(0, NoTorch())
+from collections import namedtuple
+import numpy as np
+from mpcore.data import DataLoader, Dataset, IterableDataset, get_worker_info
+
+P = namedtuple("P", "x y")
+
+class Squares(Dataset):
+    def __len__(self):
+        return 50
+    def __getitem__(self, i):
+        return {"i": i, "sq": np.full(2, i * i, np.float32), "p": P(float(i), f"s{i}")}
+
+class Shards(IterableDataset):
+    def __iter__(self):
+        w = get_worker_info()
+        return iter(range(w.id, 20, w.num_workers))
+
+def flat(batches, key):
+    return [v for b in batches for v in b[key].tolist()]
+
+if __name__ == "__main__":
+    one = list(DataLoader(Squares(), batch_size=8))
+    two = list(DataLoader(Squares(), batch_size=8, num_workers=2))
+    shuffled = list(DataLoader(Squares(), batch_size=8, shuffle=True, num_workers=2))
+    shards = list(DataLoader(Shards(), batch_size=4, num_workers=2))
+    print("REPORT", repr((
+        type(two[0]["i"]).__name__, str(two[0]["sq"].dtype), two[-1]["sq"].shape,
+        flat(one, "i") == flat(two, "i") == list(range(50)),
+        [b["p"].y == a["p"].y for a, b in zip(one, two)] == [True] * 7,
+        type(two[0]["p"]).__name__, sorted(flat(shuffled, "i")) == list(range(50)),
+        sorted(v for b in shards for v in b.tolist()), "torch" in sys.modules)))
+'''
+
+
+@pytest.mark.timeout(120)
+def test_loader_without_torch_gives_numpy_batches(tmp_path):
+    script = tmp_path / "prog.py"
+    script.write_text(NO_TORCH)
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("MPCORE_")}
+    r = run_in_session([sys.executable, script], cwd=tmp_path, env=env, timeout=90)
+    assert r.returncode == 0, r.stderr
+    line = [l for l in r.stdout.splitlines() if l.startswith("REPORT ")][0]
+    got = eval(line[len("REPORT "):])
+    assert got == ("ndarray", "float32", (2, 2), True, True, "P", True, list(range(20)), False)
+
+
+RUN = '''
+import torch
+import torch.utils.data as tud
+import mpcore.data
+
+class Tens(tud.Dataset):
+    def __len__(self):
+        return 10
+    def __getitem__(self, i):
+        return torch.full((2,), i)
+
+loader = tud.DataLoader(Tens(), batch_size=5, num_workers=2)
+batches = list(loader)
+print("REPORT", repr((tud.DataLoader is mpcore.data.DataLoader,
+                      tud.dataloader.DataLoader is mpcore.data.DataLoader,
+                      isinstance(loader, tud.dataloader.DataLoader.__mro__[1]),
+                      [b.tolist() for b in batches], loader.stats()["batches"],
+                      tud.get_worker_info is mpcore.data.get_worker_info)))
+'''
+
+
+@pytest.mark.timeout(120)
+def test_mpcore_run_serves_torch_dataloader(tmp_path):
+    script = tmp_path / "prog.py"
+    script.write_text(RUN)
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("MPCORE_")}
+    mpcore_cmd = [sys.executable, "-m", "mpcore", "run", str(script)]
+    r = run_in_session(mpcore_cmd, cwd=tmp_path, env=env, timeout=90)
+    assert r.returncode == 0, r.stderr
+    line = [l for l in r.stdout.splitlines() if l.startswith("REPORT ")][0]
+    got = eval(line[len("REPORT "):])
+    rows = [[[i, i] for i in range(5)], [[i, i] for i in range(5, 10)]]
+    assert got == (True, True, True, rows, 2, True)
