@@ -196,6 +196,23 @@ static void mpc__free_unlocked(mpc_seg *s, uint32_t i) {
     pthread_mutex_unlock(&mpc__lock);
 }
 
+/* NOTE [ Mappings of orphans ]
+ * A mapping of another process's segment that holds nothing of ours is
+ * kept (up to MPC_IDLE_BYTES) because its owner will likely send more from
+ * it.  Once the owner is gone (the keeper marked the segment orphan) or the
+ * segment is retired, no more will come: the mapping is dropped as soon as
+ * our last hold in it goes, so that the memory of a finished producer (a
+ * DataLoader worker) is not kept mapped here until some later mapping
+ * trims it. */
+static void mpc__unmap_if_orphan(uint64_t seg_id) {
+    pthread_mutex_lock(&mpc__lock);
+    mpc_seg *s = mpc__lookup(seg_id);
+    if (s && !s->owned && !s->nheld && !s->pins &&
+        (atomic_load(&s->hdr->flags) & (MPC_SEG_ORPHAN | MPC_SEG_RETIRED)))
+        mpc__unmap(s);
+    pthread_mutex_unlock(&mpc__lock);
+}
+
 /* Drops one reference; frees the block if it was the last. */
 static void mpc__unref(mpc_seg_header *h, uint32_t i) {
     if (atomic_fetch_sub(&h->meta[i].refs, 1) == 1)
@@ -699,12 +716,25 @@ void mpc_block_release(const mpc_block *b) {
         pthread_mutex_unlock(&mpc__lock);
         return;
     }
-    if (s->nheld && --s->nheld == 0)
+    int last_hold = s->nheld && --s->nheld == 0;
+    if (last_hold)
         s->idle_tick = ++mpc__tick;
     if (atomic_fetch_sub(&h->meta[b->index].refs, 1) == 1)
         mpc__free_unlocked(s, b->index);
     else
         pthread_mutex_unlock(&mpc__lock);
+    if (last_hold)
+        mpc__unmap_if_orphan(b->seg_id);
+}
+
+void mpc_forget_idle(void) {
+    pthread_mutex_lock(&mpc__lock);
+    for (mpc_seg *s = mpc__all, *n; s; s = n) {
+        n = s->all_next;
+        if (!s->owned && !s->nheld && !s->pins)
+            mpc__unmap(s);
+    }
+    pthread_mutex_unlock(&mpc__lock);
 }
 
 void mpc_ref_drop(const mpc_ref *ref) {

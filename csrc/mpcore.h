@@ -205,6 +205,11 @@ int mpc_block_claim(const mpc_block *b);
  * fails: a block that is already gone is ignored. */
 void mpc_block_release(const mpc_block *b);
 
+/* Unmaps every mapping of another process's segment in which this process
+ * holds no block (the next attach maps it again).  Used when the producers
+ * of those segments are known to be finished.  Never fails. */
+void mpc_forget_idle(void);
+
 /* Drops a ticket without redeeming it.  Never fails. */
 void mpc_ref_drop(const mpc_ref *ref);
 

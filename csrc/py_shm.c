@@ -503,6 +503,13 @@ static PyObject *py_drop_journaled(PyObject *m, PyObject *refs) {
 
 /* find(address, nbytes) -> (Block, offset) for the block held here that
  * contains the range, or None. */
+static PyObject *py_forget_idle(PyObject *m, PyObject *unused) {
+    Py_BEGIN_ALLOW_THREADS
+    mpc_forget_idle();
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_find(PyObject *m, PyObject *args) {
     unsigned long long addr, n;
     if (!PyArg_ParseTuple(args, "KK", &addr, &n))
@@ -622,6 +629,8 @@ PyMethodDef mpc_py_shm_methods[] = {
     {"drop_ticket", py_drop_ticket, METH_VARARGS, "drop_ticket(handle): drops a ticket unused"},
     {"drop_journaled", py_drop_journaled, METH_O,
      "drop_journaled(refs): drops those of the tickets still in this process's journal"},
+    {"forget_idle", py_forget_idle, METH_NOARGS,
+     "forget_idle(): unmaps others' segments in which this process holds nothing"},
     {"find", py_find, METH_VARARGS, "find(address, nbytes) -> ((seg, index, gen), base) or None"},
     {"mem_available", py_mem_available, METH_NOARGS,
      "mem_available() -> (bytes, which bound): what this process may still commit"},

@@ -334,6 +334,9 @@ class _PoolIter:
         self._pool.reset()
         for ring in self._index_rings:
             ring.close()
+        # The workers are gone: their segments that hold no batch of ours
+        # need not stay mapped here (NOTE [ Mappings of orphans ]).
+        _core.forget_idle()
 
     def __del__(self):
         try:
