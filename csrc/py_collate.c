@@ -100,12 +100,33 @@ static int alloc_children(node *nd, Py_ssize_t n) {
     return 0;
 }
 
+/* Whether torch has a dtype for numpy's (the kinds and sizes
+ * torch.as_tensor takes: no long double, no strings or objects).  A numpy
+ * scalar of uint64 is refused too: torch.as_tensor of a list of them is
+ * an error, which the caller's collate then raises. */
+static int torch_has_dtype(const PyArray_Descr *d, int scalar) {
+    size_t n = (size_t)PyDataType_ELSIZE(d);
+    switch (d->kind) {
+    case 'b':
+        return n == 1;
+    case 'i':
+        return n == 1 || n == 2 || n == 4 || n == 8;
+    case 'u':
+        return n == 1 || n == 2 || n == 4 || (n == 8 && !scalar);
+    case 'f':
+        return n == 2 || n == 4 || n == 8;
+    case 'c':
+        return n == 8 || n == 16;
+    default:
+        return 0;
+    }
+}
+
 static int is_plain_array(PyObject *o) {
     if (!PyArray_Check(o))
         return 0;
     PyArrayObject *a = (PyArrayObject *)o;
-    char k = PyArray_DESCR(a)->kind;
-    return (k == 'b' || k == 'i' || k == 'u' || k == 'f' || k == 'c') && PyArray_ISNBO(PyArray_DESCR(a)->byteorder) &&
+    return torch_has_dtype(PyArray_DESCR(a), 0) && PyArray_ISNBO(PyArray_DESCR(a)->byteorder) &&
            PyArray_IS_C_CONTIGUOUS(a) && PyArray_ISALIGNED(a);
 }
 
@@ -175,8 +196,7 @@ static int plan(node *nd, PyObject *e, ctx *c, int depth) {
         nd->descr = PyArray_DescrFromScalar(e);
         if (nd->descr == NULL)
             return -1;
-        char k = nd->descr->kind;
-        if (!(k == 'b' || k == 'i' || k == 'u' || k == 'f' || k == 'c'))
+        if (!torch_has_dtype(nd->descr, 1))
             return FALLBACK;
         PyObject *name = PyObject_GetAttrString((PyObject *)nd->descr, "name");
         if (name == NULL)

@@ -111,13 +111,16 @@ def main(kind, dataset, index_queue, result_queue, auto_collation, collate_fn, d
                 _core.drop_ticket(ref)
             raise
 
-    init_error = None
+    # As in torch, an error in worker_init_fn or in making the fetcher
+    # (iter() of an IterableDataset) is the result of the worker's first
+    # task; later tasks try to make the fetcher again.
+    init_error = fetcher = None
     try:
         if init_fn is not None:
             init_fn(worker_id)
+        fetcher = _Fetcher(kind, dataset, auto_collation, drop_last)
     except Exception:
         init_error = _compat.wrap_exception(worker_id)
-    fetcher = _Fetcher(kind, dataset, auto_collation, drop_last)
     ended = False
     try:
         while True:
@@ -133,7 +136,7 @@ def main(kind, dataset, index_queue, result_queue, auto_collation, collate_fn, d
             if r == RESUME_TASK:
                 send(0, RESUME)
                 ended = False
-                fetcher = _Fetcher(kind, dataset, auto_collation, drop_last)
+                fetcher = None
                 continue
             if ended:
                 continue
@@ -144,6 +147,8 @@ def main(kind, dataset, index_queue, result_queue, auto_collation, collate_fn, d
                 continue
             start = time.perf_counter_ns()
             try:
+                if fetcher is None:
+                    fetcher = _Fetcher(kind, dataset, auto_collation, drop_last)
                 samples = fetcher.fetch(index)
                 block = None
                 if fast and type(samples) is list and samples:
