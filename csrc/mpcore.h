@@ -488,4 +488,74 @@ int mpc_pool_active(const mpc_pool *p, int worker);
  * they lie end to end.  Never fails. */
 void mpc_gather(void *dst, void *const *src, size_t piece, size_t n);
 
+/* ------------------------------------------------------------------ */
+/* Collectives over shared memory (coll.c)                             */
+/* ------------------------------------------------------------------ */
+
+/* NOTE [ Shared-memory collectives ] in coll.c. */
+#define MPC_COLL_MAX_RANKS 64
+enum { MPC_DT_F32, MPC_DT_F64, MPC_DT_F16, MPC_DT_BF16, MPC_DT_I32, MPC_DT_I64, MPC_DT_U8,
+       MPC_DT_COUNT };
+enum { MPC_OP_SUM, MPC_OP_AVG, MPC_OP_PROD, MPC_OP_MIN, MPC_OP_MAX, MPC_OP_COUNT };
+enum { MPC_COLL_ALL_REDUCE = 1, MPC_COLL_BROADCAST, MPC_COLL_BARRIER, MPC_COLL_ALL_GATHER,
+       MPC_COLL_REDUCE_SCATTER };
+
+typedef struct mpc_coll mpc_coll;
+
+/* Bytes of an element of a dtype code, or 0 for an unknown code. */
+size_t mpc_coll_dtype_size(int dtype);
+
+/* Bytes of the shared region of a group of `world` ranks that stages
+ * `chunk` bytes per rank. */
+uint64_t mpc_coll_footprint(int world, uint64_t chunk);
+
+/* Makes the shared region of a new group (a sealed, reserved memfd) and
+ * returns its fd in *fd.  Returns 0, -EINVAL for a world outside 1..64 or a
+ * chunk that is not a multiple of 4096, -ENOMEM (message names the sizes),
+ * or -errno. */
+int mpc_coll_create(int world, uint64_t chunk, int *fd);
+
+/* Maps the group in fd as `rank` of `world` and records this process's
+ * pid in it.  Returns 0 and sets *out, or -EINVAL (not a group, or a rank
+ * or world that does not fit it), -ENOMEM or -errno. */
+int mpc_coll_attach(int fd, int rank, int world, mpc_coll **out);
+
+/* Starts watching every peer's pid (after all have attached) so that a
+ * peer that exits breaks the group instead of hanging it.  Returns 0, or
+ * -errno naming the rank that could not be watched. */
+int mpc_coll_watch(mpc_coll *c);
+
+/* fn(arg) is called when a wait is interrupted by a signal; non-zero means
+ * give up: the call then breaks the group and returns -EINTR. */
+void mpc_coll_set_interrupt(mpc_coll *c, int (*fn)(void *), void *arg);
+
+/* The pid of a rank (as it attached), or -1.  Never fails. */
+int mpc_coll_pid(const mpc_coll *c, int rank);
+
+/* Unmaps the group and closes its pidfds.  Never fails. */
+void mpc_coll_close(mpc_coll *c);
+
+/* The collectives.  Every rank of the group must call the same one with
+ * the same size, dtype, op and root, in the same order.  deadline_ns: -1
+ * waits forever, else an absolute monotonic time.  Each returns 0, or:
+ * -EINVAL when the arguments are bad or the ranks disagree (every rank
+ * gets the error, naming what each asked for); -ETIMEDOUT naming the ranks
+ * that did not arrive; -EPIPE when a rank exited (naming it) or the group
+ * was broken before; -EINTR when the interrupt callback said to give up.
+ * After -ETIMEDOUT, -EPIPE or -EINTR the group is broken for good.
+ *   all_reduce: buf (count elements) becomes the reduction over the ranks.
+ *   broadcast: root's nbytes of buf are copied to every rank's buf.
+ *   barrier: returns once every rank has called it.
+ *   all_gather: out (world * nbytes) gets every rank's in, in rank order.
+ *   reduce_scatter: out (count elements) gets this rank's slice of the
+ *     reduction of every rank's in (world * count elements). */
+int mpc_coll_all_reduce(mpc_coll *c, void *buf, uint64_t count, int dtype, int op,
+                        int64_t deadline_ns);
+int mpc_coll_broadcast(mpc_coll *c, void *buf, uint64_t nbytes, int root, int64_t deadline_ns);
+int mpc_coll_barrier(mpc_coll *c, int64_t deadline_ns);
+int mpc_coll_all_gather(mpc_coll *c, void *out, const void *in, uint64_t nbytes,
+                        int64_t deadline_ns);
+int mpc_coll_reduce_scatter(mpc_coll *c, void *out, const void *in, uint64_t count, int dtype,
+                            int op, int64_t deadline_ns);
+
 #endif /* MPCORE_H */

@@ -1,0 +1,578 @@
+/* coll.c: collectives over shared memory for the ranks of one machine:
+ * all-reduce, broadcast, barrier, all-gather and reduce-scatter, with the
+ * reductions vectorised for the CPU found at run time.
+ *
+ * NOTE [ Shared-memory collectives ]
+ * A group is one memfd that rank 0 makes and every rank maps (the Python
+ * side hands its fd around at rendezvous).  It holds a header (one line per
+ * rank: its pid, how many barriers it has entered, and what it asked for)
+ * and, twice over, a staging area of `chunk` bytes per rank plus one result
+ * area.  A collective moves its data in pieces that fit the staging areas:
+ *   - small all-reduce pieces (<= MPC_COLL_ONESHOT bytes) are one-shot:
+ *     each rank copies its piece in, all meet at a barrier, and each rank
+ *     reduces all the pieces into its own buffer;
+ *   - larger ones are a reduce-scatter and an all-gather: rank r reduces
+ *     the r-th slice of every rank's piece into the result area, all meet,
+ *     and each rank copies the whole result out;
+ *   - broadcast, all-gather and reduce-scatter take one barrier a piece.
+ * Pieces alternate between the two copies of the areas, so a rank may
+ * write the next piece while a slower one still reads this one: the
+ * barrier of the piece in between keeps them from meeting.  Every rank
+ * reduces in rank order, so all ranks get the same bits.  float16 and
+ * bfloat16 accumulate in float32.
+ *
+ * A barrier: each rank raises its own count, and whoever sees every count
+ * reach the target bumps a shared word and wakes the sleepers.  Waiting
+ * spins briefly, then sleeps on that word (sync.c), because with more
+ * ranks than cores a spinning rank only delays the one it waits for.
+ * Every MPC_COLL_CHECK_NS of waiting a rank looks at its peers through
+ * pidfds: a peer that exited breaks the group, and every rank then fails
+ * with a message naming it instead of waiting forever.  What each rank
+ * asked for is compared at the first barrier of each call, so calls that
+ * differ in kind, size, dtype, op or root fail on every rank alike. */
+#include "mpcore.h"
+
+#include <poll.h>
+#include <stdarg.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+
+#define MPC_COLL_MAGIC 0x31306c6c6f63706dULL /* "mpcoll01" */
+#define MPC_COLL_DATA 8192                    /* header bytes, page aligned */
+#define MPC_COLL_ONESHOT (64u << 10)
+#define MPC_COLL_CHECK_NS 100000000LL        /* 100 ms between looks at peers */
+#define MPC_COLL_ALIGN 64
+
+typedef struct {
+    uint32_t kind, op, dtype;
+    int32_t root;
+    uint64_t count;
+} mpc_coll_call;
+
+typedef struct {
+    _Alignas(64) _Atomic uint64_t bar; /* barriers entered */
+    int32_t pid;
+    uint32_t pad;
+    mpc_coll_call call[2]; /* by call parity */
+} mpc_coll_rank;
+
+typedef struct {
+    uint64_t magic;
+    uint32_t world, pad;
+    uint64_t chunk, size;
+    _Atomic uint32_t gen;    /* bumped when a barrier completes */
+    _Atomic uint32_t broken; /* 0, or 1 + the rank whose loss broke the group */
+    char why[200];           /* what broke it */
+    mpc_coll_rank ranks[MPC_COLL_MAX_RANKS];
+} mpc_coll_hdr;
+
+_Static_assert(sizeof(mpc_coll_hdr) <= MPC_COLL_DATA, "collective header too large");
+
+struct mpc_coll {
+    mpc_coll_hdr *h;
+    uint64_t size, chunk;
+    int rank, world;
+    int pidfds[MPC_COLL_MAX_RANKS];
+    uint64_t bar;   /* barriers this rank entered */
+    uint64_t calls; /* collectives called */
+    uint64_t piece; /* pieces moved: which copy of the areas is next */
+    int (*interrupted)(void *);
+    void *arg;
+};
+
+static const char *const kind_names[] = {"?", "all_reduce", "broadcast", "barrier",
+                                         "all_gather", "reduce_scatter"};
+static const char *const dtype_names[] = {"float32", "float64", "float16", "bfloat16",
+                                          "int32",   "int64",   "uint8"};
+static const char *const op_names[] = {"sum", "avg", "product", "min", "max"};
+static const size_t dtype_size[] = {4, 8, 2, 2, 4, 8, 1};
+
+size_t mpc_coll_dtype_size(int dtype) {
+    return dtype >= 0 && dtype < MPC_DT_COUNT ? dtype_size[dtype] : 0;
+}
+
+/* ------------------------------------------------------------------ */
+/* Layout                                                              */
+/* ------------------------------------------------------------------ */
+
+static uint64_t area_bytes(int world, uint64_t chunk) { return (uint64_t)(world + 1) * chunk; }
+
+uint64_t mpc_coll_footprint(int world, uint64_t chunk) {
+    return MPC_COLL_DATA + 2 * area_bytes(world, chunk);
+}
+
+static uint8_t *stage(const mpc_coll *c, uint64_t parity, int rank) {
+    return (uint8_t *)c->h + MPC_COLL_DATA + parity * area_bytes(c->world, c->chunk) +
+           (uint64_t)rank * c->chunk;
+}
+
+static uint8_t *result(const mpc_coll *c, uint64_t parity) { return stage(c, parity, c->world); }
+
+int mpc_coll_create(int world, uint64_t chunk, int *fd) {
+    if (world < 1 || world > MPC_COLL_MAX_RANKS)
+        return mpc_fail(EINVAL, "a group has 1 to %d ranks, not %d", MPC_COLL_MAX_RANKS, world);
+    if (chunk < 4096 || chunk % 4096)
+        return mpc_fail(EINVAL, "the staging size must be a multiple of 4096 bytes");
+    uint64_t size = mpc_coll_footprint(world, chunk);
+    int r = mpc_memfd_create(size, size, fd);
+    if (r < 0)
+        return r;
+    mpc_coll_hdr *h = mmap(NULL, MPC_COLL_DATA, PROT_READ | PROT_WRITE, MAP_SHARED, *fd, 0);
+    if (h == MAP_FAILED) {
+        r = -errno;
+        close(*fd);
+        return mpc_fail(-r, "cannot map a new group: %s", strerror(-r));
+    }
+    h->world = (uint32_t)world;
+    h->chunk = chunk;
+    h->size = size;
+    atomic_store(&h->gen, 0);
+    atomic_store(&h->broken, 0);
+    h->magic = MPC_COLL_MAGIC;
+    munmap(h, MPC_COLL_DATA);
+    return 0;
+}
+
+int mpc_coll_attach(int fd, int rank, int world, mpc_coll **out) {
+    mpc_coll_hdr probe;
+    if (pread(fd, &probe, sizeof probe.magic + 8 + 16, 0) < 0)
+        return mpc_fail(errno, "cannot read the group's header: %s", strerror(errno));
+    if (probe.magic != MPC_COLL_MAGIC)
+        return mpc_fail(EINVAL, "the fd is not a collective group");
+    if ((int)probe.world != world || rank < 0 || rank >= world)
+        return mpc_fail(EINVAL, "rank %d of %d does not fit a group made for %u ranks", rank,
+                        world, probe.world);
+    mpc_coll *c = calloc(1, sizeof *c);
+    if (c == NULL)
+        return -ENOMEM;
+    c->h = mmap(NULL, probe.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (c->h == MAP_FAILED) {
+        int e = errno;
+        free(c);
+        return mpc_fail(e, "cannot map the group: %s", strerror(e));
+    }
+    c->size = probe.size;
+    c->chunk = probe.chunk;
+    c->rank = rank;
+    c->world = world;
+    for (int i = 0; i < MPC_COLL_MAX_RANKS; i++)
+        c->pidfds[i] = -1;
+    c->bar = atomic_load(&c->h->ranks[rank].bar);
+    c->h->ranks[rank].pid = getpid();
+    *out = c;
+    return 0;
+}
+
+void mpc_coll_set_interrupt(mpc_coll *c, int (*fn)(void *), void *arg) {
+    c->interrupted = fn;
+    c->arg = arg;
+}
+
+int mpc_coll_watch(mpc_coll *c) {
+    for (int r = 0; r < c->world; r++) {
+        if (r == c->rank || c->pidfds[r] >= 0)
+            continue;
+        int pid = c->h->ranks[r].pid;
+        int fd = pid > 0 ? (int)syscall(SYS_pidfd_open, pid, 0) : -1;
+        if (fd < 0)
+            return mpc_fail(pid > 0 ? errno : EINVAL, "cannot watch rank %d (pid %d): %s", r,
+                            pid, pid > 0 ? strerror(errno) : "it has not joined");
+        c->pidfds[r] = fd;
+    }
+    return 0;
+}
+
+void mpc_coll_close(mpc_coll *c) {
+    if (c == NULL)
+        return;
+    for (int r = 0; r < MPC_COLL_MAX_RANKS; r++)
+        if (c->pidfds[r] >= 0)
+            close(c->pidfds[r]);
+    munmap(c->h, c->size);
+    free(c);
+}
+
+int mpc_coll_pid(const mpc_coll *c, int rank) {
+    return rank >= 0 && rank < c->world ? c->h->ranks[rank].pid : -1;
+}
+
+/* ------------------------------------------------------------------ */
+/* Barriers                                                            */
+/* ------------------------------------------------------------------ */
+
+static int broken_error(mpc_coll *c) {
+    return mpc_fail(EPIPE, "%s", c->h->why);
+}
+
+static void break_group(mpc_coll *c, int who, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static void break_group(mpc_coll *c, int who, const char *fmt, ...) {
+    uint32_t zero = 0;
+    if (atomic_compare_exchange_strong(&c->h->broken, &zero, (uint32_t)who + 1)) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(c->h->why, sizeof c->h->why, fmt, ap);
+        va_end(ap);
+    }
+    atomic_fetch_add(&c->h->gen, 1);
+    mpc_futex_wake(&c->h->gen, INT32_MAX);
+}
+
+/* Looks at the peers; breaks the group if one exited.  Returns 0 or the
+ * error to return. */
+static int check_peers(mpc_coll *c, const char *what) {
+    for (int r = 0; r < c->world; r++) {
+        if (c->pidfds[r] < 0)
+            continue;
+        struct pollfd p = {c->pidfds[r], POLLIN, 0};
+        if (poll(&p, 1, 0) > 0) {
+            break_group(c, r, "rank %d (pid %d) exited during %s", r, c->h->ranks[r].pid, what);
+            return broken_error(c);
+        }
+    }
+    return 0;
+}
+
+static int all_reached(const mpc_coll *c, uint64_t target) {
+    for (int r = 0; r < c->world; r++)
+        if (atomic_load_explicit(&c->h->ranks[r].bar, memory_order_acquire) < target)
+            return 0;
+    return 1;
+}
+
+static int barrier(mpc_coll *c, const char *what, int64_t deadline) {
+    mpc_coll_hdr *h = c->h;
+    uint64_t target = ++c->bar;
+    atomic_store_explicit(&h->ranks[c->rank].bar, target, memory_order_release);
+    if (all_reached(c, target)) {
+        atomic_fetch_add(&h->gen, 1);
+        mpc_futex_wake(&h->gen, INT32_MAX);
+        return 0;
+    }
+    for (;;) {
+        uint32_t g = atomic_load(&h->gen);
+        if (atomic_load(&h->broken))
+            return broken_error(c);
+        if (all_reached(c, target))
+            return 0;
+        int64_t now = mpc_now_ns();
+        int64_t until = now + MPC_COLL_CHECK_NS;
+        if (deadline >= 0 && deadline < until)
+            until = deadline;
+        int r = mpc_wait_change(&h->gen, g, until);
+        if (r == -EINTR && c->interrupted != NULL && c->interrupted(c->arg)) {
+            break_group(c, c->rank, "rank %d was interrupted during %s", c->rank, what);
+            return -EINTR;
+        }
+        if (r == -ETIMEDOUT) {
+            if ((r = check_peers(c, what)) < 0)
+                return r;
+            if (deadline >= 0 && mpc_now_ns() >= deadline && !all_reached(c, target)) {
+                char missing[160];
+                size_t n = 0;
+                missing[0] = '\0';
+                for (int q = 0; q < c->world && n < sizeof missing - 8; q++)
+                    if (atomic_load(&h->ranks[q].bar) < target)
+                        n += (size_t)snprintf(missing + n, sizeof missing - n, "%s%d",
+                                              n ? ", " : "", q);
+                break_group(c, c->rank, "%s timed out waiting for ranks %s", what, missing);
+                return mpc_fail(ETIMEDOUT, "%s timed out waiting for ranks %s", what,
+                                missing);
+            }
+        }
+    }
+}
+
+/* Posts what this rank asks for, meets the others, and checks that they
+ * asked for the same.  Returns 0 or the error. */
+static int begin(mpc_coll *c, uint32_t kind, uint32_t op, uint32_t dtype, int32_t root,
+                 uint64_t count, int64_t deadline) {
+    if (atomic_load(&c->h->broken))
+        return broken_error(c);
+    uint64_t parity = c->calls++ & 1;
+    mpc_coll_call me = {kind, op, dtype, root, count};
+    c->h->ranks[c->rank].call[parity] = me;
+    int r = barrier(c, kind_names[kind], deadline);
+    if (r < 0)
+        return r;
+    for (int q = 0; q < c->world; q++) {
+        mpc_coll_call o = c->h->ranks[q].call[parity];
+        if (o.kind == me.kind && o.op == me.op && o.dtype == me.dtype && o.root == me.root &&
+            o.count == me.count)
+            continue;
+        char a[96], b[96];
+        const mpc_coll_call *x[2] = {&me, &o};
+        char *out[2] = {a, b};
+        for (int i = 0; i < 2; i++)
+            snprintf(out[i], 96, "%s of %llu %s%s%s", kind_names[x[i]->kind < 6 ? x[i]->kind : 0],
+                     (unsigned long long)x[i]->count,
+                     x[i]->dtype < MPC_DT_COUNT ? dtype_names[x[i]->dtype] : "?",
+                     x[i]->kind == MPC_COLL_ALL_REDUCE || x[i]->kind == MPC_COLL_REDUCE_SCATTER
+                         ? (x[i]->op < MPC_OP_COUNT ? " with " : "")
+                         : "",
+                     x[i]->kind == MPC_COLL_ALL_REDUCE || x[i]->kind == MPC_COLL_REDUCE_SCATTER
+                         ? (x[i]->op < MPC_OP_COUNT ? op_names[x[i]->op] : "")
+                         : "");
+        if (o.root != me.root)
+            return mpc_fail(EINVAL, "ranks disagree: rank %d broadcasts from rank %d, rank %d "
+                                    "from rank %d", c->rank, me.root, q, o.root);
+        return mpc_fail(EINVAL, "ranks disagree: rank %d called %s, rank %d called %s", c->rank,
+                        a, q, b);
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ */
+/* Reductions                                                          */
+/* ------------------------------------------------------------------ */
+
+#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+
+#define BINOPS(T, NAME)                                                                    \
+    CLONES static void NAME##_sum(T *restrict d, const T *restrict s, size_t n) {          \
+        for (size_t i = 0; i < n; i++)                                                     \
+            d[i] = (T)(d[i] + s[i]);                                                       \
+    }                                                                                      \
+    CLONES static void NAME##_prod(T *restrict d, const T *restrict s, size_t n) {         \
+        for (size_t i = 0; i < n; i++)                                                     \
+            d[i] = (T)(d[i] * s[i]);                                                       \
+    }                                                                                      \
+    CLONES static void NAME##_min(T *restrict d, const T *restrict s, size_t n) {          \
+        for (size_t i = 0; i < n; i++)                                                     \
+            d[i] = s[i] < d[i] ? s[i] : d[i];                                              \
+    }                                                                                      \
+    CLONES static void NAME##_max(T *restrict d, const T *restrict s, size_t n) {          \
+        for (size_t i = 0; i < n; i++)                                                     \
+            d[i] = s[i] > d[i] ? s[i] : d[i];                                              \
+    }                                                                                      \
+    static void NAME##_apply(int op, T *d, const T *s, size_t n) {                         \
+        switch (op) {                                                                      \
+        case MPC_OP_PROD: NAME##_prod(d, s, n); break;                                     \
+        case MPC_OP_MIN: NAME##_min(d, s, n); break;                                       \
+        case MPC_OP_MAX: NAME##_max(d, s, n); break;                                       \
+        default: NAME##_sum(d, s, n);                                                      \
+        }                                                                                  \
+    }
+
+BINOPS(float, f32)
+BINOPS(double, f64)
+BINOPS(int32_t, i32)
+BINOPS(int64_t, i64)
+BINOPS(uint8_t, u8)
+
+CLONES static void f32_scale(float *d, float k, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        d[i] = d[i] / k;
+}
+
+CLONES static void f64_scale(double *d, double k, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        d[i] = d[i] / k;
+}
+
+CLONES static void f16_to_f32(float *restrict d, const _Float16 *restrict s, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        d[i] = (float)s[i];
+}
+
+CLONES static void f32_to_f16(_Float16 *restrict d, const float *restrict s, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        d[i] = (_Float16)s[i];
+}
+
+CLONES static void bf16_to_f32(float *restrict d, const uint16_t *restrict s, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        uint32_t u = (uint32_t)s[i] << 16;
+        memcpy(&d[i], &u, 4);
+    }
+}
+
+/* Rounds to nearest even, as torch does; NaN stays a (quiet) NaN. */
+CLONES static void f32_to_bf16(uint16_t *restrict d, const float *restrict s, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, &s[i], 4);
+        uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+        d[i] = (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? ((u >> 16) | 0x40u) : r);
+    }
+}
+
+/* dst[i] = op over srcs[0..nsrc-1][i], in that order (avg: the sum over
+ * nsrc).  dst may be srcs[k] for no k > 0. */
+static void reduce(int dtype, int op, void *dst, void *const *srcs, int nsrc, size_t n) {
+    size_t es = dtype_size[dtype];
+    if (dtype == MPC_DT_F16 || dtype == MPC_DT_BF16) {
+        float acc[1024], tmp[1024];
+        for (size_t off = 0; off < n; off += 1024) {
+            size_t m = n - off < 1024 ? n - off : 1024;
+            for (int r = 0; r < nsrc; r++) {
+                const void *s = (const uint8_t *)srcs[r] + off * 2;
+                float *into = r == 0 ? acc : tmp;
+                if (dtype == MPC_DT_F16)
+                    f16_to_f32(into, s, m);
+                else
+                    bf16_to_f32(into, s, m);
+                if (r > 0)
+                    f32_apply(op, acc, tmp, m);
+            }
+            if (op == MPC_OP_AVG)
+                f32_scale(acc, (float)nsrc, m);
+            void *d = (uint8_t *)dst + off * 2;
+            if (dtype == MPC_DT_F16)
+                f32_to_f16(d, acc, m);
+            else
+                f32_to_bf16(d, acc, m);
+        }
+        return;
+    }
+    if (dst != srcs[0])
+        memcpy(dst, srcs[0], n * es);
+    for (int r = 1; r < nsrc; r++) {
+        switch (dtype) {
+        case MPC_DT_F32: f32_apply(op, dst, srcs[r], n); break;
+        case MPC_DT_F64: f64_apply(op, dst, srcs[r], n); break;
+        case MPC_DT_I32: i32_apply(op, dst, srcs[r], n); break;
+        case MPC_DT_I64: i64_apply(op, dst, srcs[r], n); break;
+        default: u8_apply(op, dst, srcs[r], n); break;
+        }
+    }
+    if (op == MPC_OP_AVG) {
+        if (dtype == MPC_DT_F32)
+            f32_scale(dst, (float)nsrc, n);
+        else
+            f64_scale(dst, (double)nsrc, n);
+    }
+}
+
+/* ------------------------------------------------------------------ */
+/* Collectives                                                         */
+/* ------------------------------------------------------------------ */
+
+static int check_args(int dtype, int op, int reducing) {
+    if (dtype < 0 || dtype >= MPC_DT_COUNT)
+        return mpc_fail(EINVAL, "unknown dtype code %d", dtype);
+    if (reducing && (op < 0 || op >= MPC_OP_COUNT))
+        return mpc_fail(EINVAL, "unknown reduction op code %d", op);
+    if (reducing && op == MPC_OP_AVG && dtype != MPC_DT_F32 && dtype != MPC_DT_F64 &&
+        dtype != MPC_DT_F16 && dtype != MPC_DT_BF16)
+        return mpc_fail(EINVAL, "avg needs a floating-point dtype, not %s", dtype_names[dtype]);
+    return 0;
+}
+
+/* Elements per piece: what fits `room` bytes, a multiple of 64 bytes. */
+static uint64_t piece_elems(uint64_t room, size_t es) {
+    uint64_t n = room / es;
+    uint64_t unit = MPC_COLL_ALIGN / es;
+    return n >= unit ? n / unit * unit : n;
+}
+
+int mpc_coll_all_reduce(mpc_coll *c, void *buf, uint64_t count, int dtype, int op,
+                        int64_t deadline) {
+    int r = check_args(dtype, op, 1);
+    if (r < 0 || (r = begin(c, MPC_COLL_ALL_REDUCE, (uint32_t)op, (uint32_t)dtype, 0, count,
+                            deadline)) < 0)
+        return r;
+    size_t es = dtype_size[dtype];
+    int W = c->world;
+    void *srcs[MPC_COLL_MAX_RANKS];
+    uint64_t per = piece_elems(c->chunk, es);
+    for (uint64_t off = 0; off < count; off += per) {
+        uint64_t n = count - off < per ? count - off : per;
+        uint8_t *mine = (uint8_t *)buf + off * es;
+        uint64_t p = c->piece++ & 1;
+        memcpy(stage(c, p, c->rank), mine, n * es);
+        if ((r = barrier(c, "all_reduce", deadline)) < 0)
+            return r;
+        if (n * es <= MPC_COLL_ONESHOT || W == 1) {
+            for (int q = 0; q < W; q++)
+                srcs[q] = stage(c, p, q);
+            reduce(dtype, op, mine, srcs, W, n);
+            continue;
+        }
+        /* this rank's slice of the piece, in whole 64-byte units */
+        uint64_t unit = MPC_COLL_ALIGN / es, units = (n + unit - 1) / unit;
+        uint64_t lo = units * (uint64_t)c->rank / (uint64_t)W * unit;
+        uint64_t hi = units * (uint64_t)(c->rank + 1) / (uint64_t)W * unit;
+        if (hi > n)
+            hi = n;
+        if (lo < hi) {
+            for (int q = 0; q < W; q++)
+                srcs[q] = stage(c, p, q) + lo * es;
+            reduce(dtype, op, result(c, p) + lo * es, srcs, W, hi - lo);
+        }
+        if ((r = barrier(c, "all_reduce", deadline)) < 0)
+            return r;
+        memcpy(mine, result(c, p), n * es);
+    }
+    return 0;
+}
+
+int mpc_coll_broadcast(mpc_coll *c, void *buf, uint64_t nbytes, int root, int64_t deadline) {
+    if (root < 0 || root >= c->world)
+        return mpc_fail(EINVAL, "root %d is not a rank of this group of %d", root, c->world);
+    int r = begin(c, MPC_COLL_BROADCAST, 0, MPC_DT_U8, root, nbytes, deadline);
+    if (r < 0)
+        return r;
+    for (uint64_t off = 0; off < nbytes; off += c->chunk) {
+        uint64_t n = nbytes - off < c->chunk ? nbytes - off : c->chunk;
+        uint64_t p = c->piece++ & 1;
+        if (c->rank == root)
+            memcpy(stage(c, p, 0), (uint8_t *)buf + off, n);
+        if ((r = barrier(c, "broadcast", deadline)) < 0)
+            return r;
+        if (c->rank != root)
+            memcpy((uint8_t *)buf + off, stage(c, p, 0), n);
+    }
+    return 0;
+}
+
+int mpc_coll_barrier(mpc_coll *c, int64_t deadline) {
+    return begin(c, MPC_COLL_BARRIER, 0, MPC_DT_U8, 0, 0, deadline);
+}
+
+int mpc_coll_all_gather(mpc_coll *c, void *out, const void *in, uint64_t nbytes,
+                        int64_t deadline) {
+    int r = begin(c, MPC_COLL_ALL_GATHER, 0, MPC_DT_U8, 0, nbytes, deadline);
+    if (r < 0)
+        return r;
+    for (uint64_t off = 0; off < nbytes; off += c->chunk) {
+        uint64_t n = nbytes - off < c->chunk ? nbytes - off : c->chunk;
+        uint64_t p = c->piece++ & 1;
+        memcpy(stage(c, p, c->rank), (const uint8_t *)in + off, n);
+        if ((r = barrier(c, "all_gather", deadline)) < 0)
+            return r;
+        for (int q = 0; q < c->world; q++)
+            memcpy((uint8_t *)out + (uint64_t)q * nbytes + off, stage(c, p, q), n);
+    }
+    return 0;
+}
+
+int mpc_coll_reduce_scatter(mpc_coll *c, void *out, const void *in, uint64_t count, int dtype,
+                            int op, int64_t deadline) {
+    int r = check_args(dtype, op, 1);
+    if (r < 0 || (r = begin(c, MPC_COLL_REDUCE_SCATTER, (uint32_t)op, (uint32_t)dtype, 0, count,
+                            deadline)) < 0)
+        return r;
+    size_t es = dtype_size[dtype];
+    int W = c->world;
+    void *srcs[MPC_COLL_MAX_RANKS];
+    uint64_t per = piece_elems(c->chunk / (uint64_t)W, es);
+    if (per == 0)
+        per = 1;
+    for (uint64_t off = 0; off < count; off += per) {
+        uint64_t n = count - off < per ? count - off : per;
+        uint64_t p = c->piece++ & 1;
+        uint8_t *st = stage(c, p, c->rank);
+        for (int q = 0; q < W; q++) /* this rank's input for rank q's output */
+            memcpy(st + (uint64_t)q * n * es, (const uint8_t *)in + ((uint64_t)q * count + off) * es,
+                   n * es);
+        if ((r = barrier(c, "reduce_scatter", deadline)) < 0)
+            return r;
+        for (int q = 0; q < W; q++)
+            srcs[q] = stage(c, p, q) + (uint64_t)c->rank * n * es;
+        reduce(dtype, op, (uint8_t *)out + off * es, srcs, W, n);
+    }
+    return 0;
+}

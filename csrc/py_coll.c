@@ -1,0 +1,239 @@
+/* py_coll.c: mpcore._core.Group, one rank's handle on a group of
+ * shared-memory collectives (coll.c), and coll_create, which makes the
+ * group's region.  Buffers are passed as addresses (a tensor's data_ptr(),
+ * an array's data address) that the caller keeps alive and contiguous.
+ * Collectives run with the GIL released; a signal during a wait runs
+ * Python's handlers, and if one raises, the collective gives up. */
+#include "py_mpcore.h"
+
+typedef struct {
+    PyObject_HEAD
+    mpc_coll *c;
+} GroupObject;
+
+/* While a collective runs without the GIL: the thread state to take back
+ * when a signal needs handling. */
+typedef struct {
+    PyThreadState *ts;
+} wait_ctx;
+
+static int on_signal(void *arg) {
+    wait_ctx *w = arg;
+    PyEval_RestoreThread(w->ts);
+    int r = PyErr_CheckSignals();
+    w->ts = PyEval_SaveThread();
+    return r < 0;
+}
+
+static mpc_coll *group_of(PyObject *op) {
+    GroupObject *self = (GroupObject *)op;
+    if (self->c == NULL)
+        PyErr_SetString(PyExc_ValueError, "the group is closed");
+    return self->c;
+}
+
+/* The exception for a failed collective: RuntimeError for a broken group
+ * (a rank died or gave up), the usual mapping otherwise. */
+static PyObject *coll_raise(PyObject *op, int rc) {
+    if (PyErr_Occurred())
+        return NULL;
+    if (rc == -EPIPE || rc == -EINTR) {
+        PyErr_SetString(PyExc_RuntimeError, mpc_errmsg());
+        return NULL;
+    }
+    return mpc_py_raise(mpc_type_state(Py_TYPE(op)), rc);
+}
+
+#define RUN(op, call)                                                                      \
+    do {                                                                                   \
+        wait_ctx w;                                                                        \
+        mpc_coll_set_interrupt(c, on_signal, &w);                                          \
+        mpc_clear_error();                                                                 \
+        w.ts = PyEval_SaveThread();                                                        \
+        int rc_ = (call);                                                                  \
+        PyEval_RestoreThread(w.ts);                                                        \
+        mpc_coll_set_interrupt(c, NULL, NULL);                                             \
+        if (rc_ < 0)                                                                       \
+            return coll_raise(op, rc_);                                                    \
+        Py_RETURN_NONE;                                                                    \
+    } while (0)
+
+static PyObject *Group_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"fd", "rank", "world", NULL};
+    int fd, rank, world;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iii:Group", kwlist, &fd, &rank, &world))
+        return NULL;
+    GroupObject *self = (GroupObject *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    mpc_clear_error();
+    int r = mpc_coll_attach(fd, rank, world, &self->c);
+    if (r < 0) {
+        Py_DECREF(self);
+        return mpc_py_raise(mpc_type_state(type), r);
+    }
+    return (PyObject *)self;
+}
+
+static void Group_dealloc(PyObject *op) {
+    PyTypeObject *tp = Py_TYPE(op);
+    mpc_coll_close(((GroupObject *)op)->c);
+    tp->tp_free(op);
+    Py_DECREF(tp);
+}
+
+static int64_t deadline_of(PyObject *timeout) { return mpc_py_deadline(1, timeout); }
+
+static PyObject *Group_watch(PyObject *op, PyObject *unused) {
+    mpc_coll *c = group_of(op);
+    if (c == NULL)
+        return NULL;
+    mpc_clear_error();
+    int r = mpc_coll_watch(c);
+    if (r < 0)
+        return mpc_py_raise(mpc_type_state(Py_TYPE(op)), r);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Group_pid(PyObject *op, PyObject *arg) {
+    mpc_coll *c = group_of(op);
+    long rank = c ? PyLong_AsLong(arg) : -1;
+    if (c == NULL || (rank == -1 && PyErr_Occurred()))
+        return NULL;
+    return PyLong_FromLong(mpc_coll_pid(c, (int)rank));
+}
+
+static PyObject *Group_all_reduce(PyObject *op, PyObject *args) {
+    unsigned long long addr, count;
+    int dtype, rop;
+    PyObject *timeout = Py_None;
+    mpc_coll *c = group_of(op);
+    if (c == NULL || !PyArg_ParseTuple(args, "KKii|O:all_reduce", &addr, &count, &dtype, &rop,
+                                       &timeout))
+        return NULL;
+    int64_t dl = deadline_of(timeout);
+    if (dl == -2)
+        return NULL;
+    RUN(op, mpc_coll_all_reduce(c, (void *)(uintptr_t)addr, count, dtype, rop, dl));
+}
+
+static PyObject *Group_broadcast(PyObject *op, PyObject *args) {
+    unsigned long long addr, n;
+    int root;
+    PyObject *timeout = Py_None;
+    mpc_coll *c = group_of(op);
+    if (c == NULL || !PyArg_ParseTuple(args, "KKi|O:broadcast", &addr, &n, &root, &timeout))
+        return NULL;
+    int64_t dl = deadline_of(timeout);
+    if (dl == -2)
+        return NULL;
+    RUN(op, mpc_coll_broadcast(c, (void *)(uintptr_t)addr, n, root, dl));
+}
+
+static PyObject *Group_barrier(PyObject *op, PyObject *args) {
+    PyObject *timeout = Py_None;
+    mpc_coll *c = group_of(op);
+    if (c == NULL || !PyArg_ParseTuple(args, "|O:barrier", &timeout))
+        return NULL;
+    int64_t dl = deadline_of(timeout);
+    if (dl == -2)
+        return NULL;
+    RUN(op, mpc_coll_barrier(c, dl));
+}
+
+static PyObject *Group_all_gather(PyObject *op, PyObject *args) {
+    unsigned long long out, in, n;
+    PyObject *timeout = Py_None;
+    mpc_coll *c = group_of(op);
+    if (c == NULL || !PyArg_ParseTuple(args, "KKK|O:all_gather", &out, &in, &n, &timeout))
+        return NULL;
+    int64_t dl = deadline_of(timeout);
+    if (dl == -2)
+        return NULL;
+    RUN(op, mpc_coll_all_gather(c, (void *)(uintptr_t)out, (const void *)(uintptr_t)in, n, dl));
+}
+
+static PyObject *Group_reduce_scatter(PyObject *op, PyObject *args) {
+    unsigned long long out, in, count;
+    int dtype, rop;
+    PyObject *timeout = Py_None;
+    mpc_coll *c = group_of(op);
+    if (c == NULL || !PyArg_ParseTuple(args, "KKKii|O:reduce_scatter", &out, &in, &count, &dtype,
+                                       &rop, &timeout))
+        return NULL;
+    int64_t dl = deadline_of(timeout);
+    if (dl == -2)
+        return NULL;
+    RUN(op, mpc_coll_reduce_scatter(c, (void *)(uintptr_t)out, (const void *)(uintptr_t)in,
+                                    count, dtype, rop, dl));
+}
+
+static PyObject *Group_close(PyObject *op, PyObject *unused) {
+    GroupObject *self = (GroupObject *)op;
+    mpc_coll_close(self->c);
+    self->c = NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Group_methods[] = {
+    {"watch", Group_watch, METH_NOARGS, "watch(): from now on, a peer that exits breaks the group"},
+    {"pid", Group_pid, METH_O, "pid(rank) -> the pid that rank attached with"},
+    {"all_reduce", Group_all_reduce, METH_VARARGS,
+     "all_reduce(address, count, dtype, op, timeout=None): in place"},
+    {"broadcast", Group_broadcast, METH_VARARGS, "broadcast(address, nbytes, root, timeout=None)"},
+    {"barrier", Group_barrier, METH_VARARGS, "barrier(timeout=None)"},
+    {"all_gather", Group_all_gather, METH_VARARGS,
+     "all_gather(out_address, in_address, nbytes, timeout=None)"},
+    {"reduce_scatter", Group_reduce_scatter, METH_VARARGS,
+     "reduce_scatter(out_address, in_address, count, dtype, op, timeout=None)"},
+    {"close", Group_close, METH_NOARGS, "close(): unmaps the group"},
+    {NULL},
+};
+
+static PyType_Slot Group_slots[] = {
+    {Py_tp_new, Group_new},
+    {Py_tp_dealloc, Group_dealloc},
+    {Py_tp_methods, Group_methods},
+    {Py_tp_doc, "Group(fd, rank, world): this rank's handle on a shared-memory group\n"
+                "(NOTE [ Shared-memory collectives ] in coll.c)."},
+    {0, NULL},
+};
+
+static PyType_Spec Group_spec = {
+    .name = "mpcore._core.Group",
+    .basicsize = sizeof(GroupObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = Group_slots,
+};
+
+/* coll_create(world, chunk) -> fd of a new group's region (the caller
+ * closes it). */
+static PyObject *py_coll_create(PyObject *m, PyObject *args) {
+    int world;
+    unsigned long long chunk;
+    if (!PyArg_ParseTuple(args, "iK:coll_create", &world, &chunk))
+        return NULL;
+    int fd, r;
+    mpc_clear_error();
+    Py_BEGIN_ALLOW_THREADS
+    r = mpc_coll_create(world, chunk, &fd);
+    Py_END_ALLOW_THREADS
+    if (r < 0)
+        return mpc_py_raise(mpc_get_state(m), r);
+    return PyLong_FromLong(fd);
+}
+
+PyMethodDef mpc_py_coll_methods[] = {
+    {"coll_create", py_coll_create, METH_VARARGS,
+     "coll_create(world, chunk) -> fd of a new shared-memory group"},
+    {NULL},
+};
+
+int mpc_py_coll_exec(PyObject *m, mpc_state *st) {
+    PyObject *type = PyType_FromModuleAndSpec(m, &Group_spec, NULL);
+    if (type == NULL)
+        return -1;
+    int r = PyModule_AddObjectRef(m, "Group", type);
+    Py_DECREF(type);
+    return r;
+}
