@@ -57,6 +57,12 @@ class Case:
     params: dict = field(default_factory=dict)
     timeout_s: float = 90.0      # bound on one child running this case
     note: str = ""               # one line for the README/JSON
+    # False: the two figures stand side by side, with no ratio (a ratio of
+    # two small percentages that may be 0 or negative says nothing).
+    compare: bool = True
+    # row_notes(row) -> [str]: lines the table prints under the row (figures
+    # from `extra` that the two columns cannot show).  Row as runner.summarize.
+    row_notes: object = None
 
     def impl(self, which):
         return self.torch if which == "torch" else self.mpcore
@@ -275,7 +281,20 @@ _t0 = time.perf_counter()
 import torch
 import torch.multiprocessing
 IMPORT_S = time.perf_counter() - _t0
+from torch.utils.data import Dataset
 MPCORE = os.environ.get("MPCORE_BENCH_SPAWN") == "mpcore"
+
+
+class CustomDataset(Dataset):
+    # The article's dataset (its dataloader.py), for the "dataloader" section.
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, idx):
+        return self.data[idx]
 
 
 def noop(*args):
@@ -331,6 +350,33 @@ def _start_join(ctx):
     return el
 
 
+def _first_batch(nworkers):
+    # From DataLoader(...) to its first batch, with spawned workers, over the
+    # article's dataset.  torch side: torch's DataLoader; mpcore side:
+    # mpcore.data.DataLoader (also torch.utils.data.DataLoader under mpcore run).
+    import warnings
+    if MPCORE:
+        from mpcore.data import DataLoader
+    else:
+        from torch.utils.data import DataLoader
+    dataset = CustomDataset([i for i in range(1000)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # "will create 4 worker processes" on small machines
+        t0 = time.perf_counter()
+        loader = DataLoader(dataset, batch_size=32, num_workers=nworkers,
+                            multiprocessing_context="spawn")
+        it = iter(loader)
+        first = next(it)
+        el = time.perf_counter() - t0
+        if first.tolist() != list(range(32)):
+            raise RuntimeError(f"first batch wrong: {first}")
+        t0 = time.perf_counter()
+        del it, first                     # the workers stop (not counted)
+        stop = time.perf_counter() - t0
+    return {"dl_first_s": el, "dl_shutdown_s": stop,
+            "dataloader_impl": f"{type(loader).__module__}.{type(loader).__qualname__}"}
+
+
 def main():
     sections = sys.argv[1].split(",")
     nprocs, repeats, target_s = int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
@@ -354,6 +400,8 @@ def main():
         while len(times) < 2 or (time.perf_counter() < t_end and len(times) < 1000):
             times.append(_start_join(ctx))
         out["process_s"] = times
+    if "dataloader" in sections:
+        out.update(_first_batch(nprocs))
     print("%s%s" % (os.environ["MPCORE_BENCH_PROG_TAG"], json.dumps(out)), flush=True)
 
 
@@ -365,7 +413,10 @@ _batch = []          # the cases this child runs (set by main)
 _prog_results = {}   # impl -> [program results not yet used by a case]
 _prog_dir = None
 _PROG_SECTIONS = {"spawn-first": ("first",), "spawn-repeat": ("first", "repeat"),
-                  "process-spawn": ("process",)}
+                  "process-spawn": ("process",), "dl-first-spawn": ("dataloader",)}
+# Program runs are shared only within a group: a DataLoader's first batch must
+# be its program's first start of processes, as the first spawn must be its own.
+_PROG_GROUP = {"dl-first-spawn": "dataloader"}   # others: "spawn"
 
 
 def _prog_path():
@@ -447,10 +498,12 @@ def _program_result(env, case_name, target_s):
             r["used_by"].append(case_name)
             return r
     want = set(need)
+    group = _PROG_GROUP.get(case_name, "spawn")
     for other in _batch:
-        if other in _PROG_SECTIONS and other != case_name:
+        if (other in _PROG_SECTIONS and other != case_name
+                and _PROG_GROUP.get(other, "spawn") == group):
             want |= set(_PROG_SECTIONS[other])
-    order = ("first", "repeat", "process")
+    order = ("first", "repeat", "process", "dataloader")
     r = run_program(env.impl, [s for s in order if s in want], target_s)
     r["used_by"] = [case_name]
     pool.append(r)
@@ -487,6 +540,368 @@ def process_spawn(env, target_s):
     extra = _prog_extra(r)
     extra.update(min_ms=min(times) * 1e3, warmup_ms=r["process_warmup_s"] * 1e3)
     return Measurement(mean * 1e3, len(times), sum(times), extra)
+
+
+# --- 11-15: DataLoader ------------------------------------------------------
+#
+# torch.utils.data.DataLoader (torch side) against mpcore.data.DataLoader
+# (mpcore side), with the same arguments: num_workers=4, the default start
+# method (fork) except dl-first-spawn.  A case times the loop of a program
+# that holds a running loader: the loader and its iterator are made and the
+# first batch taken (the workers are up) before the clock starts, and the
+# clock stops at the last batch, before the workers are shut down.
+
+DL_WORKERS = 4
+RSS_BATCHES = 100_000    # dl-rss: mpcore side's run (and torch's, when it fits)
+RSS_FROM = 1_000         # ... growth is measured from this batch on
+RSS_EVERY = 1_000        # ... RSS is read every this many batches
+RSS_TORCH_BUDGET = 15    # ... torch side stops at a reading after this many timed parts
+RSS_MAX_S = 60.0         # ... either side stops at a reading after this long
+RSS_TARGET_PCT = 5.0     # target of the mpcore side
+STACK_TARGET = 1.5       # dl-images: target of mpcore's time / in-process stacking
+
+
+class CustomDataset:
+    """The article's dataset (its dataloader.py), as published: a list's
+    items by index.  A plain class (cases.py imports no torch at module
+    level); torch's DataLoader takes any object with __getitem__ and
+    __len__, and so does mpcore's."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, idx):
+        return self.data[idx]
+
+
+class CycleData:
+    """n samples that go round a few precomputed ones: item idx is
+    data[idx % len(data)] (the same objects again, as a cache of decoded
+    samples would give)."""
+
+    def __init__(self, data, n):
+        self.data = data
+        self.m = len(data)
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, idx):
+        return self.data[idx % self.m]
+
+
+def _loader_cls(env):
+    if env.mpcore is not None:
+        import mpcore.data
+        return mpcore.data.DataLoader
+    return env.torch.utils.data.DataLoader
+
+
+def _quiet():
+    """A context without the "will create 4 worker processes" warning that
+    both loaders give on a small machine."""
+    import warnings
+    w = warnings.catch_warnings()
+
+    class Quiet:
+        def __enter__(self):
+            w.__enter__()
+            warnings.filterwarnings("ignore", message="This DataLoader will create")
+
+        def __exit__(self, *exc):
+            return w.__exit__(*exc)
+    return Quiet()
+
+
+def _cpu_s(pid):
+    """User + system CPU seconds of a process so far (None if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_now(pids):
+    return [_cpu_s(p) for p in [os.getpid()] + pids]
+
+
+def _loader_once(env, data, batch_size, n, check, info=None):
+    """Times batches 2..n+1 of an epoch of n+1 batches over `data`
+    (CustomDataset(data) if it has (n+1)*batch_size items, else
+    CycleData(data, (n+1)*batch_size)): the loader, its
+    iterator and the first batch are made before the clock starts; the
+    clock stops at the last batch, before the workers are shut down.
+    check(last_batch, last_index) asserts the last batch.  `info` gets the
+    CPU time the main process and the workers spent over the timed part
+    (both sides' iterators keep their workers in `_workers`)."""
+    n_items = (n + 1) * batch_size
+    ds = CustomDataset(data) if len(data) == n_items else CycleData(data, n_items)
+    with _quiet():
+        loader = _loader_cls(env)(ds, batch_size=batch_size, num_workers=DL_WORKERS)
+        it = iter(loader)
+        b = next(it)
+        pids = [p.pid for p in getattr(it, "_workers", [])]
+        cpu0 = _cpu_now(pids)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            b = next(it)
+        el = time.perf_counter() - t0
+        cpu1 = _cpu_now(pids)
+        check(b, (n + 1) * batch_size - 1)
+        del it, b      # the workers stop here (not timed)
+    if info is not None and None not in cpu0 + cpu1:
+        # /proc's ticks are 10 ms: meaningful over a timed part of 0.2 s or more.
+        info.update(main_cpu_ms_per_batch=(cpu1[0] - cpu0[0]) / n * 1e3,
+                    workers_cpu_ms_per_batch=(sum(cpu1[1:]) - sum(cpu0[1:])) / n * 1e3,
+                    cores_busy=(sum(cpu1) - sum(cpu0)) / el)
+    return el
+
+
+def _per_batch(env, target_s, make_data, batch_size, check, probe, hi, scale, unit_name,
+               lo=2):
+    info = {}
+    n, el = calibrate(
+        lambda k: _loader_once(env, make_data(k), batch_size, k, check, info),
+        target_s, probe, lo=lo, hi=hi)
+    per = el / n
+    extra = {"batches_per_s": n / el, "samples_per_s": n * batch_size / el,
+             "batch_size": batch_size, "num_workers": DL_WORKERS,
+             "dataloader": f"{_loader_cls(env).__module__}.DataLoader",
+             unit_name: per * scale}
+    extra.update(info)
+    return Measurement(per * scale, n, el, extra)
+
+
+def dl_ints(env, target_s, batch_size=32):
+    # The article's dataset: a list of n python ints, [i for i in range(n)],
+    # made anew for each epoch length.
+    def check(b, last):
+        if b.shape != (batch_size,) or int(b[-1]) != last:
+            raise AssertionError(f"last batch wrong: {b}")
+    return _per_batch(env, target_s, lambda k: [i for i in range((k + 1) * batch_size)],
+                      batch_size, check, probe=500, hi=100_000, scale=1e6,
+                      unit_name="us_per_batch")
+
+
+def _stack_ms(torch, items, batch_size, target_s, threads=None):
+    """The single-process alternative: torch.stack of the batch's samples
+    in this process, per batch (what num_workers=0 does with them; the
+    previous batch lives until the next is made, as in a loop), with
+    torch's own thread count or `threads`."""
+    m = len(items)
+
+    def loop(n):
+        b = None
+        t0 = time.perf_counter()
+        for k in range(n):
+            b = torch.stack([items[(k * batch_size + j) % m] for j in range(batch_size)])
+        el = time.perf_counter() - t0
+        assert b.shape[0] == batch_size
+        return el
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        # The first batches of fresh memory can take 10x longer (a VM's host
+        # backs the pages on first touch): warm up before calibrating.
+        loop(16)
+        n, el = calibrate(loop, target_s, 10, lo=3, hi=100_000)
+    finally:
+        torch.set_num_threads(before)
+    return el / n * 1e3
+
+
+def dl_images(env, target_s, batch_size=32, distinct=64, shape=(3, 224, 224)):
+    torch = env.torch
+    items = [torch.full(shape, float(i)) for i in range(distinct)]
+
+    def check(b, last):
+        if b.shape != (batch_size,) + tuple(shape) or float(b[-1, -1, -1, -1]) != last % distinct:
+            raise AssertionError(f"last batch wrong: {b.shape} {float(b[-1, -1, -1, -1])}")
+    # At least 150 timed batches: a fresh loader's first ~50 are 2-3x slower
+    # (each worker faults in its ring of 19 MB slots), which a short timed
+    # part (--quick) would otherwise mostly measure.
+    m = _per_batch(env, target_s, lambda k: items, batch_size, check, probe=20, hi=20_000,
+                   scale=1e3, unit_name="ms_per_batch", lo=150)
+    # After the loader's workers are gone: the same batches stacked here, with
+    # torch's threads (2 on a 2-core machine: on a busy machine its OpenMP
+    # threads can stall for a scheduler tick per call), and with one thread
+    # (what each worker of either loader does: they set_num_threads(1)).
+    t = min(target_s, 0.5)
+    stack = _stack_ms(torch, items, batch_size, t)
+    stack_1t = _stack_ms(torch, items, batch_size, t, threads=1)
+    m.extra.update(stack_ms=stack, stack_threads=torch.get_num_threads(),
+                   stack_1thread_ms=stack_1t, vs_stack=m.value / stack,
+                   batch_MB=batch_size * items[0].nbytes / 1e6,
+                   GB_per_s=batch_size * items[0].nbytes / (m.value * 1e-3) / 1e9)
+    return m
+
+
+DICT_KEYS = 16
+
+
+def _dict_sample(torch, i):
+    # 16 keys of 4 kinds: float32 (8,), int64 (4,), float32 (2, 3), int32 ().
+    out = {}
+    for j in range(DICT_KEYS):
+        kind = j % 4
+        if kind == 0:
+            t = torch.full((8,), float(i))
+        elif kind == 1:
+            t = torch.full((4,), i, dtype=torch.int64)
+        elif kind == 2:
+            t = torch.full((2, 3), float(i))
+        else:
+            t = torch.tensor(i, dtype=torch.int32)
+        out[f"k{j:02d}"] = t
+    return out
+
+
+def dl_dicts(env, target_s, batch_size=64, distinct=256):
+    torch = env.torch
+    items = [_dict_sample(torch, i) for i in range(distinct)]
+
+    def check(b, last):
+        if (sorted(b) != sorted(items[0]) or b["k00"].shape != (batch_size, 8)
+                or int(b["k15"][-1]) != last % distinct):
+            raise AssertionError(f"last batch wrong: { {k: v.shape for k, v in b.items()} }")
+    return _per_batch(env, target_s, lambda k: items, batch_size, check, probe=100, hi=200_000,
+                      scale=1e6, unit_name="us_per_batch")
+
+
+def dl_first_spawn(env, target_s):
+    # One fresh program per child, as spawn-first (see the spawn rows above):
+    # `python prog.py` / `mpcore run prog.py`, its "dataloader" section.
+    r = _program_result(env, "dl-first-spawn", target_s)
+    keep = ("import_torch_s", "program_wall_s", "mpcore_run", "dataloader_impl")
+    extra = {k: r[k] for k in keep if k in r}
+    extra.update(num_workers=SPAWN_NPROCS, shutdown_ms=r["dl_shutdown_s"] * 1e3,
+                 context="spawn")
+    return Measurement(r["dl_first_s"] * 1e3, 1, r["dl_first_s"], extra)
+
+
+def _rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _status_kb(keys=("VmRSS", "RssAnon", "RssFile", "RssShmem")):
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            if k in keys:
+                out[k + "_MB"] = int(v.split()[0]) / 1024
+    return out
+
+
+def dl_rss(env, target_s, batch_size=32, batches=RSS_BATCHES, budget=None):
+    """The main process's RSS growth from batch RSS_FROM to the last batch
+    of one long epoch (one iterator), in percent of its RSS at RSS_FROM.
+    RSS is read every RSS_EVERY batches; the run stops at a reading at or
+    after `batches`, or after `budget` timed parts (torch side), or after
+    RSS_MAX_S."""
+    budget_s = RSS_MAX_S if budget is None else min(RSS_MAX_S, budget * target_s)
+    ds = CycleData([i for i in range(1000)], batches * batch_size)
+    with _quiet():
+        loader = _loader_cls(env)(ds, batch_size=batch_size, num_workers=DL_WORKERS)
+        it = iter(loader)
+        series = []                        # (batch, rss bytes)
+        k = 0
+        t0 = time.perf_counter()
+        while k < batches:
+            for _ in range(RSS_EVERY):
+                b = next(it)
+            k += RSS_EVERY
+            series.append((k, _rss_bytes()))
+            if k == RSS_FROM:
+                t_from, status_from = time.perf_counter(), _status_kb()
+            if k > RSS_FROM and time.perf_counter() - t0 > budget_s:
+                break
+        el = time.perf_counter() - t_from
+        status_end = _status_kb()
+        if int(b[-1]) != (k * batch_size - 1) % 1000:
+            raise AssertionError(f"last batch wrong: {b}")
+        del it, b
+    rss_from = dict(series)[RSS_FROM]
+    rss_end = series[-1][1]
+    return Measurement((rss_end - rss_from) / rss_from * 100, k - RSS_FROM, el, {
+        "batches_from": RSS_FROM, "batches_end": k, "batches_wanted": batches,
+        "stopped_by_time": k < batches, "budget_s": budget_s,
+        "rss_from_MB": rss_from / 2**20, "rss_end_MB": rss_end / 2**20,
+        "rss_peak_MB": max(r for _, r in series) / 2**20,
+        "growth_MB": (rss_end - rss_from) / 2**20,
+        "us_per_batch": el / (k - RSS_FROM) * 1e6,
+        "status_from": status_from, "status_end": status_end,
+        "rss_MB_series": [(i, r / 2**20) for i, r in series
+                          if i == RSS_FROM or i % 10_000 == 0 or i == k],
+    })
+
+
+def dl_rss_torch(env, target_s, **params):
+    return dl_rss(env, target_s, budget=RSS_TORCH_BUDGET, **params)
+
+
+def _best_extra(row, impl, key, pick=min):
+    vals = [e[key] for e in row[impl]["extra"] if key in e]
+    return pick(vals) if vals else None
+
+
+def _images_notes(row):
+    out = []
+    for impl in IMPLS:
+        best, st = row[impl]["best"], _best_extra(row, impl, "stack_ms")
+        st1 = _best_extra(row, impl, "stack_1thread_ms")
+        if best is None or st is None:
+            continue
+        e = row[impl]["extra"][row[impl]["values"].index(best)]
+        line = (f"{impl} child: in-process torch.stack per batch {st:.3g} ms with "
+                f"{e['stack_threads']} threads, {st1:.3g} ms with 1; "
+                f"loader / stack = {best / st:.2f}x")
+        if impl == "mpcore":
+            ok = "met" if best / st <= STACK_TARGET else "MISSED"
+            line += f" (target <= {STACK_TARGET}x: {ok})"
+        if "workers_cpu_ms_per_batch" in e:
+            line += (f"; CPU per batch: main {e['main_cpu_ms_per_batch']:.3g} ms, workers "
+                     f"{e['workers_cpu_ms_per_batch']:.3g} ms ({e['cores_busy']:.2f} cores busy)")
+        out.append(line)
+    return out
+
+
+def _rss_notes(row):
+    out = []
+    for impl in IMPLS:
+        vals, ex = row[impl]["values"], row[impl]["extra"]
+        if not vals:
+            continue
+        e = ex[vals.index(row[impl]["best"])]
+        bound = (f", stopped by its time bound ({e['budget_s']:.0f} s)"
+                 if e["stopped_by_time"] else "")
+        out.append(f"{impl}: batches {e['batches_from']:,} -> {e['batches_end']:,}{bound}; "
+                   f"RSS {e['rss_from_MB']:.0f} -> {e['rss_end_MB']:.0f} MB "
+                   f"({e['growth_MB']:+.1f} MB); {e['us_per_batch']:.0f} us/batch")
+    if row["mpcore"]["values"]:
+        worst = max(row["mpcore"]["values"])
+        ok = "met" if worst < RSS_TARGET_PCT else "MISSED"
+        out.append(f"mpcore target < {RSS_TARGET_PCT:g}% (worst repeat {worst:+.2f}%): {ok}; "
+                   "no ratio: the sides may run different lengths, and the figures are near 0")
+    return out
+
+
+def _first_spawn_notes(row):
+    impls = sorted({e.get("dataloader_impl", "?") for e in row["mpcore"]["extra"]})
+    out = []
+    if impls:
+        run = all(e.get("mpcore_run") for e in row["mpcore"]["extra"])
+        out.append(f"mpcore side used {', '.join(impls)}"
+                   f"{' under mpcore run (zygote started at launch)' if run else ''}")
+    return out   # (the runner adds the program's own import torch)
 
 
 # --- the registry (table order) --------------------------------------------
@@ -529,6 +944,36 @@ add_case("process-spawn", "spawn Process start+join", "ms", False, process_spawn
          note="ctx.Process(target=noop).start(); join() with the spawn context, after a "
               "warm-up one; mean per process, in a program that imported torch (mpcore: "
               "under `mpcore run`).")
+
+add_case("dl-ints", "DataLoader ints, batch 32", "us/batch", False, dl_ints,
+         note="The article's dataset (a list of n python ints), batch_size=32, num_workers=4, "
+              "fork: time per batch after the first, over one long epoch. torch: "
+              "torch.utils.data.DataLoader; mpcore: mpcore.data.DataLoader. Target >= 10x.")
+add_case("dl-images", "DataLoader images 3x224x224, batch 32", "ms/batch", False, dl_images,
+         row_notes=_images_notes,
+         note="64 precomputed float32 3x224x224 tensors, sample i = tensor i % 64, "
+              "batch_size=32 (19 MB a batch), num_workers=4, fork; extra.stack_ms: "
+              "torch.stack of the same 32 tensors in the child's own process. Targets: "
+              f">= 3x, and mpcore <= {STACK_TARGET}x single-process stacking.")
+add_case("dl-dicts", "DataLoader dicts of 16 small tensors, batch 64", "us/batch", False,
+         dl_dicts,
+         note="256 precomputed samples, each a dict of 16 small tensors (float32 (8,), "
+              "int64 (4,), float32 (2,3), int32 ()), batch_size=64, num_workers=4, fork. "
+              "Target >= 10x.")
+add_case("dl-first-spawn", "DataLoader first batch, spawn", "ms", False, dl_first_spawn,
+         timeout_s=PROG_TIMEOUT_S + 30, row_notes=_first_spawn_notes,
+         note="In a fresh program that imported torch: from DataLoader(article's dataset, "
+              "batch_size=32, num_workers=4, multiprocessing_context='spawn') to its first "
+              "batch. torch: `python prog.py`; mpcore: `mpcore run prog.py` with "
+              "mpcore.data.DataLoader. Target >= 10x.")
+add_case("dl-rss", "DataLoader RSS after 100k batches", "%", False, dl_rss_torch, dl_rss,
+         compare=False, row_notes=_rss_notes, timeout_s=RSS_MAX_S + 60,
+         note=f"Main process's RSS growth from batch {RSS_FROM:,} to batch {RSS_BATCHES:,} of "
+              "one epoch (one iterator) over the article's ints, batch_size=32, num_workers=4, "
+              f"fork; mpcore target < {RSS_TARGET_PCT:g}%. The torch side stops at a reading "
+              f"after {RSS_TORCH_BUDGET} timed parts ({RSS_TORCH_BUDGET} s; "
+              f"{RSS_TORCH_BUDGET * 0.2:g} s under --quick), short of 100k batches: the "
+              "table's notes say where each side stopped. No ratio.")
 
 
 # --- command line -----------------------------------------------------------

@@ -165,8 +165,12 @@ def summarize(case, runs):
             "repeats": len(runs[impl]),
             "warnings": sorted({w for r in runs[impl] for w in r.get("warnings", [])}),
         }
-    row["ratio"] = _ratio(case, row["torch"]["best"], row["mpcore"]["best"])
-    row["ratio_median"] = _ratio(case, row["torch"]["median"], row["mpcore"]["median"])
+    # A row with compare=False shows both figures and no ratio (dl-rss).
+    row["compared"] = case.compare
+    row["ratio"] = _ratio(case, row["torch"]["best"], row["mpcore"]["best"]) \
+        if case.compare else None
+    row["ratio_median"] = _ratio(case, row["torch"]["median"], row["mpcore"]["median"]) \
+        if case.compare else None
     return row
 
 
@@ -199,7 +203,11 @@ def format_table(rows, header_note=""):
         for impl in IMPLS:
             b = row[impl]["best"]
             cells.append(f"{fmt_value(b)} {row['unit']}" if b is not None else "ERROR")
-        cells.append(fmt_ratio(row["ratio"]) if row["ratio"] is not None else "FAILED")
+        if not row.get("compared", True):
+            cells.append("no ratio" if all(row[i]["best"] is not None for i in IMPLS)
+                         else "FAILED")
+        else:
+            cells.append(fmt_ratio(row["ratio"]) if row["ratio"] is not None else "FAILED")
         lines.append(cells)
     widths = [max(len(c[i]) for c in [head] + lines) for i in range(4)]
 
@@ -213,7 +221,7 @@ def format_table(rows, header_note=""):
     out += [fmt(c) for c in lines]
     notes = []
     for row in rows:
-        for line in _program_notes(row):
+        for line in _program_notes(row) + _case_notes(row):
             notes.append(f"  note {row['name']}: {line}")
     for row in rows:
         for e in row["errors"]:
@@ -225,6 +233,17 @@ def format_table(rows, header_note=""):
         out.append("")
         out += notes
     return "\n".join(out)
+
+
+def _case_notes(row):
+    """The lines a case adds under its row (Case.row_notes)."""
+    case = CASES.get(row["name"])
+    if case is None or case.row_notes is None:
+        return []
+    try:
+        return list(case.row_notes(row))
+    except Exception as e:     # a note must not cost the table
+        return [f"(notes failed: {type(e).__name__}: {e})"]
 
 
 def _program_notes(row):
@@ -392,7 +411,8 @@ def main(argv=None):
             f"(ratio > 1: mpcore better)")
     print(format_table(rows, note))
 
-    failed = any(r["errors"] or r["ratio"] is None for r in rows)
+    failed = any(r["errors"] or (r["ratio"] is None and r["compared"])
+                 or any(r[i]["best"] is None for i in IMPLS) for r in rows)
     if args.json:
         info["loadavg_end"] = list(os.getloadavg())
         doc = {"machine": info,
