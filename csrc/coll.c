@@ -237,7 +237,7 @@ static int check_peers(mpc_coll *c, const char *what) {
 
 static int all_reached(const mpc_coll *c, uint64_t target) {
     for (int r = 0; r < c->world; r++)
-        if (atomic_load_explicit(&c->h->ranks[r].bar, memory_order_acquire) < target)
+        if (atomic_load(&c->h->ranks[r].bar) < target)
             return 0;
     return 1;
 }
@@ -245,7 +245,10 @@ static int all_reached(const mpc_coll *c, uint64_t target) {
 static int barrier(mpc_coll *c, const char *what, int64_t deadline) {
     mpc_coll_hdr *h = c->h;
     uint64_t target = ++c->bar;
-    atomic_store_explicit(&h->ranks[c->rank].bar, target, memory_order_release);
+    /* Sequentially consistent, store then loads: two ranks arriving
+     * together must not both miss the other's store, or neither would
+     * wake the group. */
+    atomic_store(&h->ranks[c->rank].bar, target);
     if (all_reached(c, target)) {
         atomic_fetch_add(&h->gen, 1);
         mpc_futex_wake(&h->gen, INT32_MAX);

@@ -96,6 +96,8 @@ def _patch_torch_multiprocessing(tmp):
     tmp.__mpcore__ = True
     _supply_torch_sleep(sys.modules["torch"])
     when_imported("torch.utils.data", _patch_torch_data)
+    when_imported("torch.distributed", _patch_torch_distributed)
+    when_imported("torch.nn.parallel", _patch_torch_ddp)
 
 
 def _patch_torch_data(tud):
@@ -104,6 +106,23 @@ def _patch_torch_data(tud):
     from .data import DataLoader
     tud.DataLoader = DataLoader
     sys.modules["torch.utils.data.dataloader"].DataLoader = DataLoader
+
+
+def _patch_torch_distributed(td):
+    """Makes torch.distributed's process group and collectives mpcore's
+    (NOTE [ Two groups in one ] in _dist.py)."""
+    if td.is_available():
+        from . import distributed
+        distributed._serve_torch()
+
+
+def _patch_torch_ddp(tnp):
+    """Makes torch.nn.parallel.DistributedDataParallel mpcore's."""
+    if sys.modules["torch.distributed"].is_available():
+        from .parallel import DistributedDataParallel
+        tnp.DistributedDataParallel = DistributedDataParallel
+        sys.modules["torch.nn.parallel.distributed"].DistributedDataParallel = \
+            DistributedDataParallel
 
 
 def _supply_torch_sleep(torch):

@@ -1,0 +1,275 @@
+"""The process group's machinery: rendezvous, the shared-memory group of
+the ranks on this machine (_core.Group, csrc/coll.c), and the queue that
+runs collectives asked for with async_op=True.
+
+NOTE [ Two groups in one ]
+init_process_group sets up torch's own process group (gloo, nccl, ...) and,
+when every rank runs on this machine, mpcore's shared-memory group beside
+it, through the same store.  Collectives on the default group whose
+tensors the shared-memory path can take (CPU, contiguous, a dtype and op
+coll.c knows) go through it; everything else, and every group across
+machines, is torch's own.  Both groups see the same calls in the same
+order, so mixing them is safe.
+
+NOTE [ Rendezvous ]
+For env:// and tcp:// the store is made here, as torch's handlers make it,
+but rank 0 does not wait inside the store for the others: every rank
+writes its own key and waits for all, so that a timeout can say which
+ranks never came.  The shared-memory region is a memfd of rank 0, which
+the others open through /proc/<pid>/fd/<n>, named in the store; a group
+whose ranks are on different machines (by boot id) gets no region.
+"""
+import collections
+import datetime
+import os
+import socket
+import threading
+import urllib.parse
+
+from . import _core
+
+_CHUNK = 1 << 20        # bytes staged per rank and piece
+_inits = 0              # init_process_group calls so far: a fresh key space each
+
+
+def _host_id():
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _seconds(timeout):
+    if timeout is None:
+        return None
+    if isinstance(timeout, datetime.timedelta):
+        return timeout.total_seconds()
+    return float(timeout)
+
+
+# --- rendezvous -------------------------------------------------------------
+
+def _env_int(name, given, method):
+    if given is not None and given >= 0:
+        return given
+    value = os.environ.get(name)
+    if value is None:
+        raise ValueError(f"Error initializing torch.distributed using {method} rendezvous: "
+                         f"environment variable {name} expected, but not set")
+    return int(value)
+
+
+def parse_init_method(init_method, rank, world_size):
+    """(host, port, rank, world_size) for env:// (None) and tcp:// URLs,
+    with torch's rules for what the URL, the arguments and the
+    environment give; None for other methods."""
+    url = init_method or "env://"
+    parts = urllib.parse.urlparse(url)
+    query = dict(urllib.parse.parse_qsl(parts.query))
+    if "rank" in query:
+        rank = int(query["rank"])
+    if "world_size" in query:
+        world_size = int(query["world_size"])
+    if parts.scheme == "env":
+        method = "env://"
+        rank = _env_int("RANK", rank, method)
+        world_size = _env_int("WORLD_SIZE", world_size, method)
+        host = os.environ.get("MASTER_ADDR")
+        if host is None:
+            raise ValueError("Error initializing torch.distributed using env:// rendezvous: "
+                             "environment variable MASTER_ADDR expected, but not set")
+        port = os.environ.get("MASTER_PORT")
+        if port is None:
+            raise ValueError("Error initializing torch.distributed using env:// rendezvous: "
+                             "environment variable MASTER_PORT expected, but not set")
+        return host, int(port), rank, world_size
+    if parts.scheme == "tcp":
+        if rank is None or rank < 0 or world_size is None or world_size < 0:
+            raise ValueError("rank and world_size are required for tcp:// rendezvous")
+        return parts.hostname, parts.port, rank, world_size
+    return None
+
+
+def make_store(host, port, rank, world_size, timeout_s):
+    """The job's TCPStore (rank 0 serves it) without waiting for workers."""
+    from torch.distributed import TCPStore
+    td = datetime.timedelta(seconds=timeout_s)
+    try:
+        return TCPStore(host, port, world_size, rank == 0, td, wait_for_workers=False)
+    except Exception as e:
+        if rank == 0:
+            raise
+        raise TimeoutError(f"rank {rank} could not reach rank 0's store at {host}:{port} within "
+                           f"{timeout_s:g} s: rank 0 did not come ({e})") from None
+
+
+def wait_for_ranks(store, rank, world_size, timeout_s, what="init_process_group"):
+    """Every rank marks its arrival, then waits for all; a timeout names
+    the ranks that never came."""
+    prefix = f"mpcore/{_inits}/arrived/"
+    keys = [prefix + str(r) for r in range(world_size)]
+    store.set(keys[rank], "1")
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except Exception:
+        missing = [r for r in range(world_size) if not store.check([keys[r]])]
+        if not missing:
+            raise
+        raise TimeoutError(
+            f"{what} timed out after {timeout_s:g} s: rank(s) {missing} of world_size "
+            f"{world_size} never joined (is world_size right?)") from None
+
+
+# --- the shared-memory group --------------------------------------------------
+
+class Work:
+    """What an async_op collective returns: torch's Work surface."""
+
+    def __init__(self, tensors):
+        self._tensors = tensors
+        self._done = threading.Event()
+        self._exc = None
+        self._future = None
+        self._lock = threading.Lock()
+
+    def _finish(self, exc=None):
+        with self._lock:
+            self._exc = exc
+            self._done.set()
+            fut = self._future
+        if fut is not None:
+            self._settle(fut)
+
+    def _settle(self, fut):
+        if self._exc is not None:
+            fut.set_exception(self._exc)
+        else:
+            fut.set_result(self._tensors)
+
+    def wait(self, timeout=None):
+        self._done.wait()
+        if self._exc is not None:
+            raise self._exc
+        return True
+
+    def is_completed(self):
+        return self._done.is_set()
+
+    def is_success(self):
+        return self._done.is_set() and self._exc is None
+
+    def exception(self):
+        return self._exc
+
+    def result(self):
+        self.wait()
+        return self._tensors
+
+    def get_future(self):
+        import torch
+        with self._lock:
+            if self._future is None:
+                self._future = torch.futures.Future()
+                if self._done.is_set():
+                    self._settle(self._future)
+            return self._future
+
+
+class ShmGroup:
+    """This rank's shared-memory group, and the thread that runs its
+    asynchronous collectives in the order they were asked for."""
+
+    def __init__(self, core, rank, world, timeout_s):
+        self.core = core
+        self.rank = rank
+        self.world = world
+        self.timeout = timeout_s
+        self._queue = collections.deque()
+        self._cond = threading.Condition()
+        self._thread = None
+        self._queued = 0
+
+    def run(self, async_op, tensors, fn, *args):
+        """fn(*args, timeout) now (after what is queued), or on the
+        group's thread when async_op; returns a Work for async_op."""
+        if not async_op:
+            if self._queued:
+                self.drain()
+            fn(*args, self.timeout)
+            return None
+        work = Work(tensors)
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="mpcore-collectives",
+                                                daemon=True)
+                self._thread.start()
+            self._queued += 1
+            self._queue.append((work, fn, args))
+            self._cond.notify()
+        return work
+
+    def drain(self):
+        with self._cond:
+            while self._queued:
+                self._cond.wait()
+
+    def _loop(self):
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                item = self._queue.popleft()
+            if item is None:
+                return
+            work, fn, args = item
+            try:
+                fn(*args, self.timeout)
+                work._finish()
+            except BaseException as e:  # reported through the Work
+                work._finish(e)
+            finally:
+                with self._cond:
+                    self._queued -= 1
+                    self._cond.notify_all()
+
+    def close(self):
+        with self._cond:
+            if self._thread is not None:
+                self._queue.append(None)
+                self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.core.close()
+
+
+def join(store, rank, world, timeout_s):
+    """The shared-memory group of this job's ranks, or None when they are
+    not all on this machine (NOTE [ Rendezvous ])."""
+    global _inits
+    prefix = f"mpcore/{_inits}/"
+    _inits += 1
+    store.set(f"{prefix}host/{rank}", _host_id())
+    hosts = {store.get(f"{prefix}host/{r}").decode() for r in range(world)}
+    if len(hosts) != 1:
+        return None
+    if rank == 0:
+        fd = _core.coll_create(world, _CHUNK)
+        try:
+            core = _core.Group(fd, 0, world)
+            store.set(f"{prefix}region", f"{os.getpid()}:{fd}")
+            core.barrier(timeout_s)  # everyone has mapped it
+        finally:
+            os.close(fd)
+    else:
+        pid, fd = map(int, store.get(f"{prefix}region").decode().split(":"))
+        mine = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            core = _core.Group(mine, rank, world)
+        finally:
+            os.close(mine)
+        core.barrier(timeout_s)
+    core.watch()
+    return ShmGroup(core, rank, world, timeout_s)

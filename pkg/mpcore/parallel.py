@@ -1,0 +1,70 @@
+"""mpcore.parallel.DistributedDataParallel: torch's DDP whose gradient
+buckets are all-reduced over mpcore's shared-memory group.
+
+NOTE [ DDP over shared memory ]
+torch's DistributedDataParallel stays in charge: it broadcasts parameters
+and buffers from rank 0 at construction, buckets gradients
+(bucket_cap_mb), launches each bucket as soon as backward has filled it,
+and supports no_sync(), find_unused_parameters and
+gradient_as_bucket_view.  Only the bucket's all-reduce changes: a
+communication hook divides the bucket by the world size and sums it over
+the shared-memory group, as torch's own reducer does over gloo, on the
+group's thread, so that it overlaps with the rest of backward; the hook's
+future completes when the sum is in place.  The module must be on the CPU
+and use the default group of mpcore.distributed; otherwise DDP is torch's
+alone.  A hook the program registers itself (register_comm_hook) replaces
+mpcore's, as under torch.
+"""
+import torch
+from torch.nn.parallel import DistributedDataParallel as _TorchDDP
+
+from . import distributed as _mdist
+
+__all__ = ["DistributedDataParallel"]
+
+
+class _Hooks:
+    """The state of mpcore's hook: the group, and a hook the program
+    registered later, which then runs instead."""
+
+    def __init__(self, group):
+        self.group = group
+        self.user = None
+
+
+def _hook(hooks, bucket):
+    if hooks.user is not None:
+        state, hook = hooks.user
+        return hook(state, bucket)
+    group = hooks.group
+    t = bucket.buffer()
+    code = _mdist._DTYPES.get(t.dtype)
+    if code is None or not t.is_contiguous():
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        return default_hooks.allreduce_hook(None, bucket)
+    t.div_(group.world)
+    work = group.run(True, t, group.core.all_reduce, t.data_ptr(), t.numel(), code, 0)
+    return work.get_future().then(lambda fut: t)
+
+
+class DistributedDataParallel(_TorchDDP):
+    """torch.nn.parallel.DistributedDataParallel, with torch's arguments.
+    NOTE [ DDP over shared memory ]."""
+
+    def __init__(self, module, *args, **kwargs):
+        super().__init__(module, *args, **kwargs)
+        self._mpcore_hooks = None
+        group = _mdist._fast(self.process_group)
+        on_cpu = all(p.device.type == "cpu" for p in self.module.parameters())
+        if group is not None and on_cpu:
+            self._mpcore_hooks = _Hooks(group)
+            super().register_comm_hook(self._mpcore_hooks, _hook)
+
+    def register_comm_hook(self, state, hook):
+        if self._mpcore_hooks is None:
+            return super().register_comm_hook(state, hook)
+        if self._mpcore_hooks.user is not None:
+            raise RuntimeError(
+                "register_comm_hook or register_builtin_comm_hook can only be called once.")
+        self._check_comm_hook(hook)
+        self._mpcore_hooks.user = (state, hook)
