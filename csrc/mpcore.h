@@ -558,4 +558,36 @@ int mpc_coll_all_gather(mpc_coll *c, void *out, const void *in, uint64_t nbytes,
 int mpc_coll_reduce_scatter(mpc_coll *c, void *out, const void *in, uint64_t count, int dtype,
                             int op, int64_t deadline_ns);
 
+/* ------------------------------------------------------------------ */
+/* NCCL, loaded at run time (nccl.c)                                   */
+/* ------------------------------------------------------------------ */
+
+/* NCCL's unique id, as ncclGetUniqueId makes it (128 bytes). */
+typedef struct {
+    char internal[128];
+} mpc_nccl_id;
+
+/* Loads NCCL once per process: the copy already loaded (torch's), else the
+ * first of paths that loads, else the system's libnccl.so.2.  Sets *where
+ * to a description of what was loaded.  Returns 0, -ENOENT naming what was
+ * tried, or -ENOSYS when the library lacks a function mpcore needs. */
+int mpc_nccl_load(const char *const *paths, int npaths, const char **where);
+
+/* Thin calls into NCCL.  dtype and op are mpcore's codes (MPC_DT_*,
+ * MPC_OP_*); comm is what mpc_nccl_comm_init made; stream a cudaStream_t
+ * (NULL: the default stream); buffers are device pointers.  Each returns 0,
+ * -ENOENT when NCCL is not loaded, -EINVAL for an unknown code, or -EIO
+ * with NCCL's error string and last message.  The collectives are enqueued
+ * on the stream and return before they finish, as in NCCL. */
+int mpc_nccl_version(int *version);
+int mpc_nccl_unique_id(mpc_nccl_id *id);
+int mpc_nccl_comm_init(void **comm, int nranks, const mpc_nccl_id *id, int rank);
+int mpc_nccl_comm_free(void *comm, int abort);
+int mpc_nccl_async_error(void *comm);
+int mpc_nccl_all_reduce(void *comm, const void *send, void *recv, size_t count, int dtype,
+                        int op, void *stream);
+int mpc_nccl_broadcast(void *comm, const void *send, void *recv, size_t nbytes, int root,
+                       void *stream);
+int mpc_nccl_all_gather(void *comm, const void *send, void *recv, size_t nbytes, void *stream);
+
 #endif /* MPCORE_H */

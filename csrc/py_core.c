@@ -112,11 +112,12 @@ static int mpc_exec(PyObject *m) {
         PyModule_AddFunctions(m, mpc_py_ring_methods) < 0 ||
         PyModule_AddFunctions(m, mpc_py_proc_methods) < 0 ||
         PyModule_AddFunctions(m, mpc_py_collate_methods) < 0 ||
-        PyModule_AddFunctions(m, mpc_py_coll_methods) < 0)
+        PyModule_AddFunctions(m, mpc_py_coll_methods) < 0 ||
+        PyModule_AddFunctions(m, mpc_py_nccl_methods) < 0)
         return -1;
     if (mpc_py_shm_exec(m, st) < 0 || mpc_py_ring_exec(m, st) < 0 ||
         mpc_py_proc_exec(m, st) < 0 || mpc_py_pool_exec(m, st) < 0 ||
-        mpc_py_coll_exec(m, st) < 0)
+        mpc_py_coll_exec(m, st) < 0 || mpc_py_nccl_exec(m, st) < 0)
         return -1;
     return 0;
 }

@@ -63,10 +63,12 @@ int mpc_py_ring_exec(PyObject *m, mpc_state *st);
 int mpc_py_proc_exec(PyObject *m, mpc_state *st);
 int mpc_py_pool_exec(PyObject *m, mpc_state *st);
 int mpc_py_coll_exec(PyObject *m, mpc_state *st);
+int mpc_py_nccl_exec(PyObject *m, mpc_state *st);
 extern PyMethodDef mpc_py_shm_methods[];
 extern PyMethodDef mpc_py_ring_methods[];
 extern PyMethodDef mpc_py_proc_methods[];
 extern PyMethodDef mpc_py_collate_methods[];
 extern PyMethodDef mpc_py_coll_methods[];
+extern PyMethodDef mpc_py_nccl_methods[];
 
 #endif

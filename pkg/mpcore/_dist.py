@@ -105,11 +105,18 @@ def make_store(host, port, rank, world_size, timeout_s):
                            f"{timeout_s:g} s: rank 0 did not come ({e})") from None
 
 
-def wait_for_ranks(store, rank, world_size, timeout_s, what="init_process_group"):
+def next_prefix():
+    """A fresh key space in the store for this init_process_group (every
+    rank makes the same calls, so they agree)."""
+    global _inits
+    _inits += 1
+    return f"mpcore/{_inits}/"
+
+
+def wait_for_ranks(store, prefix, rank, world_size, timeout_s, what="init_process_group"):
     """Every rank marks its arrival, then waits for all; a timeout names
     the ranks that never came."""
-    prefix = f"mpcore/{_inits}/arrived/"
-    keys = [prefix + str(r) for r in range(world_size)]
+    keys = [f"{prefix}arrived/{r}" for r in range(world_size)]
     store.set(keys[rank], "1")
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout_s))
@@ -245,12 +252,9 @@ class ShmGroup:
         self.core.close()
 
 
-def join(store, rank, world, timeout_s):
+def join(store, prefix, rank, world, timeout_s):
     """The shared-memory group of this job's ranks, or None when they are
     not all on this machine (NOTE [ Rendezvous ])."""
-    global _inits
-    prefix = f"mpcore/{_inits}/"
-    _inits += 1
     store.set(f"{prefix}host/{rank}", _host_id())
     hosts = {store.get(f"{prefix}host/{r}").decode() for r in range(world)}
     if len(hosts) != 1:

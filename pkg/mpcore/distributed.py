@@ -12,11 +12,11 @@ import torch
 import torch.distributed as _td
 from torch.distributed import distributed_c10d as _c10d
 
-from . import _dist
+from . import _dist, _nccl
 
 ReduceOp = _td.ReduceOp
 _orig = {}
-_state = {"group": None}
+_state = {"group": None, "nccl": None}
 
 
 def _torch(name):
@@ -36,17 +36,41 @@ def _opcode(op):
     return None
 
 
+def _default(group):
+    return (group is None or group is _c10d.GroupMember.WORLD
+            or group is _c10d._get_default_group())
+
+
 def _fast(group, *tensors):
     """The shared-memory group, if it can serve these tensors on `group`."""
     g = _state["group"]
-    if g is None or (group is not None and group is not _c10d.GroupMember.WORLD
-                     and group is not _c10d._get_default_group()):
+    if g is None or not _default(group):
         return None
     for t in tensors:
         if (t.device.type != "cpu" or t.dtype not in _DTYPES or not t.is_contiguous()
-                or t.layout != torch.strided or t.is_complex()):
+                or t.layout != torch.strided):
             return None
     return g
+
+
+def _cuda(group, *tensors):
+    """mpcore's NCCL communicator, if it can serve these tensors on `group`."""
+    g = _state["nccl"]
+    if g is None or not _default(group):
+        return None
+    for t in tensors:
+        if t.device.type != "cuda" or t.dtype not in _DTYPES or not t.is_contiguous():
+            return None
+    return g
+
+
+def _done(async_op, tensors):
+    """What a collective enqueued on the current stream returns."""
+    if not async_op:
+        return None
+    w = _dist.Work(tensors)
+    w._finish()
+    return w
 
 
 # --- the group ----------------------------------------------------------------
@@ -56,12 +80,13 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     """torch.distributed.init_process_group, and mpcore's shared-memory group
     beside torch's when every rank is on this machine."""
     timeout_s = _dist._seconds(timeout) or _c10d.default_pg_timeout.total_seconds()
+    prefix = _dist.next_prefix()
     if store is None:
         where = _dist.parse_init_method(init_method, rank, world_size)
         if where is not None:
             host, port, rank, world_size = where
             store = _dist.make_store(host, port, rank, world_size, timeout_s)
-            _dist.wait_for_ranks(store, rank, world_size, timeout_s)
+            _dist.wait_for_ranks(store, prefix, rank, world_size, timeout_s)
             init_method = None
     _torch("init_process_group")(backend, init_method=init_method, timeout=timeout,
                                  world_size=world_size, rank=rank, store=store,
@@ -69,14 +94,18 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
                                  device_id=device_id, **kwargs)
     if store is None:
         store = _c10d._get_default_store()
-    _state["group"] = _dist.join(store, _td.get_rank(), _td.get_world_size(), timeout_s)
+    rank, world = _td.get_rank(), _td.get_world_size()
+    _state["group"] = _dist.join(store, prefix, rank, world, timeout_s)
+    if backend is not None and "nccl" in str(backend).lower():
+        _state["nccl"] = _nccl.NcclGroup.create(store, rank, world, prefix)
 
 
 def destroy_process_group(group=None):
-    g = _state["group"]
-    if g is not None and (group is None or group is _c10d.GroupMember.WORLD):
-        _state["group"] = None
-        g.close()
+    if group is None or group is _c10d.GroupMember.WORLD:
+        for key in ("group", "nccl"):
+            g, _state[key] = _state[key], None
+            if g is not None:
+                g.close()
     return _torch("destroy_process_group")(group)
 
 
@@ -105,6 +134,10 @@ def shm_group_active():
 # --- collectives ----------------------------------------------------------------
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
+    n = _cuda(group, tensor)
+    if n is not None and _opcode(op) is not None:
+        n.all_reduce(tensor, _DTYPES[tensor.dtype], _opcode(op))
+        return _done(async_op, [tensor])
     g = _fast(group, tensor)
     code = _opcode(op) if g is not None else None
     if code is None:
@@ -114,8 +147,12 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
 
 
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
-    g = _fast(group, tensor)
     root = src if src is not None else group_src
+    n = _cuda(group, tensor)
+    if n is not None and root is not None:
+        n.broadcast(tensor, root)
+        return _done(async_op, [tensor])
+    g = _fast(group, tensor)
     if g is None or root is None:
         return _torch("broadcast")(tensor, src, group, async_op, group_src)
     return g.run(async_op, [tensor], g.core.broadcast, tensor.data_ptr(),
@@ -134,6 +171,11 @@ def barrier(group=None, async_op=False, device_ids=None, timeout=None):
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+    n = _cuda(group, output_tensor, input_tensor)
+    if (n is not None and output_tensor.dtype == input_tensor.dtype
+            and output_tensor.numel() == input_tensor.numel() * n.world):
+        n.all_gather(output_tensor, input_tensor)
+        return _done(async_op, [output_tensor])
     g = _fast(group, output_tensor, input_tensor)
     if (g is None or output_tensor.dtype != input_tensor.dtype
             or output_tensor.numel() != input_tensor.numel() * g.world):
@@ -143,6 +185,15 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
+    n = _cuda(group, tensor)
+    if (n is not None and len(tensor_list) == n.world
+            and all(t.shape == tensor.shape and t.dtype == tensor.dtype for t in tensor_list)):
+        flat = torch.empty((n.world,) + tuple(tensor.shape), dtype=tensor.dtype,
+                           device=tensor.device)
+        n.all_gather(flat, tensor.contiguous())
+        for i, t in enumerate(tensor_list):
+            t.copy_(flat[i])
+        return _done(async_op, tensor_list)
     g = _fast(group, tensor)
     if (g is None or len(tensor_list) != g.world
             or any(t.shape != tensor.shape or t.dtype != tensor.dtype for t in tensor_list)):

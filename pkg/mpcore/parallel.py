@@ -10,10 +10,12 @@ gradient_as_bucket_view.  Only the bucket's all-reduce changes: a
 communication hook divides the bucket by the world size and sums it over
 the shared-memory group, as torch's own reducer does over gloo, on the
 group's thread, so that it overlaps with the rest of backward; the hook's
-future completes when the sum is in place.  The module must be on the CPU
-and use the default group of mpcore.distributed; otherwise DDP is torch's
-alone.  A hook the program registers itself (register_comm_hook) replaces
-mpcore's, as under torch.
+future completes when the sum is in place.  A module on the CPU must
+use the default group of mpcore.distributed; otherwise DDP is torch's
+alone.  A module on CUDA devices whose group has mpcore's NCCL
+communicator (backend "nccl") gets the same hook, with the sum enqueued
+through NCCL on the current stream.  A hook the program registers itself
+(register_comm_hook) takes the place of mpcore's.
 """
 import torch
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
@@ -43,8 +45,19 @@ def _hook(hooks, bucket):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         return default_hooks.allreduce_hook(None, bucket)
     t.div_(group.world)
+    if t.device.type == "cuda":
+        # enqueued on the current stream; the future's events order the rest
+        group.all_reduce(t, code, 0)
+        fut = torch.futures.Future(devices=[t.device])
+        fut.set_result(t)
+        return fut
     work = group.run(True, t, group.core.all_reduce, t.data_ptr(), t.numel(), code, 0)
     return work.get_future().then(lambda fut: t)
+
+
+def _state_nccl(process_group):
+    g = _mdist._state["nccl"]
+    return g if g is not None and _mdist._default(process_group) else None
 
 
 class DistributedDataParallel(_TorchDDP):
@@ -54,9 +67,13 @@ class DistributedDataParallel(_TorchDDP):
     def __init__(self, module, *args, **kwargs):
         super().__init__(module, *args, **kwargs)
         self._mpcore_hooks = None
-        group = _mdist._fast(self.process_group)
-        on_cpu = all(p.device.type == "cpu" for p in self.module.parameters())
-        if group is not None and on_cpu:
+        devices = {p.device.type for p in self.module.parameters()}
+        group = None
+        if devices == {"cpu"}:
+            group = _mdist._fast(self.process_group)
+        elif devices == {"cuda"}:
+            group = _state_nccl(self.process_group)
+        if group is not None:
             self._mpcore_hooks = _Hooks(group)
             super().register_comm_hook(self._mpcore_hooks, _hook)
 
