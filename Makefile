@@ -11,7 +11,7 @@ STAMP := $(VENV)/.deps-stamp
 $(STAMP):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(TORCH) "numpy>=1.24" pytest pytest-timeout matplotlib setuptools wheel
+	$(PY) -m pip install -q $(TORCH) "numpy>=1.24" pytest pytest-timeout matplotlib setuptools wheel nvidia-nccl-cu13
 	touch $(STAMP)
 
 install: $(STAMP)
