@@ -12,8 +12,9 @@
  *     each rank copies its piece in, all meet at a barrier, and each rank
  *     reduces all the pieces into its own buffer;
  *   - larger ones are a reduce-scatter and an all-gather: rank r reduces
- *     the r-th slice of every rank's piece into the result area, all meet,
- *     and each rank copies the whole result out;
+ *     the r-th slice of every rank's piece (its own from its own buffer)
+ *     into the result area, all meet, and each rank copies out the slices
+ *     the others reduced;
  *   - broadcast, all-gather and reduce-scatter take one barrier a piece.
  * Pieces alternate between the two copies of the areas, so a rank may
  * write the next piece while a slower one still reads this one: the
@@ -485,29 +486,42 @@ int mpc_coll_all_reduce(mpc_coll *c, void *buf, uint64_t count, int dtype, int o
         uint64_t n = count - off < per ? count - off : per;
         uint8_t *mine = (uint8_t *)buf + off * es;
         uint64_t p = c->piece++ & 1;
-        memcpy(stage(c, p, c->rank), mine, n * es);
-        if ((r = barrier(c, "all_reduce", deadline)) < 0)
-            return r;
         if (n * es <= MPC_COLL_ONESHOT || W == 1) {
+            memcpy(stage(c, p, c->rank), mine, n * es);
+            if ((r = barrier(c, "all_reduce", deadline)) < 0)
+                return r;
             for (int q = 0; q < W; q++)
                 srcs[q] = stage(c, p, q);
             reduce(dtype, op, mine, srcs, W, n);
             continue;
         }
-        /* this rank's slice of the piece, in whole 64-byte units */
+        /* Reduce-scatter, then all-gather.  Rank q reduces slice q (whole
+         * 64-byte units), so each rank stages only the slices the others
+         * reduce, reads its own slice from its own buffer, and copies back
+         * only the slices the others reduced. */
         uint64_t unit = MPC_COLL_ALIGN / es, units = (n + unit - 1) / unit;
-        uint64_t lo = units * (uint64_t)c->rank / (uint64_t)W * unit;
-        uint64_t hi = units * (uint64_t)(c->rank + 1) / (uint64_t)W * unit;
-        if (hi > n)
-            hi = n;
-        if (lo < hi) {
+        uint64_t lo[MPC_COLL_MAX_RANKS + 1];
+        for (int q = 0; q <= W; q++) {
+            lo[q] = units * (uint64_t)q / (uint64_t)W * unit;
+            if (lo[q] > n)
+                lo[q] = n;
+        }
+        uint8_t *st = stage(c, p, c->rank), *res = result(c, p);
+        uint64_t a = lo[c->rank], b = lo[c->rank + 1];
+        memcpy(st, mine, a * es);
+        memcpy(st + b * es, mine + b * es, (n - b) * es);
+        if ((r = barrier(c, "all_reduce", deadline)) < 0)
+            return r;
+        if (a < b) {
             for (int q = 0; q < W; q++)
-                srcs[q] = stage(c, p, q) + lo * es;
-            reduce(dtype, op, result(c, p) + lo * es, srcs, W, hi - lo);
+                srcs[q] = (q == c->rank ? mine : stage(c, p, q)) + a * es;
+            reduce(dtype, op, res + a * es, srcs, W, b - a);
+            memcpy(mine + a * es, res + a * es, (b - a) * es);
         }
         if ((r = barrier(c, "all_reduce", deadline)) < 0)
             return r;
-        memcpy(mine, result(c, p), n * es);
+        memcpy(mine, res, a * es);
+        memcpy(mine + b * es, res + b * es, (n - b) * es);
     }
     return 0;
 }
