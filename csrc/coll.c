@@ -271,6 +271,12 @@ static int barrier(mpc_coll *c, const char *what, int64_t deadline) {
             return -EINTR;
         }
         if (r == -ETIMEDOUT) {
+            /* a signal that came while this rank spun or looked at its
+             * peers was not an EINTR: look for it here too */
+            if (c->interrupted != NULL && c->interrupted(c->arg)) {
+                break_group(c, c->rank, "rank %d was interrupted during %s", c->rank, what);
+                return -EINTR;
+            }
             if ((r = check_peers(c, what)) < 0)
                 return r;
             if (deadline >= 0 && mpc_now_ns() >= deadline && !all_reached(c, target)) {

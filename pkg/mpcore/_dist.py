@@ -24,6 +24,7 @@ import datetime
 import os
 import socket
 import threading
+import time
 import urllib.parse
 
 from . import _core
@@ -113,20 +114,38 @@ def next_prefix():
     return f"mpcore/{_inits}/"
 
 
-def wait_for_ranks(store, prefix, rank, world_size, timeout_s, what="init_process_group"):
-    """Every rank marks its arrival, then waits for all; a timeout names
-    the ranks that never came."""
-    keys = [f"{prefix}arrived/{r}" for r in range(world_size)]
-    store.set(keys[rank], "1")
-    try:
-        store.wait(keys, datetime.timedelta(seconds=timeout_s))
-    except Exception:
-        missing = [r for r in range(world_size) if not store.check([keys[r]])]
+def wait_for_ranks(store, prefix, rank, world_size, timeout_s, where):
+    """Every rank marks its arrival and waits for all; then rank 0 waits
+    until every rank has seen all, so that its store (which dies with it)
+    outlives everyone's wait.  A timeout names the ranks that never came."""
+    deadline = time.monotonic() + timeout_s
+    _await(store, f"{prefix}arrived/", rank, world_size, deadline, timeout_s, where,
+           "never joined (is world_size right?)")
+    if rank == 0:
+        _await(store, f"{prefix}saw-all/", rank, world_size, deadline, timeout_s, where,
+               "joined but did not go on")
+    else:
+        store.set(f"{prefix}saw-all/{rank}", "1")
+
+
+def _await(store, prefix, rank, world_size, deadline, timeout_s, where, what):
+    store.set(f"{prefix}{rank}", "1")
+    missing = [r for r in range(world_size) if r != rank]
+    while True:
+        try:
+            missing = [r for r in missing if not store.check([f"{prefix}{r}"])]
+        except Exception:
+            raise TimeoutError(
+                f"init_process_group: rank 0's store at {where} went away while rank {rank} "
+                f"waited (rank 0 gave up or died); rank(s) {missing} of world_size "
+                f"{world_size} had not joined") from None
         if not missing:
-            raise
-        raise TimeoutError(
-            f"{what} timed out after {timeout_s:g} s: rank(s) {missing} of world_size "
-            f"{world_size} never joined (is world_size right?)") from None
+            return
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"init_process_group timed out after {timeout_s:g} s: rank(s) {missing} of "
+                f"world_size {world_size} {what}")
+        time.sleep(0.02)  # a poll of the store: the store has no wait for "any of"
 
 
 # --- the shared-memory group --------------------------------------------------
@@ -198,9 +217,11 @@ class ShmGroup:
         self._thread = None
         self._queued = 0
 
-    def run(self, async_op, tensors, fn, *args):
+    def run(self, async_op, tensors, fn, *args, keep=()):
         """fn(*args, timeout) now (after what is queued), or on the
-        group's thread when async_op; returns a Work for async_op."""
+        group's thread when async_op; returns a Work for async_op, which
+        holds `tensors` (its result) and `keep` (what fn reads: the caller
+        may drop them) until fn is done."""
         if not async_op:
             if self._queued:
                 self.drain()
@@ -213,7 +234,7 @@ class ShmGroup:
                                                 daemon=True)
                 self._thread.start()
             self._queued += 1
-            self._queue.append((work, fn, args))
+            self._queue.append((work, fn, args, keep))
             self._cond.notify()
         return work
 
@@ -230,13 +251,14 @@ class ShmGroup:
                 item = self._queue.popleft()
             if item is None:
                 return
-            work, fn, args = item
+            work, fn, args, keep = item
             try:
                 fn(*args, self.timeout)
                 work._finish()
             except BaseException as e:  # reported through the Work
                 work._finish(e)
             finally:
+                del keep, item
                 with self._cond:
                     self._queued -= 1
                     self._cond.notify_all()

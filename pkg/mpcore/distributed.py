@@ -86,7 +86,7 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
         if where is not None:
             host, port, rank, world_size = where
             store = _dist.make_store(host, port, rank, world_size, timeout_s)
-            _dist.wait_for_ranks(store, prefix, rank, world_size, timeout_s)
+            _dist.wait_for_ranks(store, prefix, rank, world_size, timeout_s, f"{host}:{port}")
             init_method = None
     _torch("init_process_group")(backend, init_method=init_method, timeout=timeout,
                                  world_size=world_size, rank=rank, store=store,
@@ -181,7 +181,8 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
             or output_tensor.numel() != input_tensor.numel() * g.world):
         return _torch("all_gather_into_tensor")(output_tensor, input_tensor, group, async_op)
     return g.run(async_op, [output_tensor], g.core.all_gather, output_tensor.data_ptr(),
-                 input_tensor.data_ptr(), input_tensor.numel() * input_tensor.element_size())
+                 input_tensor.data_ptr(), input_tensor.numel() * input_tensor.element_size(),
+                 keep=(input_tensor,))
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
@@ -207,7 +208,8 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
         for i, t in enumerate(tensor_list):
             t.copy_(flat[i])
 
-    return g.run(async_op, tensor_list, gather, flat.data_ptr(), src.data_ptr(), nbytes)
+    return g.run(async_op, tensor_list, gather, flat.data_ptr(), src.data_ptr(), nbytes,
+                 keep=(flat, src))
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
@@ -217,7 +219,7 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
             or input.numel() != output.numel() * g.world):
         return _torch("reduce_scatter_tensor")(output, input, op, group, async_op)
     return g.run(async_op, [output], g.core.reduce_scatter, output.data_ptr(), input.data_ptr(),
-                 output.numel(), _DTYPES[output.dtype], code)
+                 output.numel(), _DTYPES[output.dtype], code, keep=(input,))
 
 
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
@@ -228,7 +230,7 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=Fal
         return _torch("reduce_scatter")(output, input_list, op, group, async_op)
     flat = torch.stack(input_list)
     return g.run(async_op, [output], g.core.reduce_scatter, output.data_ptr(), flat.data_ptr(),
-                 output.numel(), _DTYPES[output.dtype], code)
+                 output.numel(), _DTYPES[output.dtype], code, keep=(flat,))
 
 
 _PATCHED = ("init_process_group", "destroy_process_group", "all_reduce", "broadcast", "barrier",
