@@ -904,6 +904,346 @@ def _first_spawn_notes(row):
     return out   # (the runner adds the program's own import torch)
 
 
+# --- 16-26: collectives and DDP (torch.distributed) ---------------------------
+#
+# torch side: torch.distributed with backend "gloo" (and torch's
+# DistributedDataParallel), ranks started by torch.multiprocessing.spawn from
+# the child; neither the child nor its ranks import mpcore.  mpcore side: the
+# same code on mpcore.distributed (init_process_group("gloo"): torch's gloo
+# group with mpcore's shared-memory group beside it) and
+# mpcore.parallel.DistributedDataParallel, ranks started by mpcore.spawn.
+# Both: MASTER_ADDR=127.0.0.1, a free MASTER_PORT, rank and world_size passed
+# to init_process_group, torch.set_num_threads(cores // ranks) in each rank
+# (as torchrun's OMP_NUM_THREADS=1 would on this 2-core machine).
+#
+# The ranks start once per (child, world size) and measure every all-reduce
+# size of that world the child runs: one size in a full run (one child per
+# row), all five under --quick.  Rank 0 writes the figures to a file the
+# child reads.  Timing: the ranks meet at a barrier, each times n calls, and
+# the largest of their times counts; it is all-reduced (MAX) so that every
+# rank holds the same figure, and calibrate() then picks the same n on every
+# rank (the ranks agree on iteration counts without another message).
+
+AR_WORLDS = (2, 4)
+AR_SIZES = (("4k", "4 KB", 4 << 10), ("64k", "64 KB", 64 << 10), ("1m", "1 MB", 1 << 20),
+            ("16m", "16 MB", 16 << 20), ("64m", "64 MB", 64 << 20))
+AR_US_BELOW = 1 << 20           # sizes below: latency in us; from 1 MB on: ms per call
+AR_TARGETS = {4 << 10: 30.0, 16 << 20: 3.0}   # mpcore's target ratio at these sizes
+DDP_LAYERS = (1024, 2048, 2048, 1024, 1024, 512)   # Linear sizes: 9.97M parameters
+DDP_BATCH = 32
+DDP_WORLD = 2
+DDP_TARGET = 1.5
+DIST_TIMEOUT_S = 60.0           # init_process_group's timeout (collectives' too)
+
+_dist_results = {}   # (impl, world) -> rank 0's figures, or the exception
+
+
+def _free_port():
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_threads(world):
+    return max(1, len(os.sched_getaffinity(0)) // world)
+
+
+def _dist_setup(rank, impl, world):
+    """In a rank: torch, the side's distributed module (torch.distributed or
+    mpcore.distributed) with its group initialised, and the init time."""
+    import datetime
+    import torch
+    torch.set_num_threads(_rank_threads(world))
+    if impl == "mpcore":
+        import mpcore.distributed as dist
+    else:
+        import torch.distributed as dist
+    t0 = time.perf_counter()
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=DIST_TIMEOUT_S))
+    init_s = time.perf_counter() - t0
+    if impl == "mpcore" and not dist.shm_group_active():
+        raise RuntimeError("mpcore.distributed made no shared-memory group")
+    return torch, dist, init_s
+
+
+def _max_over_ranks(torch, dist, x):
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0])
+
+
+def _write_result(path, out):
+    out["mpcore_imported"] = "mpcore" in sys.modules
+    with open(path + ".tmp", "w") as f:
+        json.dump(out, f)
+    os.replace(path + ".tmp", path)
+
+
+def _allreduce_size(torch, dist, rank, world, nbytes, target_s):
+    numel = nbytes // 4
+    t = torch.full((numel,), float(rank + 1))
+    dist.all_reduce(t)
+    want = world * (world + 1) / 2
+    if not bool((t == want).all()):
+        raise AssertionError(f"all_reduce of {nbytes} bytes: got {t[:4].tolist()}..., "
+                             f"want {want}")
+    t.zero_()   # zeros from here on: no overflow to inf, no denormals
+    for _ in range(max(2, min(50, (8 << 20) // nbytes))):
+        dist.all_reduce(t)
+
+    def run(n):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            dist.all_reduce(t)
+        return _max_over_ranks(torch, dist, time.perf_counter() - t0)
+    n, el = calibrate(run, target_s, max(2, min(50, (1 << 20) // nbytes)), lo=2)
+    per = el / n
+    out = {"n": n, "elapsed_s": el, "per_call_s": per}
+    if rank == 0 and nbytes >= AR_US_BELOW:
+        # The yardstick for the large sizes: a plain copy of the same size
+        # (torch's copy_, this rank's threads) while the other ranks wait at
+        # the next barrier; the fastest of a few, after a warm-up.
+        src, dst = torch.ones(numel), torch.empty(numel)
+        dst.copy_(src)
+        times = []
+        t_end = time.perf_counter() + min(target_s, 0.3)
+        while len(times) < 5 or (time.perf_counter() < t_end and len(times) < 1000):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+        out["memcpy_s"] = min(times)
+    dist.barrier()
+    return out
+
+
+def _dist_rank(rank, impl, world, jobs, target_s, path):
+    """One rank: init_process_group, then each job of `jobs` ({"allreduce":
+    [sizes], "ddp": True}) in turn; rank 0 writes the figures to path."""
+    torch, dist, init_s = _dist_setup(rank, impl, world)
+    try:
+        out = {"init_s": init_s, "threads": torch.get_num_threads()}
+        if jobs.get("allreduce"):
+            out["sizes"] = {str(nbytes): _allreduce_size(torch, dist, rank, world, nbytes,
+                                                         target_s)
+                            for nbytes in jobs["allreduce"]}
+        if jobs.get("ddp"):
+            out["ddp"] = _ddp_job(torch, dist, impl, rank, target_s)
+        if rank == 0:
+            _write_result(path, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _ddp_job(torch, dist, impl, rank, target_s):
+    if impl == "mpcore":
+        from mpcore.parallel import DistributedDataParallel as DDP
+    else:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+    nn = torch.nn
+    torch.manual_seed(0)
+    layers = []
+    for a, b in zip(DDP_LAYERS, DDP_LAYERS[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    model = nn.Sequential(*layers[:-1])
+    ddp = DDP(model)
+    if impl == "mpcore" and getattr(ddp, "_mpcore_hooks", None) is None:
+        raise RuntimeError("mpcore.parallel.DistributedDataParallel did not take the "
+                           "shared-memory path")
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1 + rank)
+    x = torch.randn(DDP_BATCH, DDP_LAYERS[0], generator=g)
+    y = torch.randn(DDP_BATCH, DDP_LAYERS[-1], generator=g)
+    phases = [0.0, 0.0, 0.0]
+
+    def step(timed=False):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(ddp(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        if timed:
+            phases[0] += t1 - t0
+            phases[1] += t2 - t1
+            phases[2] += time.perf_counter() - t2
+
+    def run(n, sync=True, timed=False):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if sync:
+            for _ in range(n):
+                step(timed)
+        else:
+            with ddp.no_sync():
+                for _ in range(n):
+                    step(timed)
+        return _max_over_ranks(torch, dist, time.perf_counter() - t0)
+
+    for _ in range(3):
+        step()
+    n, el = calibrate(run, target_s, 4, lo=3)
+
+    def phase_ms(sync):
+        phases[:] = [0.0, 0.0, 0.0]
+        k = max(3, min(20, n // 2))
+        run(k, sync, timed=True)
+        return [_max_over_ranks(torch, dist, p / k * 1e3) for p in phases]
+    fwd, bwd, opt_ms = phase_ms(True)
+    # The ranks must hold the same parameters after synchronised steps.
+    w = ddp.module[0].weight.detach().double().sum().item()
+    spread = _max_over_ranks(torch, dist, w) + _max_over_ranks(torch, dist, -w)
+    # The same step under no_sync (each rank keeps its own gradients: DDP
+    # copies nothing into buckets and all-reduces nothing): the step's
+    # compute, what DDP's communication is added to.
+    run(2, sync=False)
+    n0, el0 = calibrate(lambda k: run(k, sync=False), min(target_s, 0.5), 4, lo=3)
+    fwd0, bwd0, opt0 = phase_ms(False)
+    return {"n": n, "elapsed_s": el, "params": sum(p.numel() for p in model.parameters()),
+            "param_spread": spread, "compute_only_n": n0,
+            "compute_only_ms": el0 / n0 * 1e3, "phases_ms": [fwd, bwd, opt_ms],
+            "compute_only_phases_ms": [fwd0, bwd0, opt0],
+            "ddp": f"{type(ddp).__module__}.{type(ddp).__qualname__}"}
+
+
+def _run_ranks(env, world, jobs, target_s):
+    """Starts `world` ranks running _dist_rank with the side's spawn, joins
+    them, returns what rank 0 wrote."""
+    import tempfile
+    fd, path = tempfile.mkstemp(prefix="mpcore-bench-dist-", suffix=".json")
+    os.close(fd)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(_free_port())
+    spawn = env.mpcore.spawn if env.mpcore is not None else env.torch.multiprocessing.spawn
+    t0 = time.perf_counter()
+    try:
+        spawn(_dist_rank, args=(env.impl, world, jobs, target_s, path), nprocs=world,
+              join=True)
+        with open(path) as f:
+            r = json.load(f)
+    finally:
+        for p in (path, path + ".tmp"):
+            if os.path.exists(p):
+                os.unlink(p)
+    if env.impl == "torch" and r["mpcore_imported"]:
+        raise RuntimeError("a torch-side rank imported mpcore")
+    r["ranks_wall_s"] = time.perf_counter() - t0
+    r["spawn"] = f"{spawn.__module__}.spawn"
+    r["jobs"] = jobs
+    return r
+
+
+def _dist_jobs(world, nbytes=None, ddp=False):
+    """What the ranks of `world` do: the case asking (an all-reduce of
+    nbytes, or the DDP step) and the other distributed cases of this child's
+    batch with that world size (one start of the ranks serves them all)."""
+    sizes = {nbytes} if nbytes else set()
+    for name in _batch:
+        c = CASES.get(name)
+        if c is None or c.params.get("world") != world:
+            continue
+        if c.torch is allreduce:
+            sizes.add(c.params["nbytes"])
+        elif c.torch is ddp_step:
+            ddp = True
+    jobs = {"allreduce": sorted(sizes)} if sizes else {}
+    if ddp:
+        jobs["ddp"] = True
+    return jobs
+
+
+def _dist_result(env, world, target_s, **need):
+    """The figures of this child's ranks of `world` size: started by the
+    first case that needs them; a failure fails them all, once."""
+    key = (env.impl, world)
+    if key not in _dist_results:
+        try:
+            _dist_results[key] = _run_ranks(env, world, _dist_jobs(world, **need), target_s)
+        except Exception as e:
+            _dist_results[key] = e
+            raise
+    r = _dist_results[key]
+    if isinstance(r, Exception):
+        raise RuntimeError(f"the ranks failed (see this child's first error): {r}")
+    return r
+
+
+def _dist_extra(r):
+    extra = {k: r[k] for k in ("threads", "init_s", "ranks_wall_s", "spawn")}
+    extra["jobs_in_run"] = r["jobs"]
+    return extra
+
+
+def allreduce(env, target_s, world, nbytes):
+    r = _dist_result(env, world, target_s, nbytes=nbytes)
+    s = r["sizes"][str(nbytes)]
+    per = s["per_call_s"]
+    algbw = nbytes / per / 1e9
+    extra = {"bytes": nbytes, "world": world, "us_per_call": per * 1e6,
+             "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (world - 1) / world}
+    extra.update(_dist_extra(r))
+    if "memcpy_s" in s:
+        extra.update(memcpy_ms=s["memcpy_s"] * 1e3, vs_memcpy=per / s["memcpy_s"])
+    return Measurement(per * (1e6 if nbytes < AR_US_BELOW else 1e3), s["n"], s["elapsed_s"],
+                       extra)
+
+
+def ddp_step(env, target_s, world):
+    r = _dist_result(env, world, target_s, ddp=True)
+    d = r["ddp"]
+    step_ms = d["elapsed_s"] / d["n"] * 1e3
+    extra = {k: d[k] for k in ("params", "ddp", "param_spread", "compute_only_ms", "phases_ms",
+                               "compute_only_phases_ms")}
+    extra.update(_dist_extra(r))
+    extra.update(step_ms=step_ms, comm_ms=step_ms - d["compute_only_ms"], batch=DDP_BATCH,
+                 world=world)
+    if abs(d["param_spread"]) > 1e-6 * max(1.0, d["params"] ** 0.5):
+        raise AssertionError(f"the ranks' parameters differ after DDP steps "
+                             f"(spread of a checksum {d['param_spread']:g})")
+    return Measurement(d["n"] / d["elapsed_s"], d["n"], d["elapsed_s"], extra)
+
+
+def _best_row_extra(row, impl):
+    """The extra of a side's best repeat."""
+    vals = row[impl]["values"]
+    return row[impl]["extra"][vals.index(row[impl]["best"])] if vals else None
+
+
+def _allreduce_notes(row):
+    ex = {impl: _best_row_extra(row, impl) for impl in IMPLS}
+    out = []
+    bw = [f"{impl} {ex[impl]['busbw_GBps']:.3g}" for impl in IMPLS if ex[impl]]
+    if bw:
+        out.append("bus bandwidth GB/s (best): " + ", ".join(bw))
+    m = ex["mpcore"]
+    if m and "memcpy_ms" in m:
+        out.append(f"mpcore per call = {m['vs_memcpy']:.2f}x a one-rank copy of the same size "
+                   f"({m['memcpy_ms']:.3g} ms)")
+    goal = AR_TARGETS.get(m["bytes"] if m else None)
+    if goal and row["ratio"] is not None:
+        out.append(f"target >= {goal:g}x: {'met' if row['ratio'] >= goal else 'MISSED'}")
+    return out
+
+
+def _ddp_notes(row):
+    out = []
+    for impl in IMPLS:
+        e = _best_row_extra(row, impl)
+        if e:
+            f, b, o = e["phases_ms"]
+            f0, b0, o0 = e["compute_only_phases_ms"]
+            out.append(f"{impl}: step {e['step_ms']:.3g} ms (forward {f:.3g}, backward with "
+                       f"all-reduce {b:.3g}, SGD {o:.3g}); under no_sync (no bucket copies, "
+                       f"no all-reduce) {e['compute_only_ms']:.3g} ms (backward {b0:.3g})")
+    if row["ratio"] is not None:
+        out.append(f"target >= {DDP_TARGET:g}x: "
+                   f"{'met' if row['ratio'] >= DDP_TARGET else 'MISSED'}")
+    return out
+
+
 # --- the registry (table order) --------------------------------------------
 
 KB, MB = 1 << 10, 1 << 20
@@ -974,6 +1314,25 @@ add_case("dl-rss", "DataLoader RSS after 100k batches", "%", False, dl_rss_torch
               f"after {RSS_TORCH_BUDGET} timed parts ({RSS_TORCH_BUDGET} s; "
               f"{RSS_TORCH_BUDGET * 0.2:g} s under --quick), short of 100k batches: the "
               "table's notes say where each side stopped. No ratio.")
+
+
+for _world in AR_WORLDS:
+    for _tag, _label, _nbytes in AR_SIZES:
+        _goal = AR_TARGETS.get(_nbytes)
+        add_case(f"allreduce-{_world}r-{_tag}", f"all_reduce {_label} float32, {_world} ranks",
+                 "us" if _nbytes < AR_US_BELOW else "ms", False, allreduce,
+                 params={"world": _world, "nbytes": _nbytes}, row_notes=_allreduce_notes,
+                 note=f"dist.all_reduce (SUM) of a {_label} float32 tensor among {_world} "
+                      "spawned ranks, time per call; extra: algbw/busbw GB/s. torch: "
+                      "torch.distributed, gloo; mpcore: mpcore.distributed (shared memory)."
+                      + (f" Target >= {_goal:g}x." if _goal else ""))
+del _world, _tag, _label, _nbytes, _goal
+add_case("ddp-mlp", f"DDP step, 10M-param MLP, {DDP_WORLD} ranks", "steps/s", True, ddp_step,
+         params={"world": DDP_WORLD}, row_notes=_ddp_notes, timeout_s=150.0,
+         note="A training step (forward, MSE loss, backward, SGD) of a 9.97M-parameter MLP "
+              "(Linear 1024-2048-2048-1024-1024-512, ReLU), batch 32, 2 spawned ranks. torch: "
+              "torch's DistributedDataParallel over gloo; mpcore: "
+              f"mpcore.parallel.DistributedDataParallel. Target >= {DDP_TARGET:g}x.")
 
 
 # --- command line -----------------------------------------------------------

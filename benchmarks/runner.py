@@ -339,6 +339,51 @@ def plot_bandwidth(rows, path):
     plt.close(fig)
 
 
+def plot_busbw(rows, path):
+    """Bus bandwidth of the all_reduce rows against message size: one line
+    per (side, world size), each point the best repeat of its row.  Returns
+    False (and writes nothing) when no row has the figures."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = {}   # (impl, world) -> [(bytes, busbw)]
+    for r in rows:
+        for impl in IMPLS:
+            ex = [e for e in r[impl]["extra"] if "busbw_GBps" in e]
+            if ex:
+                e = max(ex, key=lambda e: e["busbw_GBps"])
+                series.setdefault((impl, e["world"]), []).append((e["bytes"], e["busbw_GBps"]))
+    if not series:
+        return False
+    fig, ax = plt.subplots(figsize=(7.0, 4.8))
+    colors = {"torch": "tab:blue", "mpcore": "tab:orange"}
+    for (impl, world), pts in sorted(series.items(), key=lambda kv: (kv[0][0] != "torch",
+                                                                     kv[0][1])):
+        pts.sort()
+        label = f"{impl} ({'gloo' if impl == 'torch' else 'shared memory'}), {world} ranks"
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o" if world == 2 else "s",
+                linestyle="-" if world == 2 else "--", color=colors[impl], label=label)
+    sizes = sorted({p[0] for pts in series.values() for p in pts})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes)
+    ax.set_xticklabels([f"{s >> 20} MB" if s >= 1 << 20 else f"{s >> 10} KB" for s in sizes])
+    ax.set_yscale("log")
+    ax.set_xlabel("all_reduce size (float32, SUM)")
+    ax.set_ylabel("bus bandwidth GB/s (best; algbw x 2(n-1)/n)")
+    ax.set_title("all_reduce: torch.distributed (gloo) vs mpcore.distributed")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+BUSBW_PLOT = "allreduce-busbw.png"   # written next to --plot's file
+
+
 # --- command line -------------------------------------------------------------
 
 def select(only):
@@ -352,7 +397,9 @@ def select(only):
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="mpcore bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", metavar="FILE", help="write every figure to FILE")
-    ap.add_argument("--plot", metavar="FILE.png", help="write a bar chart of the ratios")
+    ap.add_argument("--plot", metavar="FILE.png",
+                    help="write a bar chart of the ratios (and, when all_reduce rows ran, "
+                         f"their bus bandwidth by size to {BUSBW_PLOT} in the same folder)")
     ap.add_argument("--quick", action="store_true",
                     help="short run (~60 s): one child per side, short timed parts")
     ap.add_argument("--only", metavar="SUBSTRING,...",
@@ -427,6 +474,9 @@ def main(argv=None):
             f.write("\n")
     if args.plot:
         plot_ratios(rows, args.plot)
+        # The all_reduce rows' bus bandwidth against size, a second file in
+        # the same folder (only when such rows ran).
+        plot_busbw(rows, os.path.join(os.path.dirname(os.path.abspath(args.plot)), BUSBW_PLOT))
     return 1 if failed else 0
 
 
