@@ -410,49 +410,58 @@ CLONES static void f32_to_bf16(uint16_t *restrict d, const float *restrict s, si
 }
 
 /* dst[i] = op over srcs[0..nsrc-1][i], in that order (avg: the sum over
- * nsrc).  dst may be srcs[k] for no k > 0. */
+ * nsrc).  One pass: the sources are read a tile at a time into an
+ * accumulator that stays in L1, and dst is written once.  dst may alias
+ * any source: each tile is read whole before it is written. */
+#define TILE 1024
 static void reduce(int dtype, int op, void *dst, void *const *srcs, int nsrc, size_t n) {
     size_t es = dtype_size[dtype];
-    if (dtype == MPC_DT_F16 || dtype == MPC_DT_BF16) {
-        float acc[1024], tmp[1024];
-        for (size_t off = 0; off < n; off += 1024) {
-            size_t m = n - off < 1024 ? n - off : 1024;
-            for (int r = 0; r < nsrc; r++) {
-                const void *s = (const uint8_t *)srcs[r] + off * 2;
+    int half = dtype == MPC_DT_F16 || dtype == MPC_DT_BF16;
+    _Alignas(64) uint8_t acc_b[TILE * 8], tmp_b[TILE * 8];
+    float *acc = (float *)acc_b, *tmp = (float *)tmp_b;
+    for (size_t off = 0; off < n; off += TILE) {
+        size_t m = n - off < TILE ? n - off : TILE;
+        for (int r = 0; r < nsrc; r++) {
+            const uint8_t *s = (const uint8_t *)srcs[r] + off * es;
+            if (half) {
                 float *into = r == 0 ? acc : tmp;
                 if (dtype == MPC_DT_F16)
-                    f16_to_f32(into, s, m);
+                    f16_to_f32(into, (const _Float16 *)s, m);
                 else
-                    bf16_to_f32(into, s, m);
+                    bf16_to_f32(into, (const uint16_t *)s, m);
                 if (r > 0)
                     f32_apply(op, acc, tmp, m);
+                continue;
             }
+            if (r == 0) {
+                memcpy(acc_b, s, m * es);
+                continue;
+            }
+            switch (dtype) {
+            case MPC_DT_F32: f32_apply(op, (float *)acc_b, (const float *)s, m); break;
+            case MPC_DT_F64: f64_apply(op, (double *)acc_b, (const double *)s, m); break;
+            case MPC_DT_I32: i32_apply(op, (int32_t *)acc_b, (const int32_t *)s, m); break;
+            case MPC_DT_I64: i64_apply(op, (int64_t *)acc_b, (const int64_t *)s, m); break;
+            default: u8_apply(op, acc_b, s, m); break;
+            }
+        }
+        void *d = (uint8_t *)dst + off * es;
+        if (half) {
             if (op == MPC_OP_AVG)
                 f32_scale(acc, (float)nsrc, m);
-            void *d = (uint8_t *)dst + off * 2;
             if (dtype == MPC_DT_F16)
                 f32_to_f16(d, acc, m);
             else
                 f32_to_bf16(d, acc, m);
+            continue;
         }
-        return;
-    }
-    if (dst != srcs[0])
-        memcpy(dst, srcs[0], n * es);
-    for (int r = 1; r < nsrc; r++) {
-        switch (dtype) {
-        case MPC_DT_F32: f32_apply(op, dst, srcs[r], n); break;
-        case MPC_DT_F64: f64_apply(op, dst, srcs[r], n); break;
-        case MPC_DT_I32: i32_apply(op, dst, srcs[r], n); break;
-        case MPC_DT_I64: i64_apply(op, dst, srcs[r], n); break;
-        default: u8_apply(op, dst, srcs[r], n); break;
+        if (op == MPC_OP_AVG) {
+            if (dtype == MPC_DT_F32)
+                f32_scale((float *)acc_b, (float)nsrc, m);
+            else
+                f64_scale((double *)acc_b, (double)nsrc, m);
         }
-    }
-    if (op == MPC_OP_AVG) {
-        if (dtype == MPC_DT_F32)
-            f32_scale(dst, (float)nsrc, n);
-        else
-            f64_scale(dst, (double)nsrc, n);
+        memcpy(d, acc_b, m * es);
     }
 }
 

@@ -7,9 +7,10 @@ and buffers from rank 0 at construction, buckets gradients
 (bucket_cap_mb), launches each bucket as soon as backward has filled it,
 and supports no_sync(), find_unused_parameters and
 gradient_as_bucket_view.  Only the bucket's all-reduce changes: a
-communication hook divides the bucket by the world size and sums it over
-the shared-memory group, as torch's own reducer does over gloo, on the
-group's thread, so that it overlaps with the rest of backward; the hook's
+communication hook averages the bucket over the shared-memory group (the
+sum and the division by the world size in one pass, where torch's reducer
+divides first and then sums over gloo: the same to float32 round-off), on
+the group's thread, so that it overlaps with the rest of backward; the hook's
 future completes when the sum is in place.  A module on the CPU must
 use the default group of mpcore.distributed; otherwise DDP is torch's
 alone.  A module on CUDA devices whose group has mpcore's NCCL
@@ -44,14 +45,19 @@ def _hook(hooks, bucket):
     if code is None or not t.is_contiguous():
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         return default_hooks.allreduce_hook(None, bucket)
-    t.div_(group.world)
     if t.device.type == "cuda":
         # enqueued on the current stream; the future's events order the rest
+        t.div_(group.world)
         group.all_reduce(t, code, 0)
         fut = torch.futures.Future(devices=[t.device])
         fut.set_result(t)
         return fut
-    work = group.run(True, t, group.core.all_reduce, t.data_ptr(), t.numel(), code, 0)
+    if not t.is_floating_point():
+        t.div_(group.world)
+        op = 0
+    else:
+        op = 1  # avg: the division is folded into the sum's one pass
+    work = group.run(True, t, group.core.all_reduce, t.data_ptr(), t.numel(), code, op)
     return work.get_future().then(lambda fut: t)
 
 
