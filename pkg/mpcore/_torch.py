@@ -131,15 +131,21 @@ def reduce_storage(storage):
 _itemsize = {}
 
 
+def proto(dtype):
+    """The empty tensor of a dtype named as handles name it."""
+    p = _PROTO.get(dtype)
+    if p is None:
+        if type(dtype) is not str or dtype not in _DTYPES:
+            raise _shm.HandleError("handle has a corrupt dtype")
+        p = _PROTO[dtype] = torch.empty((0,), dtype=_DTYPES[dtype])
+    return p
+
+
 def _rebuild_tensor(param, ref, offset, nbytes, dtype, storage_offset, size, stride,
                     requires_grad):
     block = _shm.attach(ref)
-    proto = _PROTO.get(dtype)
-    if proto is None:
-        if type(dtype) is not str or dtype not in _DTYPES:
-            raise _shm.HandleError("handle has a corrupt dtype")
-        proto = _PROTO[dtype] = torch.empty((0,), dtype=_DTYPES[dtype])
-    itemsize = proto.itemsize
+    p = proto(dtype)
+    itemsize = p.itemsize
     # Check the view against the storage's bytes before torch sees it: a
     # forged handle gets HandleError, never an out-of-bounds view.
     if offset < 0 or nbytes < 0 or offset + nbytes > block.nbytes:
@@ -147,7 +153,7 @@ def _rebuild_tensor(param, ref, offset, nbytes, dtype, storage_offset, size, str
                                f"{block.nbytes}-byte block: out of bounds")
     block.check_view(itemsize, size, stride, offset + storage_offset * itemsize, offset,
                      offset + nbytes, itemsize)
-    t = proto.new().set_(_storage_over(block, offset, nbytes), storage_offset, size, stride)
+    t = p.new().set_(_storage_over(block, offset, nbytes), storage_offset, size, stride)
     if param:
         return torch.nn.parameter.Parameter(t, requires_grad=requires_grad)
     if requires_grad:

@@ -61,11 +61,6 @@ def _hook(hooks, bucket):
     return work.get_future().then(lambda fut: t)
 
 
-def _state_nccl(process_group):
-    g = _mdist._state["nccl"]
-    return g if g is not None and _mdist._default(process_group) else None
-
-
 class DistributedDataParallel(_TorchDDP):
     """torch.nn.parallel.DistributedDataParallel, with torch's arguments.
     NOTE [ DDP over shared memory ]."""
@@ -78,7 +73,7 @@ class DistributedDataParallel(_TorchDDP):
         if devices == {"cpu"}:
             group = _mdist._fast(self.process_group)
         elif devices == {"cuda"}:
-            group = _state_nccl(self.process_group)
+            group = _mdist._cuda(self.process_group)
         if group is not None:
             self._mpcore_hooks = _Hooks(group)
             super().register_comm_hook(self._mpcore_hooks, _hook)

@@ -7,23 +7,14 @@ from . import _compat
 torch = _compat.torch
 
 if torch is not None:
-    import numpy as np
-
     from .. import _torch
 
-    _DTYPES = _torch._DTYPES
     _DTYPE_NAME = _torch._DTYPE_NAME
-
-    def _proto(dtype):
-        p = _torch._PROTO.get(dtype)
-        if p is None:
-            p = _torch._PROTO[dtype] = torch.empty((0,), dtype=_DTYPES[dtype])
-        return p
+    _proto = _torch.proto
 
     def _storage(block):
-        # One storage per block, cached on the side of the Block object's
-        # identity: every leaf of a batch is a view of it.
-        return torch.from_numpy(block.array(np.uint8, (block.nbytes,))).untyped_storage()
+        # every leaf of a batch is a view of its block's one storage
+        return _torch._storage_over(block, 0, block.nbytes)
 
     def _tensor_info(t):
         if t.device.type != "cpu" or t.layout != torch.strided or t.is_nested:
