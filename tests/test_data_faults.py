@@ -34,16 +34,10 @@ import pytest
 
 from conftest import fresh_env, require
 
-# The programs (and the zygote, a fresh interpreter) must import this
-# checkout's package, not a copy installed in the environment.
-PKG = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "pkg"))
-
 
 def _env(scenario):
     env = fresh_env()
     env.update(scenario.env())
-    env["PYTHONPATH"] = os.pathsep.join([PKG] + [p for p in env.get("PYTHONPATH", "").split(
-        os.pathsep) if p])
     return env
 
 

@@ -9,8 +9,7 @@ that name (dtype, length, rank, case), so every rank can rebuild every other
 rank's input and compute the reference itself, and a reduction that mixes up
 ranks, pieces or slices is caught.
 
-Children see PYTHONPATH=<repo>/pkg (the copy installed in .venv may be
-stale).  Programs that run under `mpcore run` or plain python run in a
+Programs that run under `mpcore run` or plain python run in a
 session of their own (run_in_session), and the test waits for all of it
 to go; the collective programs run under the Scenario harness, which also
 checks that no mpcore memfd, keeper or /dev/shm entry outlives them.
@@ -29,9 +28,6 @@ from conftest import article, fresh_env, require, run_in_session
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("leak_check")]
 
-PKG = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "pkg"))
-
-
 def _have_gloo():
     try:
         import torch.distributed as dist
@@ -48,12 +44,11 @@ def needs_gloo():
 def child_env(**extra):
     """The environment of a fresh program: none of mpcore's switches (no
     MPCORE_RUN, no keeper or zygote of ours), no rendezvous variables of
-    ours, and this checkout's package first on the path."""
+    ours."""
     env = {k: v for k, v in fresh_env().items()
            if not k.startswith("MPCORE_") and k not in (
                "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE",
                "LOCAL_WORLD_SIZE")}
-    env["PYTHONPATH"] = PKG + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update(extra)
     return env
 

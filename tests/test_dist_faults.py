@@ -38,10 +38,6 @@ import pytest
 
 from conftest import fresh_env, require
 
-# The ranks must import this checkout's package, not a copy installed in the
-# environment.
-PKG = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "pkg"))
-
 pytestmark = pytest.mark.usefixtures("leak_check")
 
 
@@ -332,8 +328,6 @@ class Job:
         """Starts rank r."""
         env = fresh_env()
         env.update(self.scenario.env())
-        env["PYTHONPATH"] = os.pathsep.join(
-            [PKG] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port), RANK=str(r),
                    WORLD_SIZE=str(self.world), LOCAL_RANK=str(r))
         errpath = str(self.tmp / f"rank{r}.err")
