@@ -20,7 +20,6 @@ and the removal of an emptied cgroup), which is no event one can wait on.
 """
 import json
 import os
-import re
 import select
 import signal
 import subprocess
@@ -28,11 +27,10 @@ import sys
 import tempfile
 import textwrap
 import time
-import uuid
 
 import pytest
 
-from conftest import fresh_env, require
+from conftest import fresh_env, make_memcg, memory_amounts, remove_memcg
 
 
 def _env(scenario):
@@ -577,71 +575,10 @@ def test_every_batch_kept_is_correct_and_released(leak_check, scenario, tmp_path
 # 6. A shared-memory shortage in a worker: a memory cgroup too small
 # --------------------------------------------------------------------------
 
-_UNITS = {"bytes": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-
-
-def _amounts(msg):
-    return [float(n) * _UNITS[u]
-            for n, u in re.findall(r"(\d+(?:\.\d+)?)\s*(bytes|B|KiB|MiB|GiB)\b", msg)]
-
-
-def _make_memcg(limit):
-    """A memory cgroup limited to `limit` bytes (as test_shm_faults.py makes
-    it); skips (fails in CI) where that is not possible."""
-    name = f"mpcore-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    v1 = v2 = None
-    with open("/proc/self/cgroup") as f:
-        for line in f.read().splitlines():
-            _, ctrls, path = line.split(":", 2)
-            if "memory" in ctrls.split(","):
-                v1 = path
-            elif ctrls == "":
-                v2 = path
-    made = None
-    try:
-        if v1 is not None and os.path.isdir("/sys/fs/cgroup/memory"):
-            made = os.path.join("/sys/fs/cgroup/memory" + v1.rstrip("/"), name)
-            os.mkdir(made)
-            with open(os.path.join(made, "memory.limit_in_bytes"), "w") as f:
-                f.write(str(limit))
-            return made
-        mount = None
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                left, right = line.split(" - ", 1)
-                if right.split()[0] == "cgroup2":
-                    mount = left.split()[4]
-        if mount is None or v2 is None:
-            raise OSError("no memory cgroup hierarchy is mounted")
-        parent = mount + v2.rstrip("/")
-        with open(os.path.join(parent, "cgroup.subtree_control"), "w") as f:
-            f.write("+memory")
-        made = os.path.join(parent, name)
-        os.mkdir(made)
-        with open(os.path.join(made, "memory.max"), "w") as f:
-            f.write(str(limit))
-        return made
-    except OSError as e:
-        if made and os.path.isdir(made):
-            os.rmdir(made)
-        require(False, f"cannot create a memory cgroup: {e}")
-
-
-def _remove_memcg(path):
-    deadline = time.monotonic() + 30
-    while os.path.isdir(path):
-        try:
-            os.rmdir(path)
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)  # the cgroup empties once its last task is reaped
-
-
 @pytest.mark.timeout(60)
 def test_shared_memory_shortage_in_worker_is_a_memory_error(leak_check, scenario, tmp_path):
     limit = 64 << 20
-    cg = _make_memcg(limit)
+    cg = make_memcg(limit)
     p = None
     try:
         p = popen(scenario, "shortage", tmp_path)
@@ -654,7 +591,7 @@ def test_shared_memory_shortage_in_worker_is_a_memory_error(leak_check, scenario
         if p is not None and p.poll() is None:
             p.kill()
             p.wait()
-        _remove_memcg(cg)
+        remove_memcg(cg)
     r = subprocess.CompletedProcess(p.args, p.returncode, out, err)
     res = result(r)
     assert p.returncode == 0, err[-3000:]
@@ -662,9 +599,9 @@ def test_shared_memory_shortage_in_worker_is_a_memory_error(leak_check, scenario
     msg, asked = res["err"], res["asked"]
     assert res["outcome"] == "MemoryError", res
     assert "DataLoader worker process 0" in msg, msg
-    assert any(asked <= a <= asked + (1 << 20) for a in _amounts(msg)), (
+    assert any(asked <= a <= asked + (1 << 20) for a in memory_amounts(msg)), (
         f"the message does not name the {asked} bytes needed: {msg!r}")
-    assert "available" in msg and any(a < limit for a in _amounts(msg)), msg
+    assert "available" in msg and any(a < limit for a in memory_amounts(msg)), msg
     no_workers_left(res, "kids_end", res["pids"])
     scenario.check_clean()
 

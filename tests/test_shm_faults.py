@@ -17,12 +17,10 @@ import os
 import re
 import signal
 import subprocess
-import time
-import uuid
 
 import pytest
 
-from conftest import require
+from conftest import make_memcg, memory_amounts, remove_memcg
 
 def result(proc, prefix="RESULT "):
     for line in proc.stdout.splitlines():
@@ -143,74 +141,10 @@ attempt("small_after", lambda: int(mpcore.zeros((4 << 20,), "uint8").sum()), 4 <
 print("RESULT " + json.dumps(res), flush=True)
 '''
 
-_UNITS = {"bytes": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 1000,
-          "MB": 10 ** 6, "GB": 10 ** 9}
-
-
-def _amounts(msg):
-    """Every amount of memory a message names, in bytes."""
-    return [float(n) * _UNITS[u]
-            for n, u in re.findall(r"(\d+(?:\.\d+)?)\s*(bytes|B|KiB|MiB|GiB|KB|MB|GB)\b", msg)]
-
-
-def _make_memcg(limit):
-    """Creates a memory cgroup limited to `limit` bytes; returns (directory,
-    procs file).  Skips (fails in CI) where that is not possible."""
-    name = f"mpcore-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    with open("/proc/self/cgroup") as f:
-        lines = f.read().splitlines()
-    v1 = v2 = None
-    for line in lines:
-        _, ctrls, path = line.split(":", 2)
-        if "memory" in ctrls.split(","):
-            v1 = path
-        elif ctrls == "":
-            v2 = path
-    made = None
-    try:
-        if v1 is not None and os.path.isdir("/sys/fs/cgroup/memory"):
-            made = os.path.join("/sys/fs/cgroup/memory" + v1.rstrip("/"), name)
-            os.mkdir(made)
-            with open(os.path.join(made, "memory.limit_in_bytes"), "w") as f:
-                f.write(str(limit))
-            return made
-        mount = None
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                left, right = line.split(" - ", 1)
-                if right.split()[0] == "cgroup2":
-                    mount = left.split()[4]
-        if mount is None or v2 is None:
-            raise OSError("no memory cgroup hierarchy is mounted")
-        parent = mount + v2.rstrip("/")
-        with open(os.path.join(parent, "cgroup.subtree_control"), "w") as f:
-            f.write("+memory")
-        made = os.path.join(parent, name)
-        os.mkdir(made)
-        with open(os.path.join(made, "memory.max"), "w") as f:
-            f.write(str(limit))
-        return made
-    except OSError as e:
-        if made and os.path.isdir(made):
-            os.rmdir(made)
-        require(False, f"cannot create a memory cgroup: {e}")
-
-
-def _remove_memcg(path):
-    deadline = time.monotonic() + 30
-    while os.path.isdir(path):
-        try:
-            os.rmdir(path)
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)  # the cgroup empties once its last task is reaped
-
-
 @pytest.mark.timeout(180)
 def test_memory_cgroup_shortage_is_a_memory_error(leak_check, scenario):
     limit = 64 << 20
-    cg = _make_memcg(limit)
+    cg = make_memcg(limit)
     p = None
     try:
         p = scenario.popen(CGROUP_CHILD)
@@ -226,7 +160,7 @@ def test_memory_cgroup_shortage_is_a_memory_error(leak_check, scenario):
         if p is not None and p.poll() is None:
             p.kill()
             p.wait()
-        _remove_memcg(cg)
+        remove_memcg(cg)
     assert p.returncode == 0, (
         f"the child did not exit normally: {p.returncode} "
         f"({'killed by ' + signal.Signals(-p.returncode).name if p.returncode < 0 else ''})"
@@ -237,7 +171,7 @@ def test_memory_cgroup_shortage_is_a_memory_error(leak_check, scenario):
         r = res[name]
         assert r["outcome"] == "MemoryError", f"{name}: {r}"
         msg, asked = r["msg"], r["nbytes"]
-        amounts = _amounts(msg)
+        amounts = memory_amounts(msg)
         # The size asked for (up to a page of bookkeeping) ...
         assert any(asked <= a <= asked + (1 << 20) for a in amounts), (
             f"{name}: the message does not name the {asked} bytes asked for: {msg!r}")
