@@ -470,3 +470,21 @@ def remove_memcg(path):
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)  # the cgroup empties once its last task is reaped
+
+
+# --- programs without torch ---------------------------------------------------
+
+# The first lines of a program that plays a machine where torch is not
+# installed: importing torch (or any part of it) raises ImportError.
+NO_TORCH_PRELUDE = '''
+import sys
+
+class NoTorch:
+    """Plays a machine where torch is not installed."""
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError(f"No module named {name!r}")
+        return None
+
+sys.meta_path.insert(0, NoTorch())
+'''

@@ -3,7 +3,6 @@ _core.Pool), collation into a block (csrc/py_collate.c), and mpcore.data
 where torch is missing or where `mpcore run` serves torch's names."""
 import struct
 import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -11,7 +10,7 @@ import pytest
 from mpcore import Queue, _core
 from mpcore.data import _collate, _worker
 
-from conftest import run_in_session
+from conftest import NO_TORCH_PRELUDE, run_in_session
 
 HEADER = struct.Struct("<QII")
 
@@ -170,16 +169,7 @@ def test_a_deep_structure_goes_back_to_the_caller():
 
 # --- without torch, and under mpcore run ---------------------------------------
 
-NO_TORCH = '''
-import sys
-
-class NoTorch:
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-            raise ImportError(f"No module named {name!r}")
-        return None
-
-sys.meta_path.insert(0, NoTorch())
+NO_TORCH = NO_TORCH_PRELUDE + '''
 from collections import namedtuple
 import numpy as np
 from mpcore.data import DataLoader, Dataset, IterableDataset, get_worker_info

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from conftest import run_in_session
+from conftest import NO_TORCH_PRELUDE, run_in_session
 
 import mpcore as mp
 
@@ -388,17 +388,7 @@ def test_unknown_sharing_strategy_rejected(bad):
 
 # --- without torch -------------------------------------------------------------------
 
-NO_TORCH = '''
-import sys
-
-class NoTorch:
-    """Plays a machine where torch is not installed."""
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-            raise ImportError(f"No module named {name!r}")
-        return None
-
-sys.meta_path.insert(0, NoTorch())
+NO_TORCH = NO_TORCH_PRELUDE + '''
 
 try:
     import torch
