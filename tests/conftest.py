@@ -3,6 +3,7 @@
 Tests that start processes are bounded by pytest-timeout (pyproject sets a
 default) and check afterwards that nothing is left behind."""
 import ctypes
+import json
 import os
 import queue
 import re
@@ -488,3 +489,13 @@ class NoTorch:
 
 sys.meta_path.insert(0, NoTorch())
 '''
+
+
+def program_result(proc, prefix="RESULT "):
+    """The JSON a finished program printed after `prefix`; fails with its
+    output when it printed none."""
+    for line in proc.stdout.splitlines():
+        if line.startswith(prefix):
+            return json.loads(line[len(prefix):])
+    pytest.fail(f"the program reported no {prefix.strip()}: rc {proc.returncode}\n"
+                f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}")

@@ -30,7 +30,7 @@ import time
 
 import pytest
 
-from conftest import fresh_env, make_memcg, memory_amounts, remove_memcg
+from conftest import fresh_env, make_memcg, memory_amounts, program_result as result, remove_memcg
 
 
 def _env(scenario):
@@ -63,14 +63,6 @@ def popen(scenario, *args):
     return subprocess.Popen([sys.executable, path, *map(str, args)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_env(scenario))
-
-
-def result(proc, prefix="RESULT "):
-    for line in proc.stdout.splitlines():
-        if line.startswith(prefix):
-            return json.loads(line[len(prefix):])
-    pytest.fail(f"the program reported no {prefix.strip()}: rc {proc.returncode}\n"
-                f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}")
 
 
 PROGRAM = r'''

@@ -12,7 +12,6 @@ events, pipes and queues; the only waiting loops poll for processes to exit.
 The programs keep torch single-threaded: they fork after torch has
 computed, and torch's thread pool does not survive fork.
 """
-import json
 import os
 import re
 import signal
@@ -20,15 +19,7 @@ import subprocess
 
 import pytest
 
-from conftest import make_memcg, memory_amounts, remove_memcg
-
-def result(proc, prefix="RESULT "):
-    for line in proc.stdout.splitlines():
-        if line.startswith(prefix):
-            return json.loads(line[len(prefix):])
-    pytest.fail(f"the program reported no {prefix.strip()}: rc {proc.returncode}\n"
-                f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}")
-
+from conftest import make_memcg, memory_amounts, program_result as result, remove_memcg
 
 # --------------------------------------------------------------------------
 # 1. Ten thousand tensors held under RLIMIT_NOFILE = 128
