@@ -30,20 +30,46 @@
  * pidfds: a peer that exited breaks the group, and every rank then fails
  * with a message naming it instead of waiting forever.  What each rank
  * asked for is compared at the first barrier of each call, so calls that
- * differ in kind, size, dtype, op or root fail on every rank alike. */
+ * differ in kind, size, dtype, op or root fail on every rank alike.
+ *
+ * NOTE [ Group buffers ]
+ * Staging costs a large all-reduce about four and a half times its size in
+ * memory traffic per rank.  Memory that will be reduced again and again
+ * (DDP's gradient buckets) can instead live in a group buffer: a memfd of
+ * its own that the other ranks map.  An all-reduce names the buffer that
+ * holds its data; each rank posts the buffer's fd, unique id and the data's
+ * offset with its call, and when every rank named one, rank r reduces
+ * slice r straight from every rank's buffer and writes the result into
+ * every rank's buffer: reading and writing the size of the data once, with
+ * one barrier to start (all data in place) and one to end (all results
+ * written).  If any rank named none, every rank stages instead, so the
+ * choice is the same everywhere.  A rank maps a peer's buffer through
+ * /proc/<pid>/fd on first use and keeps the mapping (the least recently
+ * used goes when MPC_COLL_MAPS are held); buffers are told apart by an id
+ * unique in their process, never by fd, which the kernel reuses.  Freeing
+ * a buffer punches its pages out of the memfd, so the memory returns at
+ * once although peers still map it.  Punching never shrinks the file: a
+ * peer still writing (only possible once the group broke mid-call) lands
+ * in a fresh page of a file no one reads, and frees it when it unmaps. */
 #include "mpcore.h"
 
+#include <fcntl.h>
+#include <inttypes.h>
 #include <poll.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 
 #define MPC_COLL_MAGIC 0x31306c6c6f63706dULL /* "mpcoll01" */
-#define MPC_COLL_DATA 8192                    /* header bytes, page aligned */
+#define MPC_COLL_DATA 16384                   /* header bytes, page aligned */
 #define MPC_COLL_ONESHOT (64u << 10)
+#define MPC_COLL_AR_PIECE (256u << 10)       /* all-reduce piece: staged, it stays in cache */
 #define MPC_COLL_CHECK_NS 100000000LL        /* 100 ms between looks at peers */
 #define MPC_COLL_ALIGN 64
+#define MPC_COLL_YIELDS 16                    /* see barrier() */
 
 typedef struct {
     uint32_t kind, op, dtype;
@@ -51,11 +77,19 @@ typedef struct {
     uint64_t count;
 } mpc_coll_call;
 
+/* Where a rank's data lies when it is in a group buffer (fd < 0: not). */
+typedef struct {
+    int32_t fd;
+    uint32_t pad;
+    uint64_t uid, nbytes, offset;
+} mpc_coll_ref;
+
 typedef struct {
     _Alignas(64) _Atomic uint64_t bar; /* barriers entered */
     int32_t pid;
     uint32_t pad;
     mpc_coll_call call[2]; /* by call parity */
+    mpc_coll_ref ref[2];
 } mpc_coll_rank;
 
 typedef struct {
@@ -70,6 +104,15 @@ typedef struct {
 
 _Static_assert(sizeof(mpc_coll_hdr) <= MPC_COLL_DATA, "collective header too large");
 
+/* A peer's group buffer mapped here. */
+typedef struct {
+    int rank;
+    uint64_t uid, len, used;
+    uint8_t *addr;
+} mpc_coll_map;
+
+#define MPC_COLL_MAPS 64
+
 struct mpc_coll {
     mpc_coll_hdr *h;
     uint64_t size, chunk;
@@ -80,6 +123,15 @@ struct mpc_coll {
     uint64_t piece; /* pieces moved: which copy of the areas is next */
     int (*interrupted)(void *);
     void *arg;
+    int yields;         /* sched_yield()s before sleeping in a barrier */
+    uint64_t maps_used; /* lookups in maps, for least-recently-used */
+    mpc_coll_map maps[MPC_COLL_MAPS];
+};
+
+struct mpc_coll_buf {
+    uint8_t *addr;
+    uint64_t nbytes, uid;
+    int fd;
 };
 
 static const char *const kind_names[] = {"?", "all_reduce", "broadcast", "barrier",
@@ -160,6 +212,9 @@ int mpc_coll_attach(int fd, int rank, int world, mpc_coll **out) {
     for (int i = 0; i < MPC_COLL_MAX_RANKS; i++)
         c->pidfds[i] = -1;
     c->bar = atomic_load(&c->h->ranks[rank].bar);
+    cpu_set_t cpus;
+    if (sched_getaffinity(0, sizeof cpus, &cpus) == 0 && world > CPU_COUNT(&cpus))
+        c->yields = MPC_COLL_YIELDS;
     c->h->ranks[rank].pid = getpid();
     *out = c;
     return 0;
@@ -190,6 +245,9 @@ void mpc_coll_close(mpc_coll *c) {
     for (int r = 0; r < MPC_COLL_MAX_RANKS; r++)
         if (c->pidfds[r] >= 0)
             close(c->pidfds[r]);
+    for (int i = 0; i < MPC_COLL_MAPS; i++)
+        if (c->maps[i].addr != NULL)
+            munmap(c->maps[i].addr, c->maps[i].len);
     munmap(c->h, c->size);
     free(c);
 }
@@ -265,6 +323,11 @@ static int barrier(mpc_coll *c, const char *what, int64_t deadline) {
         int64_t until = now + MPC_COLL_CHECK_NS;
         if (deadline >= 0 && deadline < until)
             until = deadline;
+        /* More ranks than CPUs: a rank that would sleep first yields its CPU
+         * a few times, which lets the ranks it waits for run without the
+         * round trip of a futex wake-up. */
+        for (int y = 0; y < c->yields && atomic_load(&h->gen) == g; y++)
+            sched_yield();
         int r = mpc_wait_change(&h->gen, g, until);
         if (r == -EINTR && c->interrupted != NULL && c->interrupted(c->arg)) {
             break_group(c, c->rank, "rank %d was interrupted during %s", c->rank, what);
@@ -304,6 +367,8 @@ static int begin(mpc_coll *c, uint32_t kind, uint32_t op, uint32_t dtype, int32_
     uint64_t parity = c->calls++ & 1;
     mpc_coll_call me = {kind, op, dtype, root, count};
     c->h->ranks[c->rank].call[parity] = me;
+    if (kind != MPC_COLL_ALL_REDUCE)
+        c->h->ranks[c->rank].ref[parity].fd = -1;
     int r = barrier(c, kind_names[kind], deadline);
     if (r < 0)
         return r;
@@ -487,16 +552,162 @@ static uint64_t piece_elems(uint64_t room, size_t es) {
     return n >= unit ? n / unit * unit : n;
 }
 
+/* ------------------------------------------------------------------ */
+/* Group buffers                                                       */
+/* ------------------------------------------------------------------ */
+
+static _Atomic uint64_t buf_uids; /* unique in this process, so in a group with its pid */
+
+int mpc_coll_buf_new(uint64_t nbytes, mpc_coll_buf **out) {
+    if (nbytes == 0)
+        return mpc_fail(EINVAL, "a group buffer needs at least one byte");
+    uint64_t size = (nbytes + MPC_PAGE - 1) / MPC_PAGE * MPC_PAGE;
+    mpc_coll_buf *b = calloc(1, sizeof *b);
+    if (b == NULL)
+        return -ENOMEM;
+    int r = mpc_memfd_create(size, size, &b->fd);
+    if (r < 0) {
+        free(b);
+        return r;
+    }
+    b->addr = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, b->fd, 0);
+    if (b->addr == MAP_FAILED) {
+        r = mpc_fail(errno, "cannot map a %" PRIu64 "-byte group buffer: %s", size,
+                     strerror(errno));
+        close(b->fd);
+        free(b);
+        return r;
+    }
+    b->nbytes = size;
+    b->uid = atomic_fetch_add(&buf_uids, 1) + 1;
+    *out = b;
+    return 0;
+}
+
+void mpc_coll_buf_free(mpc_coll_buf *b) {
+    if (b == NULL)
+        return;
+    /* NOTE [ Group buffers ]: peers may still map it. */
+    fallocate(b->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, (off_t)b->nbytes);
+    munmap(b->addr, b->nbytes);
+    close(b->fd);
+    free(b);
+}
+
+void *mpc_coll_buf_addr(const mpc_coll_buf *b, uint64_t *nbytes) {
+    *nbytes = b->nbytes;
+    return b->addr;
+}
+
+/* This process's mapping of rank q's buffer named by ref, made on first
+ * use through /proc/<pid>/fd and kept (least recently used goes first).
+ * Returns NULL with the error set. */
+static uint8_t *peer_buffer(mpc_coll *c, int q, const mpc_coll_ref *ref) {
+    mpc_coll_map *slot = NULL;
+    uint64_t now = ++c->maps_used;
+    for (int i = 0; i < MPC_COLL_MAPS; i++) {
+        mpc_coll_map *m = &c->maps[i];
+        if (m->addr != NULL && m->rank == q && m->uid == ref->uid) {
+            m->used = now;
+            return m->addr;
+        }
+        if (slot == NULL || (slot->addr != NULL && (m->addr == NULL || m->used < slot->used)))
+            slot = m;
+    }
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/fd/%d", c->h->ranks[q].pid, ref->fd);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0) {
+        mpc_fail(errno, "cannot open rank %d's buffer (%s): %s", q, path, strerror(errno));
+        return NULL;
+    }
+    struct stat st;
+    uint8_t *addr = MAP_FAILED;
+    if (fstat(fd, &st) == 0 && (uint64_t)st.st_size == ref->nbytes)
+        addr = mmap(NULL, ref->nbytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    else
+        errno = ESTALE;
+    int e = errno;
+    close(fd);
+    if (addr == MAP_FAILED) {
+        mpc_fail(e, "cannot map rank %d's %" PRIu64 "-byte buffer: %s", q, ref->nbytes,
+                 strerror(e));
+        return NULL;
+    }
+    if (slot->addr != NULL)
+        munmap(slot->addr, slot->len);
+    *slot = (mpc_coll_map){q, ref->uid, ref->nbytes, now, addr};
+    return addr;
+}
+
+/* All-reduce when every rank's data lies in a group buffer: rank r reduces
+ * slice r straight from every rank's buffer and writes the result into
+ * every rank's buffer; a barrier closes the call.  Each rank reads and
+ * writes the size of the data once, and nothing is staged.
+ * NOTE [ Group buffers ]. */
+static int all_reduce_mapped(mpc_coll *c, uint8_t *mine, uint64_t count, int dtype, int op,
+                             uint64_t parity, int64_t deadline) {
+    int W = c->world;
+    size_t es = dtype_size[dtype];
+    uint8_t *bufs[MPC_COLL_MAX_RANKS];
+    void *srcs[MPC_COLL_MAX_RANKS];
+    for (int q = 0; q < W; q++) {
+        const mpc_coll_ref *ref = &c->h->ranks[q].ref[parity];
+        bufs[q] = q == c->rank ? mine : peer_buffer(c, q, ref);
+        if (bufs[q] == NULL) {
+            break_group(c, c->rank, "rank %d could not map rank %d's buffer: %s", c->rank, q,
+                        mpc_errmsg());
+            return -EPIPE;
+        }
+        if (q != c->rank)
+            bufs[q] += ref->offset;
+    }
+    uint64_t unit = MPC_COLL_ALIGN / es, units = (count + unit - 1) / unit;
+    uint64_t a = units * (uint64_t)c->rank / (uint64_t)W * unit;
+    uint64_t b = units * (uint64_t)(c->rank + 1) / (uint64_t)W * unit;
+    if (b > count)
+        b = count;
+    if (a > b)
+        a = b;
+    /* A piece at a time, so that the result is still in cache when it is
+     * copied to the peers. */
+    uint64_t per = piece_elems(64u << 10, es);
+    for (uint64_t off = a; off < b; off += per) {
+        uint64_t n = b - off < per ? b - off : per;
+        for (int q = 0; q < W; q++)
+            srcs[q] = bufs[q] + off * es;
+        reduce(dtype, op, mine + off * es, srcs, W, n);
+        for (int q = 0; q < W; q++)
+            if (q != c->rank)
+                memcpy(bufs[q] + off * es, mine + off * es, n * es);
+    }
+    return barrier(c, "all_reduce", deadline);
+}
+
 int mpc_coll_all_reduce(mpc_coll *c, void *buf, uint64_t count, int dtype, int op,
-                        int64_t deadline) {
+                        const mpc_coll_buf *in, int64_t deadline) {
     int r = check_args(dtype, op, 1);
-    if (r < 0 || (r = begin(c, MPC_COLL_ALL_REDUCE, (uint32_t)op, (uint32_t)dtype, 0, count,
-                            deadline)) < 0)
+    if (r < 0)
         return r;
     size_t es = dtype_size[dtype];
-    int W = c->world;
+    uint64_t parity = c->calls & 1;
+    mpc_coll_ref *ref = &c->h->ranks[c->rank].ref[parity];
+    ref->fd = -1;
+    if (in != NULL) {
+        uint64_t off = (uint64_t)((uint8_t *)buf - in->addr);
+        if ((uint8_t *)buf < in->addr || off > in->nbytes || count > (in->nbytes - off) / es)
+            return mpc_fail(EINVAL, "the data does not lie in the group buffer given");
+        *ref = (mpc_coll_ref){in->fd, 0, in->uid, in->nbytes, off};
+    }
+    if ((r = begin(c, MPC_COLL_ALL_REDUCE, (uint32_t)op, (uint32_t)dtype, 0, count, deadline)) < 0)
+        return r;
+    int W = c->world, mapped = W > 1;
+    for (int q = 0; q < W; q++)
+        mapped &= c->h->ranks[q].ref[parity].fd >= 0;
+    if (mapped)
+        return all_reduce_mapped(c, buf, count, dtype, op, parity, deadline);
     void *srcs[MPC_COLL_MAX_RANKS];
-    uint64_t per = piece_elems(c->chunk, es);
+    uint64_t per = piece_elems(c->chunk < MPC_COLL_AR_PIECE ? c->chunk : MPC_COLL_AR_PIECE, es);
     for (uint64_t off = 0; off < count; off += per) {
         uint64_t n = count - off < per ? count - off : per;
         uint8_t *mine = (uint8_t *)buf + off * es;

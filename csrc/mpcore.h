@@ -501,6 +501,7 @@ enum { MPC_COLL_ALL_REDUCE = 1, MPC_COLL_BROADCAST, MPC_COLL_BARRIER, MPC_COLL_A
        MPC_COLL_REDUCE_SCATTER };
 
 typedef struct mpc_coll mpc_coll;
+typedef struct mpc_coll_buf mpc_coll_buf;
 
 /* Bytes of an element of a dtype code, or 0 for an unknown code. */
 size_t mpc_coll_dtype_size(int dtype);
@@ -535,6 +536,16 @@ int mpc_coll_pid(const mpc_coll *c, int rank);
 /* Unmaps the group and closes its pidfds.  Never fails. */
 void mpc_coll_close(mpc_coll *c);
 
+/* Group buffers: memory that the other ranks of a group map when a
+ * collective names it.  buf_new makes one of at least nbytes (rounded up to
+ * pages, reserved so that a shortage is -ENOMEM now and never a bus error
+ * later) and returns 0, -EINVAL for 0 bytes, -ENOMEM or -errno.  buf_free
+ * releases its memory at once, even where peers still map it; never fails.
+ * buf_addr returns its address here and its size in *nbytes. */
+int mpc_coll_buf_new(uint64_t nbytes, mpc_coll_buf **out);
+void mpc_coll_buf_free(mpc_coll_buf *b);
+void *mpc_coll_buf_addr(const mpc_coll_buf *b, uint64_t *nbytes);
+
 /* The collectives.  Every rank of the group must call the same one with
  * the same size, dtype, op and root, in the same order.  deadline_ns: -1
  * waits forever, else an absolute monotonic time.  Each returns 0, or:
@@ -544,13 +555,16 @@ void mpc_coll_close(mpc_coll *c);
  * was broken before; -EINTR when the interrupt callback said to give up.
  * After -ETIMEDOUT, -EPIPE or -EINTR the group is broken for good.
  *   all_reduce: buf (count elements) becomes the reduction over the ranks.
+ *     `in` names the group buffer that holds buf, or is NULL; when every
+ *     rank names one, the data moves between the buffers directly
+ *     (NOTE [ Group buffers ]).  -EINVAL if buf does not lie in `in`.
  *   broadcast: root's nbytes of buf are copied to every rank's buf.
  *   barrier: returns once every rank has called it.
  *   all_gather: out (world * nbytes) gets every rank's in, in rank order.
  *   reduce_scatter: out (count elements) gets this rank's slice of the
  *     reduction of every rank's in (world * count elements). */
 int mpc_coll_all_reduce(mpc_coll *c, void *buf, uint64_t count, int dtype, int op,
-                        int64_t deadline_ns);
+                        const mpc_coll_buf *in, int64_t deadline_ns);
 int mpc_coll_broadcast(mpc_coll *c, void *buf, uint64_t nbytes, int root, int64_t deadline_ns);
 int mpc_coll_barrier(mpc_coll *c, int64_t deadline_ns);
 int mpc_coll_all_gather(mpc_coll *c, void *out, const void *in, uint64_t nbytes,

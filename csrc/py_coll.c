@@ -1,15 +1,24 @@
 /* py_coll.c: mpcore._core.Group, one rank's handle on a group of
- * shared-memory collectives (coll.c), and coll_create, which makes the
+ * shared-memory collectives (coll.c); GroupBuffer, memory the other ranks
+ * map when an all-reduce names it; and coll_create, which makes the
  * group's region.  Buffers are passed as addresses (a tensor's data_ptr(),
  * an array's data address) that the caller keeps alive and contiguous.
  * Collectives run with the GIL released; a signal during a wait runs
  * Python's handlers, and if one raises, the collective gives up. */
 #include "py_mpcore.h"
 
+#include <structmember.h>
+
 typedef struct {
     PyObject_HEAD
     mpc_coll *c;
 } GroupObject;
+
+typedef struct {
+    PyObject_HEAD
+    mpc_coll_buf *b;
+    PyObject *weakreflist;
+} GroupBufferObject;
 
 /* While a collective runs without the GIL: the thread state to take back
  * when a signal needs handling. */
@@ -106,15 +115,22 @@ static PyObject *Group_pid(PyObject *op, PyObject *arg) {
 static PyObject *Group_all_reduce(PyObject *op, PyObject *args) {
     unsigned long long addr, count;
     int dtype, rop;
-    PyObject *timeout = Py_None;
+    PyObject *timeout = Py_None, *in = Py_None;
     mpc_coll *c = group_of(op);
-    if (c == NULL || !PyArg_ParseTuple(args, "KKii|O:all_reduce", &addr, &count, &dtype, &rop,
-                                       &timeout))
+    if (c == NULL || !PyArg_ParseTuple(args, "KKii|OO:all_reduce", &addr, &count, &dtype, &rop,
+                                       &timeout, &in))
         return NULL;
+    mpc_coll_buf *b = NULL;
+    if (in != Py_None) {
+        if (!PyObject_TypeCheck(in, mpc_type_state(Py_TYPE(op))->GroupBufferType))
+            return PyErr_Format(PyExc_TypeError, "all_reduce: buffer must be a GroupBuffer, not %s",
+                                Py_TYPE(in)->tp_name);
+        b = ((GroupBufferObject *)in)->b;
+    }
     int64_t dl = deadline_of(timeout);
     if (dl == -2)
         return NULL;
-    RUN(op, mpc_coll_all_reduce(c, (void *)(uintptr_t)addr, count, dtype, rop, dl));
+    RUN(op, mpc_coll_all_reduce(c, (void *)(uintptr_t)addr, count, dtype, rop, b, dl));
 }
 
 static PyObject *Group_broadcast(PyObject *op, PyObject *args) {
@@ -179,7 +195,8 @@ static PyMethodDef Group_methods[] = {
     {"watch", Group_watch, METH_NOARGS, "watch(): from now on, a peer that exits breaks the group"},
     {"pid", Group_pid, METH_O, "pid(rank) -> the pid that rank attached with"},
     {"all_reduce", Group_all_reduce, METH_VARARGS,
-     "all_reduce(address, count, dtype, op, timeout=None): in place"},
+     "all_reduce(address, count, dtype, op, timeout=None, buffer=None): in place; buffer:\n"
+     "the GroupBuffer holding the data, if it is in one"},
     {"broadcast", Group_broadcast, METH_VARARGS, "broadcast(address, nbytes, root, timeout=None)"},
     {"barrier", Group_barrier, METH_VARARGS, "barrier(timeout=None)"},
     {"all_gather", Group_all_gather, METH_VARARGS,
@@ -204,6 +221,81 @@ static PyType_Spec Group_spec = {
     .basicsize = sizeof(GroupObject),
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
     .slots = Group_slots,
+};
+
+/* GroupBuffer(nbytes): shared memory that the other ranks map when an
+ * all-reduce names it; a writable buffer of whole pages. */
+static PyObject *GroupBuffer_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"nbytes", NULL};
+    unsigned long long n;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "K:GroupBuffer", kwlist, &n))
+        return NULL;
+    GroupBufferObject *self = (GroupBufferObject *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    mpc_clear_error();
+    int r = mpc_coll_buf_new(n, &self->b);
+    if (r < 0) {
+        Py_DECREF(self);
+        return mpc_py_raise(mpc_type_state(type), r);
+    }
+    return (PyObject *)self;
+}
+
+static void GroupBuffer_dealloc(PyObject *op) {
+    PyTypeObject *tp = Py_TYPE(op);
+    GroupBufferObject *self = (GroupBufferObject *)op;
+    if (self->weakreflist != NULL)
+        PyObject_ClearWeakRefs(op);
+    mpc_coll_buf_free(self->b);
+    tp->tp_free(op);
+    Py_DECREF(tp);
+}
+
+static int GroupBuffer_getbuffer(PyObject *op, Py_buffer *view, int flags) {
+    uint64_t n;
+    void *addr = mpc_coll_buf_addr(((GroupBufferObject *)op)->b, &n);
+    return PyBuffer_FillInfo(view, op, addr, (Py_ssize_t)n, 0, flags);
+}
+
+static PyObject *GroupBuffer_address(PyObject *op, void *unused) {
+    uint64_t n;
+    return PyLong_FromVoidPtr(mpc_coll_buf_addr(((GroupBufferObject *)op)->b, &n));
+}
+
+static PyObject *GroupBuffer_nbytes(PyObject *op, void *unused) {
+    uint64_t n;
+    mpc_coll_buf_addr(((GroupBufferObject *)op)->b, &n);
+    return PyLong_FromUnsignedLongLong(n);
+}
+
+static PyGetSetDef GroupBuffer_getset[] = {
+    {"address", GroupBuffer_address, NULL, "address in this process", NULL},
+    {"nbytes", GroupBuffer_nbytes, NULL, "size in bytes (whole pages)", NULL},
+    {NULL},
+};
+
+static PyMemberDef GroupBuffer_members[] = {
+    {"__weaklistoffset__", T_PYSSIZET, offsetof(GroupBufferObject, weakreflist), READONLY},
+    {NULL},
+};
+
+static PyType_Slot GroupBuffer_slots[] = {
+    {Py_tp_new, GroupBuffer_new},
+    {Py_tp_dealloc, GroupBuffer_dealloc},
+    {Py_tp_getset, GroupBuffer_getset},
+    {Py_tp_members, GroupBuffer_members},
+    {Py_bf_getbuffer, GroupBuffer_getbuffer},
+    {Py_tp_doc, "GroupBuffer(nbytes): shared memory the other ranks of a group map when an\n"
+                "all-reduce names it (NOTE [ Group buffers ] in coll.c)."},
+    {0, NULL},
+};
+
+static PyType_Spec GroupBuffer_spec = {
+    .name = "mpcore._core.GroupBuffer",
+    .basicsize = sizeof(GroupBufferObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = GroupBuffer_slots,
 };
 
 /* coll_create(world, chunk) -> fd of a new group's region (the caller
@@ -235,5 +327,13 @@ int mpc_py_coll_exec(PyObject *m, mpc_state *st) {
         return -1;
     int r = PyModule_AddObjectRef(m, "Group", type);
     Py_DECREF(type);
-    return r;
+    if (r < 0)
+        return -1;
+    type = PyType_FromModuleAndSpec(m, &GroupBuffer_spec, NULL);
+    if (type == NULL || PyModule_AddObjectRef(m, "GroupBuffer", type) < 0) {
+        Py_XDECREF(type);
+        return -1;
+    }
+    st->GroupBufferType = (PyTypeObject *)type; /* the state owns this reference */
+    return 0;
 }

@@ -129,6 +129,7 @@ static int mpc_traverse(PyObject *m, visitproc visit, void *arg) {
     Py_VISIT(st->QueueFull);
     Py_VISIT(st->BlockType);
     Py_VISIT(st->RingType);
+    Py_VISIT(st->GroupBufferType);
     return 0;
 }
 
@@ -139,6 +140,7 @@ static int mpc_clear(PyObject *m) {
     Py_CLEAR(st->QueueFull);
     Py_CLEAR(st->BlockType);
     Py_CLEAR(st->RingType);
+    Py_CLEAR(st->GroupBufferType);
     return 0;
 }
 

@@ -15,6 +15,7 @@ typedef struct {
     PyObject *QueueFull;   /* queue.Full */
     PyTypeObject *BlockType;
     PyTypeObject *RingType;
+    PyTypeObject *GroupBufferType;
 } mpc_state;
 
 mpc_state *mpc_get_state(PyObject *module);

@@ -74,6 +74,7 @@ import numpy as np
 import torch
 import mpcore
 import mpcore.distributed as dist
+from mpcore import _core
 from torch.distributed import distributed_c10d as c10d
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
@@ -186,6 +187,7 @@ def run(rank, world, outdir, out):
         setattr(c10d, name, counting)
     W = world
     fail = out["failures"]
+    shm = dist._state["group"]
 
     def check(key, ok, detail=""):
         out["cases"] += 1
@@ -205,6 +207,20 @@ def run(rank, world, outdir, out):
         ok, why = close(name, op, numpy_of(t), reference(name, op, arrays, W), W)
         check(key, ok and t.dtype == DTYPES[name] and t.shape == (n,), why)
         out["hashes"][key] = digest(t)
+        # The same, with every rank's data in a group buffer (at a different
+        # place in each), and with only the even ranks naming one (then the
+        # staging path serves all): the same bits either way.
+        for who in ("every rank", "even ranks") if W > 1 else ("every rank",):
+            mkey = f"{key} in group buffers of {who}"
+            src, _ = data(name, n, rank, tag)
+            es, at = src.element_size(), 3 * rank + 1
+            buf = _core.GroupBuffer((n + at) * es)
+            m = torch.frombuffer(buf, dtype=DTYPES[name], count=n, offset=at * es)
+            m.copy_(src)
+            named = buf if who == "every rank" or rank % 2 == 0 else None
+            shm.core.all_reduce(m.data_ptr(), n, dist._DTYPES[m.dtype], OPS.index(op), None, named)
+            check(mkey, digest(m) == out["hashes"][key], "differs from the staged result")
+            del m, buf
 
     def avg_int_case(name, n):
         key = f"all_reduce {name} n={n} AVG"
@@ -362,6 +378,35 @@ def test_every_op_and_dtype_against_numpy(world, tmp_path, scenario):
         differ = [k for k, h in rep["hashes"].items() if reports[0]["hashes"].get(k) != h]
         assert not differ, f"rank {rep['rank']} differs from rank 0 in: {differ[:20]}"
     scenario.check_clean()
+
+
+def test_group_buffer_bad_input():
+    """Group buffers (NOTE [ Group buffers ]): clear errors for a size of
+    nothing or of more than the machine has, and for data that does not lie
+    in the buffer named; a one-rank all-reduce in one leaves the data."""
+    import numpy as np
+    from mpcore import _core
+    with pytest.raises(ValueError, match="at least one byte"):
+        _core.GroupBuffer(0)
+    with pytest.raises(MemoryError, match=str(1 << 50)):
+        _core.GroupBuffer(1 << 50)
+    fd = _core.coll_create(1, 1 << 20)
+    try:
+        g = _core.Group(fd, 0, 1)
+    finally:
+        os.close(fd)
+    b, other = _core.GroupBuffer(4000), _core.GroupBuffer(4096)
+    assert b.nbytes == 4096 and memoryview(b).nbytes == 4096    # whole pages
+    a = np.frombuffer(b, np.float32)
+    a[:] = np.arange(1024)
+    for addr, count in ((other.address, 10), (b.address + 4000, 100), (b.address - 4, 2)):
+        with pytest.raises(ValueError, match="does not lie in the group buffer given"):
+            g.all_reduce(addr, count, 0, 0, None, b)
+    with pytest.raises(TypeError, match="GroupBuffer"):
+        g.all_reduce(b.address, 1, 0, 0, None, bytearray(4))
+    g.all_reduce(b.address + 4, 1023, 0, 1, None, b)
+    assert np.array_equal(a, np.arange(1024))
+    g.close()
 
 
 # --- 2. async_op=True: Work, futures, order ------------------------------------------
@@ -648,7 +693,7 @@ def test_async_input_not_kept_by_caller(world, case, async_reports, tmp_path, sc
 # --- 3, 4. DDP: mpcore's against torch's ---------------------------------------------
 
 DDP_PROGRAM = r'''
-import copy, os, socket, sys, traceback
+import copy, gc, os, socket, sys, traceback
 import torch
 from torch import nn
 
@@ -712,12 +757,25 @@ def worker(rank, mode, W, out):
                 opt.step()
                 losses.append(loss.item())
             log = ddp._get_ddp_logging_data()
+            hooks = getattr(ddp, "_mpcore_hooks", None)
+            bufs = list(hooks.buffers.values()) if hooks is not None else []
+            # every gradient lies in one of the group buffers (they are views
+            # of the buckets with gradient_as_bucket_view, else copies)
+            in_bufs = sorted(k for k, p in model.named_parameters()
+                       if p.grad is not None and any(
+                           b.address <= p.grad.data_ptr() < b.address + b.nbytes for b in bufs))
+            params = {k: v.detach().clone() for k, v in model.named_parameters()}
+            kind = f"{type(ddp).__module__}.{type(ddp).__name__}"
+            del ddp, opt, model, bufs, loss   # the last loss holds the graph: the parameters
+            gc.collect()
             res["configs"][name] = {
-                "params": {k: v.detach().clone() for k, v in model.named_parameters()},
+                "params": params,
                 "losses": losses,
-                "hooks": getattr(ddp, "_mpcore_hooks", None) is not None,
+                "hooks": hooks is not None,
+                "grads_in_buffers": in_bufs,
+                "buffers_left": len(hooks.buffers) if hooks is not None else None,
                 "bucket_sizes": str(log.get("rebuilt_bucket_sizes", log.get("bucket_sizes"))),
-                "type": f"{type(ddp).__module__}.{type(ddp).__name__}",
+                "type": kind,
             }
 
         # no_sync: two backward passes without, one with synchronisation
@@ -851,6 +909,10 @@ def test_mpcore_ddp_matches_torch_ddp(world, config, ddp_runs):
         # and every rank ends with rank 0's parameters
         assert_close_dicts(c["params"], got[0]["configs"][config]["params"],
                            f"{config}, rank {rank} against rank 0")
+        # the buckets were moved into group buffers (the gradients are views
+        # of them only with gradient_as_bucket_view), and freed with the DDP
+        assert c["grads_in_buffers"] == (sorted(c["params"]) if config == "bucket_view" else [])
+        assert c["buffers_left"] == 0
     if config in ("small_buckets", "bucket_view"):
         # several buckets (the same as torch's)
         sizes = got[0]["configs"][config]["bucket_sizes"]

@@ -93,18 +93,29 @@ def die():
     """Every rank loops on all_reduce of 64 KB and of 16 MB; the victim
     dies after 5 rounds: it kills itself, or says LOOPING and goes on until
     the test kills it."""
-    victim, how = int(ARGS[0]), ARGS[1]
+    victim, how, where = int(ARGS[0]), ARGS[1], ARGS[2]
     init(60)
     small = torch.empty(16 << 10)           # 64 KB: one-shot pieces
     big = torch.empty(4 << 20)              # 16 MB: 16 pieces, scatter and gather
+    pairs = [(small, None), (big, None)]
+    reduce = lambda t, buf: dist.all_reduce(t)
+    if where == "buffers":
+        # each rank reduces straight from and into the others' buffers
+        from mpcore import _core
+        core = dist._state["group"].core
+        pairs = []
+        for t in (small, big):
+            b = _core.GroupBuffer(t.numel() * 4)
+            pairs.append((torch.frombuffer(b, dtype=torch.float32, count=t.numel()), b))
+        reduce = lambda t, buf: core.all_reduce(t.data_ptr(), t.numel(), 0, 0, 60, buf)
     expect = WORLD * (WORLD + 1) / 2
     say("READY", os.getpid())
     i, wrong, err = 0, [], None
     try:
         while True:
-            for t in (small, big):
+            for t, buf in pairs:
                 t.fill_(RANK + 1)
-                dist.all_reduce(t)
+                reduce(t, buf)
                 if not (t[0] == expect and t[-1] == expect and t[t.numel() // 2] == expect):
                     wrong.append(i)
             i += 1
@@ -392,11 +403,14 @@ def _exited_cleanly(codes, job, skip=()):
 # --------------------------------------------------------------------------
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["tensors", "buffers"])
 @pytest.mark.parametrize("victim,how", [(1, "self"), (0, "external")],
                          ids=["rank1-kills-itself", "rank0-killed"])
-def test_rank_dies_mid_collective(scenario, job, tmp_path, victim, how):
+def test_rank_dies_mid_collective(scenario, job, tmp_path, victim, how, where):
+    """where: the data in the ranks' own tensors (staged), or in group
+    buffers (each rank maps the others', the victim's included)."""
     world = 3
-    j = job("die", world, args=(victim, how))
+    j = job("die", world, args=(victim, how, where))
     for r in range(world):
         j[r].line("READY", 60)
     if how == "self":

@@ -258,7 +258,8 @@ class ShmGroup:
             except BaseException as e:  # reported through the Work
                 work._finish(e)
             finally:
-                del keep, item
+                # nothing of a finished call is held until the next one
+                del work, fn, args, keep, item
                 with self._cond:
                     self._queued -= 1
                     self._cond.notify_all()

@@ -11,16 +11,26 @@ communication hook averages the bucket over the shared-memory group (the
 sum and the division by the world size in one pass, where torch's reducer
 divides first and then sums over gloo: the same to float32 round-off), on
 the group's thread, so that it overlaps with the rest of backward; the hook's
-future completes when the sum is in place.  A module on the CPU must
+future completes when the sum is in place.  The first time the hook sees a
+bucket, it moves the bucket's storage into a group buffer in place (as
+share_memory_() moves a storage), so that from then on the ranks reduce
+straight from each other's buckets (NOTE [ Group buffers ] in coll.c); the
+reducer, its views of the bucket and the gradients that are views of it
+(gradient_as_bucket_view) follow the storage.  Buckets the reducer rebuilds
+are moved when first seen; without the memory for a buffer, a bucket goes
+through the group's staging areas instead.  A module on the CPU must
 use the default group of mpcore.distributed; otherwise DDP is torch's
 alone.  A module on CUDA devices whose group has mpcore's NCCL
 communicator (backend "nccl") gets the same hook, with the sum enqueued
 through NCCL on the current stream.  A hook the program registers itself
 (register_comm_hook) takes the place of mpcore's.
 """
+import weakref
+
 import torch
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
+from . import _core
 from . import distributed as _mdist
 
 __all__ = ["DistributedDataParallel"]
@@ -33,6 +43,26 @@ class _Hooks:
     def __init__(self, group):
         self.group = group
         self.user = None
+        self.buffers = weakref.WeakValueDictionary()  # bucket index -> its GroupBuffer
+
+    def buffer(self, index, t):
+        """The group buffer that holds bucket `index` (tensor t), after moving
+        the bucket's storage into a new one if it is not in one yet; None
+        when there is no memory for it."""
+        s = t.untyped_storage()
+        b = self.buffers.get(index)
+        if b is not None and b.address == s.data_ptr():
+            return b
+        n = s.nbytes()
+        try:
+            b = _core.GroupBuffer(n)
+        except MemoryError:
+            return None
+        new = torch.frombuffer(b, dtype=torch.uint8, count=n)  # holds b
+        new.copy_(torch.empty(0, dtype=torch.uint8).set_(s))
+        s._swap_data_ptr_(new.untyped_storage())
+        self.buffers[index] = b
+        return b
 
 
 def _hook(hooks, bucket):
@@ -57,7 +87,9 @@ def _hook(hooks, bucket):
         op = 0
     else:
         op = 1  # avg: the division is folded into the sum's one pass
-    work = group.run(True, t, group.core.all_reduce, t.data_ptr(), t.numel(), code, op)
+    buf = hooks.buffer(bucket.index(), t)
+    addr, n, core = t.data_ptr(), t.numel(), group.core
+    work = group.run(True, t, lambda timeout: core.all_reduce(addr, n, code, op, timeout, buf))
     return work.get_future().then(lambda fut: t)
 
 
