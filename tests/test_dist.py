@@ -767,6 +767,8 @@ def worker(rank, mode, W, out):
             params = {k: v.detach().clone() for k, v in model.named_parameters()}
             kind = f"{type(ddp).__module__}.{type(ddp).__name__}"
             del ddp, opt, model, bufs, loss   # the last loss holds the graph: the parameters
+            if hooks is not None:
+                hooks.group.drain()   # the group's thread has let go of its last call
             gc.collect()
             res["configs"][name] = {
                 "params": params,
