@@ -67,6 +67,7 @@
 #define MPC_COLL_DATA 16384                   /* header bytes, page aligned */
 #define MPC_COLL_ONESHOT (64u << 10)
 #define MPC_COLL_AR_PIECE (256u << 10)       /* all-reduce piece: staged, it stays in cache */
+#define MPC_COLL_MAPPED_PIECE (64u << 10)    /* see all_reduce_mapped() */
 #define MPC_COLL_CHECK_NS 100000000LL        /* 100 ms between looks at peers */
 #define MPC_COLL_ALIGN 64
 #define MPC_COLL_YIELDS 16                    /* see barrier() */
@@ -657,7 +658,7 @@ static int all_reduce_mapped(mpc_coll *c, uint8_t *mine, uint64_t count, int dty
         if (bufs[q] == NULL) {
             break_group(c, c->rank, "rank %d could not map rank %d's buffer: %s", c->rank, q,
                         mpc_errmsg());
-            return -EPIPE;
+            return broken_error(c);
         }
         if (q != c->rank)
             bufs[q] += ref->offset;
@@ -671,7 +672,7 @@ static int all_reduce_mapped(mpc_coll *c, uint8_t *mine, uint64_t count, int dty
         a = b;
     /* A piece at a time, so that the result is still in cache when it is
      * copied to the peers. */
-    uint64_t per = piece_elems(64u << 10, es);
+    uint64_t per = piece_elems(MPC_COLL_MAPPED_PIECE, es);
     for (uint64_t off = a; off < b; off += per) {
         uint64_t n = b - off < per ? b - off : per;
         for (int q = 0; q < W; q++)

@@ -88,7 +88,7 @@ ACC = {"float32": 2.0 ** -24, "float64": 2.0 ** -53, "float16": 2.0 ** -24,
        "bfloat16": 2.0 ** -24}
 OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX")
 LENGTHS = (1, 7, 1001, 70_001)          # 70_001: past the one-shot size for every dtype
-# more than one 1 MiB staging piece per rank (float32: 1.2 MB)
+# more than one staging piece per rank (1 MiB; all-reduce: 256 KiB)
 BIG = (("float32", 300_001, OPS), ("bfloat16", 600_001, ("SUM", "AVG")),
        ("int64", 150_001, ("SUM", "MAX")), ("uint8", 1_100_001, ("SUM",)))
 PATCH = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor",

@@ -29,7 +29,7 @@ import urllib.parse
 
 from . import _core
 
-_CHUNK = 1 << 20        # bytes staged per rank and piece
+_CHUNK = 1 << 20        # staging bytes per rank and piece (all-reduce pieces are smaller: coll.c)
 _inits = 0              # init_process_group calls so far: a fresh key space each
 
 
