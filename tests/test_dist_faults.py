@@ -1,4 +1,5 @@
-"""mpcore.distributed under faults: a rank killed mid-collective, ranks that
+"""mpcore.distributed under faults: a rank killed mid-collective, a DDP rank
+without the shared memory for a bucket's group buffer, ranks that
 disagree on a collective, a wrong world_size and a missing rank 0 at init,
 NCCL asked for where there is none, Ctrl-C in one rank while it waits in a
 collective, and collectives after destroy_process_group.
@@ -36,7 +37,7 @@ import time
 
 import pytest
 
-from conftest import fresh_env, require
+from conftest import fresh_env, make_memcg, remove_memcg, require
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
@@ -241,8 +242,61 @@ def cycles():
     report(**out)
 
 
+def ddp_shortage():
+    """DDP of 64 bias-free Linear(256, 256) layers (a 1 MB bucket, then one of
+    15 MB).  Every rank first trains a plain copy by hand (3 SGD steps on
+    every rank's gradients averaged), allocates DDP's gradients (a no_sync
+    pass) and faults the group's staging areas in; then the starved rank
+    waits for GO (the test has moved it into a small memory cgroup by then)
+    and every rank trains the DDP 3 steps.  The starved rank cannot make a
+    group buffer for the big bucket, so every rank stages it; the parameters
+    must still be those of the plain copy."""
+    import copy, warnings
+    from mpcore.parallel import DistributedDataParallel as DDP
+    starved = int(ARGS[0])
+    init(60)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256, bias=False) for _ in range(64)])
+    plain = copy.deepcopy(model)
+    xs = [torch.full((4, 256), 0.01 * (q + 1)) for q in range(WORLD)]
+    popt = torch.optim.SGD(plain.parameters(), lr=0.01)
+    for _ in range(3):
+        grads = []
+        for q in range(WORLD):
+            plain.zero_grad()
+            plain(xs[q]).square().sum().backward()
+            grads.append([p.grad.clone() for p in plain.parameters()])
+        for i, p in enumerate(plain.parameters()):
+            p.grad = sum(g[i] for g in grads) / WORLD
+        popt.step()
+    del grads
+    # find_unused_parameters: torch then never rebuilds the buckets, which
+    # would allocate them anew inside the cgroup
+    ddp = DDP(model, find_unused_parameters=True)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    with ddp.no_sync():
+        ddp(xs[RANK]).sum().backward()
+    dist.all_reduce(torch.zeros(4 << 20))
+    say("READY", os.getpid())
+    if RANK == starved:
+        wait_go()
+    with open("/proc/self/cgroup") as f:
+        cgroup = f.read()
+    with warnings.catch_warnings(record=True) as caught_warnings:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            opt.zero_grad(set_to_none=False)
+            ddp(xs[RANK]).square().sum().backward()
+            opt.step()
+    diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), plain.parameters()))
+    scale = max(p.abs().max().item() for p in plain.parameters())
+    report(cgroup=cgroup, buffers=sorted(b.nbytes for b in ddp._mpcore_hooks.buffers.values()),
+           warnings=[str(w.message) for w in caught_warnings], diff=diff, scale=scale,
+           destroy=destroy())
+
+
 if __name__ == "__main__":
-    {"die": die, "mismatch": mismatch, "join": join, "nccl": nccl,
+    {"ddp_shortage": ddp_shortage, "die": die, "mismatch": mismatch, "join": join, "nccl": nccl,
      "interrupted": interrupted, "cycles": cycles}[MODE]()
 '''
 
@@ -446,6 +500,46 @@ def test_rank_dies_mid_collective(scenario, job, tmp_path, victim, how, where):
         assert 0 <= delay < 10, (
             f"rank {r} raised {delay:.2f}s after rank {victim} died (group timeout 60s)")
         assert out["destroy"] is None, f"rank {r}: destroy_process_group raised {out['destroy']}"
+    _exited_cleanly(codes, j)
+    scenario.check_clean()
+
+
+@pytest.mark.timeout(90)
+def test_ddp_rank_without_shared_memory_for_a_bucket_stages_it(scenario, job):
+    """A real shortage: rank 1 is moved into a 12 MB memory cgroup before
+    its first synchronised step, so it cannot make the 15 MB group buffer of
+    DDP's big bucket.  Training goes on, correct, on every rank (they all
+    stage that bucket), and that rank says why its all-reduce is slower."""
+    world, starved = 2, 1
+    cg = make_memcg(12 << 20)
+    j = None
+    try:
+        j = job("ddp_shortage", world, args=(starved,))
+        for r in range(world):
+            j[r].line("READY", 60)
+        with open(os.path.join(cg, "cgroup.procs"), "w") as f:
+            f.write(str(j[starved].pid))
+        j[starved].send("GO")
+        res = {r: j[r].result(60) for r in (starved, 1 - starved)}
+        codes = j.finish(30)
+    finally:
+        if j is not None:
+            j.close()       # whatever still runs is killed, so the cgroup empties
+        remove_memcg(cg)
+    assert os.path.basename(cg) in res[starved]["cgroup"], "the rank did not move into the cgroup"
+    for r in range(world):
+        out = res[r]
+        assert out["diff"] <= 1e-5 * out["scale"], (
+            f"rank {r}: parameters differ from the hand-averaged ones by {out['diff']}")
+        assert out["destroy"] is None, out["destroy"]
+    big = 8 << 20
+    assert not [n for n in res[starved]["buffers"] if n >= big], res[starved]
+    assert [n for n in res[1 - starved]["buffers"] if n >= big], (
+        "the healthy rank made no buffer for the big bucket", res[1 - starved])
+    msgs = res[starved]["warnings"]
+    assert len(msgs) == 1 and "no shared memory for bucket" in msgs[0] and "staged" in msgs[0], msgs
+    assert "15728640 bytes" in msgs[0] and "available" in msgs[0], msgs    # the size and why
+    assert res[1 - starved]["warnings"] == []
     _exited_cleanly(codes, j)
     scenario.check_clean()
 

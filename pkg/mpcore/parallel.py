@@ -18,13 +18,14 @@ straight from each other's buckets (NOTE [ Group buffers ] in coll.c); the
 reducer, its views of the bucket and the gradients that are views of it
 (gradient_as_bucket_view) follow the storage.  Buckets the reducer rebuilds
 are moved when first seen; without the memory for a buffer, a bucket goes
-through the group's staging areas instead.  A module on the CPU must
+through the group's staging areas instead (with one RuntimeWarning).  A module on the CPU must
 use the default group of mpcore.distributed; otherwise DDP is torch's
 alone.  A module on CUDA devices whose group has mpcore's NCCL
 communicator (backend "nccl") gets the same hook, with the sum enqueued
 through NCCL on the current stream.  A hook the program registers itself
 (register_comm_hook) takes the place of mpcore's.
 """
+import warnings
 import weakref
 
 import torch
@@ -44,6 +45,7 @@ class _Hooks:
         self.group = group
         self.user = None
         self.buffers = weakref.WeakValueDictionary()  # bucket index -> its GroupBuffer
+        self.warned = False  # about a bucket left without a buffer
 
     def buffer(self, index, t):
         """The group buffer that holds bucket `index` (tensor t), after moving
@@ -56,7 +58,12 @@ class _Hooks:
         n = s.nbytes()
         try:
             b = _core.GroupBuffer(n)
-        except MemoryError:
+        except MemoryError as e:
+            if not self.warned:
+                self.warned = True
+                warnings.warn(f"mpcore DDP: no shared memory for bucket {index} ({e}); "
+                              f"its all-reduce is staged instead, which is slower",
+                              RuntimeWarning, stacklevel=2)
             return None
         new = torch.frombuffer(b, dtype=torch.uint8, count=n)  # holds b
         new.copy_(torch.empty(0, dtype=torch.uint8).set_(s))
