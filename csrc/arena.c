@@ -26,7 +26,7 @@
  * for reuse, within a budget (MPC_CACHE_BYTES); idle mappings of other
  * processes' segments are likewise kept within a budget, so that a tensor
  * that crosses a queue again and again costs no mmap and no page faults. */
-#include "mpcore.h"
+#include "internal.h"
 
 #include <inttypes.h>
 #include <pthread.h>
@@ -67,7 +67,26 @@ static mpc_shm_stats mpc__stats;
 static uint64_t mpc__tick;
 
 /* Set by keeper.c in the keeper process, which retires segments itself. */
-int (*mpc__retire_hook)(uint64_t seg_id) = NULL;
+static int (*mpc__retire_hook)(uint64_t seg_id) = NULL;
+
+/* NOTE [ Block finalizers ]
+ * Freeing a block of some kinds must first let go of what the block holds:
+ * a queue's undelivered messages carry tickets.  The subsystem that gives
+ * a kind its meaning registers a finalizer for it (core.c does, at load),
+ * and the arena calls it with the block's memory and a function that drops
+ * a ticket; so the arena knows nothing of queues, and the file that does
+ * (ring.c) is above the arena, never below it. */
+#define MPC_BLOCK_KINDS 8
+static mpc_block_finalizer mpc__finalizers[MPC_BLOCK_KINDS];
+
+int mpc_block_set_finalizer(uint32_t kind, mpc_block_finalizer fn) {
+    if (kind == 0 || kind >= MPC_BLOCK_KINDS)
+        return mpc_fail(EINVAL, "no block kind %u", kind);
+    __atomic_store_n(&mpc__finalizers[kind], fn, __ATOMIC_RELEASE);
+    return 0;
+}
+
+void mpc__arena_set_retire_hook(int (*hook)(uint64_t seg_id)) { mpc__retire_hook = hook; }
 
 static inline uint32_t mpc__myslot_bit(uint32_t slot, int *word) {
     *word = (int)(slot / 64);
@@ -168,9 +187,13 @@ static void mpc__drop_ticket_cb(const mpc_ref *ref, void *arg) {
 /* Called with mpc__lock NOT held, after the count reached zero. */
 static void mpc__free_block(mpc_seg_header *h, uint32_t i) {
     mpc_meta *m = &h->meta[i];
-    if (m->kind == MPC_BLOCK_QUEUE) {
+    uint32_t kind = m->kind;
+    mpc_block_finalizer fin =
+        kind < MPC_BLOCK_KINDS ? __atomic_load_n(&mpc__finalizers[kind], __ATOMIC_ACQUIRE) : NULL;
+    if (fin != NULL) {
         uint8_t *addr = (uint8_t *)h + h->data_offset + (uint64_t)i * h->block_size;
-        mpc_ring_drain((mpc_ring *)addr, mpc__drop_ticket_cb, NULL);
+        uint64_t length = m->length <= h->block_size ? m->length : h->block_size;
+        fin(addr, length, mpc__drop_ticket_cb, NULL);
     }
     atomic_fetch_add(&m->gen, 1); /* odd -> even: free */
     uint32_t live = atomic_fetch_sub(&h->live, 1) - 1;
@@ -412,9 +435,13 @@ static int mpc__new_segment(uint64_t block_size, uint32_t nblocks, uint64_t rese
     }
     mpc_seg *s = calloc(1, sizeof *s);
     if (s == NULL) {
+        /* Never touch the mapping after munmap: the id is read first. */
+        uint64_t seg_id = h->seg_id;
         munmap(h, size);
         close(fd);
-        mpc_client_retire(h->seg_id);
+        pthread_mutex_unlock(&mpc__lock);
+        mpc_client_retire(seg_id);
+        pthread_mutex_lock(&mpc__lock);
         return mpc_fail(ENOMEM, "out of memory");
     }
     s->seg_id = h->seg_id;
@@ -569,7 +596,7 @@ int mpc_block_alloc(uint64_t length, uint32_t kind, int zero, mpc_block *out) {
     if (length == 0)
         return mpc_fail(EINVAL, "cannot allocate an empty block");
     if (length > (1ull << 46))
-        return mpc_fail(ENOMEM, "cannot allocate %" PRIu64 " bytes of shared memory", length);
+        return mpc_fail(MPC_ENOSHM, "cannot allocate %" PRIu64 " bytes of shared memory", length);
     uint32_t slot;
     int r = mpc_client_slot(&slot);
     if (r < 0)
@@ -684,7 +711,7 @@ int mpc_block_claim(const mpc_block *b) {
     pthread_mutex_lock(&mpc__lock);
     mpc_seg *s = mpc__lookup(b->seg_id);
     if (s == NULL) {
-        r = mpc_fail(ENOENT, "segment %016" PRIx64 " is not mapped here", b->seg_id);
+        r = mpc_fail(MPC_ENOSEG, "segment %016" PRIx64 " is not mapped here", b->seg_id);
     } else {
         int w;
         uint32_t bit = mpc__myslot_bit(slot, &w);

@@ -1,4 +1,4 @@
-/* mpcore.h: the one internal header of mpcore's C core.
+/* mpcore.h: the interface of mpcore's C core, what the bindings call.
  *
  * The core is plain C with no Python in it.  Every exported function returns
  * 0 (or a non-negative count) on success and a negative errno on failure; the
@@ -7,8 +7,9 @@
  * Only the py_*.c binding files include Python.h, and they turn these codes
  * into exceptions in one place (py_core.c: mpc_py_raise).
  *
- * Names: mpc_ for what other files of the core use, mpc__ for file-local
- * helpers that still need external linkage.
+ * Names: mpc_ for the core's interface (declared here), mpc__ for what one
+ * core file shares with another (declared in internal.h, which bindings
+ * never include) or keeps to itself (static).
  */
 #ifndef MPCORE_H
 #define MPCORE_H
@@ -34,10 +35,12 @@
  * Always returns -err, so that `return mpc_fail(ENOMEM, "...")` reads well. */
 int mpc_fail(int err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
-/* The explanation recorded by the last mpc_fail() of this thread, or "" . */
+/* Returns the explanation recorded by the last mpc_fail() of this thread,
+ * or "" (never NULL). */
 const char *mpc_errmsg(void);
 
-/* Clears the explanation (done by bindings before each call). */
+/* Clears the explanation (done by bindings before each call).  Never
+ * fails. */
 void mpc_clear_error(void);
 
 /* Copies n bytes like memcpy; a large copy is shared with a helper thread
@@ -56,15 +59,28 @@ extern int mpc_debug_enabled; /* set from MPCORE_DEBUG at load */
         }                                                                   \
     } while (0)
 
-/* Error codes with an mpcore meaning beyond their errno name. */
-#define MPC_EHANDLE EBADMSG /* a handle that is forged, corrupt or out of bounds */
-#define MPC_ESTALE ESTALE   /* a handle whose block was freed or reused */
+/* NOTE [ mpcore's error codes ]
+ * Where an errno would be ambiguous, the core returns codes of its own,
+ * above every errno value, and the bindings map exactly these to mpcore's
+ * exceptions; a plain errno always means what the C library says it means
+ * (ENOENT: a file is missing; ENOMEM: malloc failed), and becomes OSError
+ * or MemoryError as that errno says. */
+#define MPC_ERR_BASE 0x4000
+#define MPC_EHANDLE (MPC_ERR_BASE + 1) /* a handle that is forged, corrupt or out of bounds */
+#define MPC_ESTALE (MPC_ERR_BASE + 2)  /* a handle whose block was freed or reused */
+#define MPC_ENOSEG (MPC_ERR_BASE + 3)  /* a handle naming a segment no one knows */
+#define MPC_ENOSHM (MPC_ERR_BASE + 4)  /* shared memory (or what may be committed) exhausted */
+#define MPC_ERR_END (MPC_ERR_BASE + 5)
+
+/* Describes an error code, mpcore's own or an errno (either sign).
+ * Returns a static string; never fails. */
+const char *mpc_strerror(int err);
 
 /* ------------------------------------------------------------------ */
 /* Time and futex waits (sync.c)                                       */
 /* ------------------------------------------------------------------ */
 
-/* Monotonic clock in nanoseconds. */
+/* Returns the monotonic clock in nanoseconds.  Never fails. */
 int64_t mpc_now_ns(void);
 
 /* Waits while *addr == expected, at most until deadline_ns (monotonic; -1
@@ -92,19 +108,20 @@ int mpc_wait_change(_Atomic uint32_t *addr, uint32_t expected, int64_t deadline_
  * MemAvailable and, for each memory cgroup (v1 or v2) from ours up to the
  * root, its limit minus its usage.  On success stores the figure in *avail
  * and a short description of which bound it is in why (at least 96 bytes).
- * Returns 0, or -errno if /proc/meminfo cannot be read. */
+ * Returns 0, or -errno (with a message naming /proc/meminfo) if
+ * /proc/meminfo cannot be read. */
 int mpc_mem_available(uint64_t *avail, char *why, size_t whylen);
 
 /* Creates a memfd of `size` bytes (a multiple of MPC_PAGE), sealed against
  * shrinking and growing, and reserves the first `reserve` bytes of it with
  * posix_fallocate after checking mpc_mem_available.  On success stores the
- * fd (close-on-exec) in *fd and returns 0.  On failure returns -ENOMEM (with
- * a message naming the size asked for and what was available), or another
- * -errno; no fd is left open. */
+ * fd (close-on-exec) in *fd and returns 0.  On failure returns -MPC_ENOSHM
+ * (with a message naming the size asked for and what was available), or
+ * another -errno; no fd is left open. */
 int mpc_memfd_create(uint64_t size, uint64_t reserve, int *fd);
 
 /* Reserves bytes [off, off+len) of a memfd made by mpc_memfd_create, with
- * the same availability check.  Returns 0, -ENOMEM or -errno. */
+ * the same availability check.  Returns 0, -MPC_ENOSHM or -errno. */
 int mpc_memfd_reserve(int fd, uint64_t off, uint64_t len);
 
 /* ------------------------------------------------------------------ */
@@ -167,9 +184,9 @@ typedef struct {
 
 /* Allocates a block of `length` bytes (length > 0) of the given kind,
  * reserved and mapped, zero-filled when zero != 0, held once by this
- * process.  Returns 0 and fills *out, or -ENOMEM (message names the size and
- * what was available), -ECONNREFUSED when no keeper can be reached, or
- * another -errno. */
+ * process.  Returns 0 and fills *out, or -MPC_ENOSHM (message names the size
+ * and what was available), -ECONNREFUSED when no keeper can be reached,
+ * -ENOMEM when malloc fails, or another -errno. */
 int mpc_block_alloc(uint64_t length, uint32_t kind, int zero, mpc_block *out);
 
 /* Takes a ticket on a block this process holds, so that the block outlives
@@ -186,7 +203,7 @@ int mpc_block_ticket(const mpc_block *b);
  * would have to connect or fetch, it returns -EAGAIN having changed
  * nothing (call mpc_segment_prepare, then again).  Returns 0 and fills
  * *out, or -MPC_EHANDLE (forged or corrupt), -MPC_ESTALE (block freed or
- * reused, or its ticket already redeemed), -ENOENT (no such segment), or
+ * reused, or its ticket already redeemed), -MPC_ENOSEG (no such segment), or
  * another -errno; on failure no reference count changes. */
 int mpc_block_attach(const mpc_ref *ref, int already_held, int may_block, mpc_block *out);
 
@@ -229,12 +246,18 @@ typedef struct {
 /* Copies this process's counters into *st.  Never fails. */
 void mpc_shm_get_stats(mpc_shm_stats *st);
 
-/* Forgets this process's keeper connection and slot after fork (in the
- * child), so that the next operation connects afresh.  Async-signal-safe. */
-void mpc_after_fork_child(void);
+/* What a block of some kind must let go of before it is freed
+ * (NOTE [ Block finalizers ] in arena.c): called with the block's memory,
+ * its length, and drop, which drops one ticket (pass it arg). */
+typedef void (*mpc_block_finalizer)(void *addr, uint64_t length,
+                                    void (*drop)(const mpc_ref *, void *), void *arg);
+
+/* Registers fn (NULL: none) as the finalizer of blocks of `kind` in this
+ * process.  Returns 0, or -EINVAL for a kind outside 1..7. */
+int mpc_block_set_finalizer(uint32_t kind, mpc_block_finalizer fn);
 
 /* ------------------------------------------------------------------ */
-/* The keeper (keeper.c)                                               */
+/* The keeper (keeper.c) and each process's client of it (client.c)   */
 /* ------------------------------------------------------------------ */
 
 /* The keeper is a small process, one per program, that holds the fd of
@@ -253,7 +276,9 @@ int mpc_keeper_main(int first, int lsock);
  * -errno. */
 int mpc_client_connect(const char **name);
 
-/* Connects as mpc_client_connect does, once, and gets this process's slot. */
+/* Connects as mpc_client_connect does, once, says HELLO and stores this
+ * process's slot in *slot.  Returns 0; -EINVAL in the keeper itself;
+ * -EUSERS when every slot is taken; or the errors of mpc_client_connect. */
 int mpc_client_slot(uint32_t *slot);
 
 /* This process's slot if it has one already (0), else -EAGAIN. */
@@ -265,18 +290,22 @@ int mpc_client_slot_ready(uint32_t *slot);
 int mpc_keeper_spawn(char *const tmpl[], char *name, size_t namelen);
 
 /* Sets the command mpc_client_slot uses to start a keeper when none runs.
- * The array must stay valid for the life of the process. */
+ * The array must stay valid for the life of the process.  Never fails. */
 void mpc_set_keeper_argv(char *const *argv);
 
-/* Pid of the keeper this process started, or 0. */
+/* Returns the pid of the keeper this process started, or 0.  Never fails. */
 pid_t mpc_keeper_pid(void);
 
-/* Client requests; each returns 0 or -errno. */
+/* Client requests; each returns 0 or -errno (-ECONNREFUSED when the keeper
+ * cannot be reached).  register hands the keeper a new segment's fd (-EEXIST
+ * for a known id); fetch stores a new fd of the segment in *fd, or returns
+ * -MPC_ENOSEG for a segment the keeper does not know; retire returns the
+ * keeper's answer (-EBUSY while a block is live) and leaves no message. */
 int mpc_client_register(uint64_t seg_id, int fd);
 int mpc_client_fetch(uint64_t seg_id, int *fd);
 int mpc_client_retire(uint64_t seg_id);
 
-/* The journal of tickets in transit (keeper.c, NOTE [ Journal ]).  Each
+/* The journal of tickets in transit (journal.c, NOTE [ Journal ]).  Each
  * process records there the tickets it holds between taking them off (or
  * before putting them on) a queue, so that the keeper drops them if the
  * process dies in between.  Both calls are no-ops in a process without a
@@ -292,6 +321,20 @@ int mpc_journal_add(const mpc_ref *ref);
 int mpc_journal_clear(const mpc_ref *ref);
 
 /* ------------------------------------------------------------------ */
+/* The core as a whole (core.c)                                        */
+/* ------------------------------------------------------------------ */
+
+/* Ties the subsystems together once per process, at load: registers the
+ * queue's block finalizer with the arena.  Returns 0 or -errno. */
+int mpc_core_init(void);
+
+/* Resets every subsystem in a child after fork: each lock of the core is
+ * made fresh (a thread of the parent may have held it), the keeper
+ * connection and slot are forgotten so that the next operation connects
+ * afresh, and the parent's segments are no longer owned.  Never fails. */
+void mpc_after_fork_child(void);
+
+/* ------------------------------------------------------------------ */
 /* Message rings (ring.c)                                              */
 /* ------------------------------------------------------------------ */
 
@@ -302,14 +345,16 @@ int mpc_journal_clear(const mpc_ref *ref);
 
 typedef struct mpc_ring mpc_ring;
 
-/* Bytes a ring needs in its region for `capacity` bytes of messages. */
+/* Returns the bytes a ring needs in its region for `capacity` bytes of
+ * messages.  Never fails. */
 uint64_t mpc_ring_footprint(uint64_t capacity);
 
 /* Initialises a ring in a zeroed region of `size` bytes; maxitems 0 means
  * no bound on the count of messages.  Returns 0 or -EINVAL. */
 int mpc_ring_init(void *region, uint64_t size, uint32_t maxitems);
 
-/* Largest payload a single message may carry (refs included). */
+/* Returns the largest payload a single message may carry (refs included).
+ * Never fails. */
 uint64_t mpc_ring_max_message(const mpc_ring *r);
 
 /* Appends a message.  deadline_ns: -1 waits for room forever, 0 does not
@@ -327,7 +372,7 @@ int mpc_ring_put(mpc_ring *r, const mpc_ref *refs, uint32_t nrefs,
 int mpc_ring_get(mpc_ring *r, mpc_ref **refs, uint32_t *nrefs, void **payload,
                  uint64_t *len, int64_t deadline_ns);
 
-/* Messages in the ring now (a snapshot). */
+/* Returns the count of messages in the ring now (a snapshot).  Never fails. */
 uint32_t mpc_ring_count(const mpc_ring *r);
 
 /* Marks the ring closed: waiting and later puts get -EPIPE; gets drain
@@ -335,7 +380,8 @@ uint32_t mpc_ring_count(const mpc_ring *r);
 void mpc_ring_close(mpc_ring *r);
 
 /* Calls fn(ref, arg) for each ref of each undelivered message and empties
- * the ring.  Used when a queue is freed, so its tickets are dropped. */
+ * the ring.  Used when a queue is freed, so its tickets are dropped.  Never
+ * fails (a corrupt ring is emptied without calls). */
 void mpc_ring_drain(mpc_ring *r, void (*fn)(const mpc_ref *, void *), void *arg);
 
 /* Checks that region (size bytes) holds an initialised ring that fits in
@@ -503,11 +549,12 @@ enum { MPC_COLL_ALL_REDUCE = 1, MPC_COLL_BROADCAST, MPC_COLL_BARRIER, MPC_COLL_A
 typedef struct mpc_coll mpc_coll;
 typedef struct mpc_coll_buf mpc_coll_buf;
 
-/* Bytes of an element of a dtype code, or 0 for an unknown code. */
+/* Returns the bytes of an element of a dtype code, or 0 for an unknown
+ * code. */
 size_t mpc_coll_dtype_size(int dtype);
 
-/* Bytes of the shared region of a group of `world` ranks that stages
- * `chunk` bytes per rank. */
+/* Returns the bytes of the shared region of a group of `world` ranks that
+ * stages `chunk` bytes per rank.  Never fails. */
 uint64_t mpc_coll_footprint(int world, uint64_t chunk);
 
 /* Makes the shared region of a new group (a sealed, reserved memfd) and

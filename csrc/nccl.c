@@ -5,7 +5,7 @@
  * names (the nvidia-nccl wheel's), else the system's.  Every NCCL failure
  * becomes -EIO with NCCL's own error string (and its last message, where
  * the library has ncclGetLastError) left in mpc_errmsg(). */
-#include "mpcore.h"
+#include "internal.h"
 
 #include <dlfcn.h>
 #include <pthread.h>
@@ -32,11 +32,16 @@ static struct {
 
 static pthread_mutex_t nccl_lock = PTHREAD_MUTEX_INITIALIZER;
 
+void mpc__nccl_after_fork_child(void) {
+    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
+    memcpy(&nccl_lock, &fresh, sizeof fresh);
+}
+
 /* mpcore's dtype and op codes (MPC_DT_*, MPC_OP_*) in NCCL's numbering. */
 static const int nccl_dtype[MPC_DT_COUNT] = {7, 8, 6, 9, 2, 4, 1};
 static const int nccl_op[MPC_OP_COUNT] = {0, 4, 1, 3, 2};
 
-static int bind(void *lib) {
+static int bind_symbols(void *lib) {
 #define SYM(field, name)                                                                   \
     if ((*(void **)&nccl.field = dlsym(lib, name)) == NULL)                                 \
         return mpc_fail(ENOSYS, "the NCCL library has no %s", name);
@@ -87,7 +92,7 @@ int mpc_nccl_load(const char *const *paths, int npaths, const char **where) {
                              "nvidia-nccl wheel or on the system's library path%s", tried);
         goto done;
     }
-    if ((r = bind(lib)) < 0) {
+    if ((r = bind_symbols(lib)) < 0) {
         dlclose(lib);
         memset(&nccl, 0, sizeof nccl);
     }

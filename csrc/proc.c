@@ -21,7 +21,7 @@
  *   - Python does the fork itself (PyOS_BeforeFork and friends live in the
  *     binding); this file only waits for a request, sets up the child, and
  *     keeps the books. */
-#include "mpcore.h"
+#include "internal.h"
 
 #include <dirent.h>
 #include <inttypes.h>
@@ -38,7 +38,6 @@
 #include <sys/wait.h>
 
 extern char **environ;
-socklen_t mpc__addr(const char *name, struct sockaddr_un *sa);
 
 /* NOTE [ Starting a service ]
  * The keeper and the zygote start the same way: an abstract address bound
@@ -248,31 +247,9 @@ static void mpc__zreap(mpc_zygote *z) {
 static int mpc__zrecv(mpc_zygote *z, int c, mpc_zreq *req) {
     int sock = z->clients[c];
     mpc_zmsg m;
-    union {
-        char buf[CMSG_SPACE(sizeof(int) * MPC_ZMAX_FDS)];
-        struct cmsghdr align;
-    } u;
-    struct iovec iov = {&m, sizeof m};
-    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf,
-                        .msg_controllen = sizeof u.buf};
-    ssize_t n;
-    do {
-        n = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC);
-    } while (n < 0 && errno == EINTR);
     int fds[MPC_ZMAX_FDS];
     int nfds = 0;
-    for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm; cm = CMSG_NXTHDR(&mh, cm))
-        if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
-            int k = (int)((cm->cmsg_len - CMSG_LEN(0)) / sizeof(int));
-            for (int i = 0; i < k; i++) {
-                int fd;
-                memcpy(&fd, CMSG_DATA(cm) + i * sizeof(int), sizeof fd);
-                if (nfds < MPC_ZMAX_FDS)
-                    fds[nfds++] = fd;
-                else
-                    close(fd);
-            }
-        }
+    ssize_t n = mpc__recv_fds(sock, &m, sizeof m, fds, MPC_ZMAX_FDS, &nfds);
     if (n <= 0)
         goto gone;
     /* The rest of the header may come in a later segment of the stream. */

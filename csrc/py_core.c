@@ -20,13 +20,20 @@ mpc_state *mpc_type_state(PyTypeObject *type) {
 }
 
 PyObject *mpc_py_raise(mpc_state *st, int err) {
+    /* NOTE [ mpcore's error codes ] in mpcore.h: only mpcore's own codes
+     * mean a bad handle or a shortage of shared memory; an errno means
+     * what its name says. */
     const char *msg = mpc_errmsg();
     int e = err < 0 ? -err : err;
-    if (e == ENOMEM) {
+    if (e == MPC_ENOSHM) {
         PyErr_SetString(PyExc_MemoryError, *msg ? msg : "out of shared memory");
-    } else if (e == MPC_EHANDLE || e == MPC_ESTALE || e == ENOENT) {
+    } else if (e == ENOMEM) {
+        PyErr_SetString(PyExc_MemoryError, *msg ? msg : strerror(ENOMEM));
+    } else if (e == MPC_EHANDLE || e == MPC_ESTALE || e == MPC_ENOSEG) {
         PyErr_SetString(st ? st->HandleError : PyExc_ValueError,
-                        *msg ? msg : "invalid shared-memory handle");
+                        *msg ? msg : mpc_strerror(e));
+    } else if (e >= MPC_ERR_BASE && e < MPC_ERR_END) {
+        PyErr_Format(PyExc_RuntimeError, "mpcore error %d: %s", e, *msg ? msg : mpc_strerror(e));
     } else if (e == ETIMEDOUT) {
         PyErr_SetString(PyExc_TimeoutError, *msg ? msg : "timed out");
     } else if (e == EINVAL) {
@@ -94,6 +101,12 @@ void mpc_py_argv_free(char **argv) {
 
 static int mpc_exec(PyObject *m) {
     mpc_state *st = mpc_get_state(m);
+    mpc_clear_error();
+    int rc = mpc_core_init();
+    if (rc < 0) {
+        mpc_py_raise(st, rc);
+        return -1;
+    }
     st->HandleError = PyErr_NewExceptionWithDoc(
         "mpcore.HandleError",
         "A shared-memory handle that is forged, corrupt, stale or out of bounds.",
@@ -162,4 +175,6 @@ static struct PyModuleDef mpc_module = {
     .m_free = mpc_free,
 };
 
+/* The module's entry point: returns its definition for multi-phase
+ * initialisation (mpc_exec does the work).  Never fails. */
 PyMODINIT_FUNC PyInit__core(void) { return PyModuleDef_Init(&mpc_module); }

@@ -18,14 +18,18 @@ typedef struct {
     PyTypeObject *GroupBufferType;
 } mpc_state;
 
+/* Returns the state of the module object.  Never fails. */
 mpc_state *mpc_get_state(PyObject *module);
-/* State of the module that defined `type` (for methods of our types). */
+/* Returns the state of the module that defined `type` (for methods of our
+ * types), or NULL (no exception set) if the type is not the module's. */
 mpc_state *mpc_type_state(PyTypeObject *type);
 
 /* Turns a negative code from the core into the matching exception, with
  * mpc_errmsg() as its message when there is one.  Always returns NULL.
- *   -ENOMEM -> MemoryError, -MPC_EHANDLE/-MPC_ESTALE/-ENOENT -> HandleError,
- *   -ETIMEDOUT -> TimeoutError, -EINVAL -> ValueError, others -> OSError. */
+ *   -MPC_ENOSHM -> MemoryError ("out of shared memory" when no message),
+ *   -ENOMEM -> MemoryError, -MPC_EHANDLE/-MPC_ESTALE/-MPC_ENOSEG ->
+ *   HandleError, -ETIMEDOUT -> TimeoutError, -EINVAL -> ValueError, other
+ *   errnos -> OSError(errno, message) (so -ENOENT is FileNotFoundError). */
 PyObject *mpc_py_raise(mpc_state *st, int err);
 
 /* Converts a Python timeout (None = forever, number of seconds) into a
@@ -58,7 +62,8 @@ PyObject *mpc_py_ring_raise(PyObject *ring, int rc);
  * MemoryError (naming the sizes) or another exception on failure. */
 PyObject *mpc_py_block_alloc(mpc_state *st, uint64_t nbytes, void **addr);
 
-/* Each binding file adds its types and functions to the module. */
+/* Each binding file adds its types and functions to the module; each
+ * returns 0, or -1 with an exception set. */
 int mpc_py_shm_exec(PyObject *m, mpc_state *st);
 int mpc_py_ring_exec(PyObject *m, mpc_state *st);
 int mpc_py_proc_exec(PyObject *m, mpc_state *st);

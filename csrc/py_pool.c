@@ -27,15 +27,50 @@ typedef struct {
 } PoolObject;
 
 /* Drops a message nobody will read: its tickets (journaled by the get)
- * and its memory. */
+ * and its memory.  Called with the GIL held; releases it while dropping,
+ * which may ask the keeper for a segment. */
 static void msg_drop(void *p) {
     msg *m = p;
+    Py_BEGIN_ALLOW_THREADS
     for (uint32_t i = 0; i < m->nrefs; i++)
         if (mpc_journal_clear(&m->refs[i]))
             mpc_ref_drop(&m->refs[i]);
+    Py_END_ALLOW_THREADS
     free(m->refs);
     free(m->payload);
     free(m);
+}
+
+/* The pool's books drop kept results while they change (reset, free),
+ * where releasing the GIL would let another thread see them half-done: so
+ * those results are only set aside here (under the GIL), and dropped by
+ * drop_set_aside once the books are whole again. */
+static msg **set_aside;
+static size_t nset_aside, capset_aside;
+
+static void msg_set_aside(void *p) {
+    if (nset_aside == capset_aside) {
+        size_t cap = capset_aside ? 2 * capset_aside : 16;
+        msg **grown = realloc(set_aside, cap * sizeof *grown);
+        if (grown == NULL) { /* no room to defer: drop now, GIL held */
+            msg *m = p;
+            for (uint32_t i = 0; i < m->nrefs; i++)
+                if (mpc_journal_clear(&m->refs[i]))
+                    mpc_ref_drop(&m->refs[i]);
+            free(m->refs);
+            free(m->payload);
+            free(m);
+            return;
+        }
+        set_aside = grown;
+        capset_aside = cap;
+    }
+    set_aside[nset_aside++] = p;
+}
+
+static void drop_set_aside(void) {
+    while (nset_aside > 0)
+        msg_drop(set_aside[--nset_aside]);
 }
 
 /* (worker, kind, task, refs, payload) for Python; frees m. */
@@ -94,7 +129,7 @@ static PyObject *Pool_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     if (self == NULL)
         return NULL;
     mpc_clear_error();
-    int rc = mpc_pool_new(nworkers, prefetch, in_order, msg_drop, &self->pool);
+    int rc = mpc_pool_new(nworkers, prefetch, in_order, msg_set_aside, &self->pool);
     if (rc < 0) {
         Py_DECREF(self);
         return mpc_py_raise(st, rc);
@@ -108,6 +143,7 @@ static void Pool_dealloc(PyObject *op) {
     PoolObject *self = (PoolObject *)op;
     PyTypeObject *tp = Py_TYPE(op);
     mpc_pool_free(self->pool);
+    drop_set_aside();
     Py_XDECREF(self->ring_obj);
     tp->tp_free(op);
     Py_DECREF(tp);
@@ -212,6 +248,7 @@ static PyObject *Pool_active(PyObject *op, PyObject *arg) {
 
 static PyObject *Pool_reset(PyObject *op, PyObject *unused) {
     mpc_pool_reset(((PoolObject *)op)->pool);
+    drop_set_aside();
     Py_RETURN_NONE;
 }
 

@@ -7,7 +7,7 @@
  * check what this process may still commit, because a memfd reserved past
  * a memory cgroup's limit gets the process killed by the OOM killer with no
  * error code at all.  NOTE [ Shared-memory shortage ] below. */
-#include "mpcore.h"
+#include "internal.h"
 
 #include <fcntl.h>
 #include <inttypes.h>
@@ -107,16 +107,21 @@ int mpc_mem_available(uint64_t *avail, char *why, size_t whylen) {
     FILE *f = fopen("/proc/meminfo", "re");
     if (f == NULL)
         return mpc_fail(errno, "cannot read /proc/meminfo: %s", strerror(errno));
+    int found = 0;
     char line[256];
     while (fgets(line, sizeof line, f)) {
         unsigned long long kb;
         if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) {
             best = (uint64_t)kb * 1024;
             snprintf(why, whylen, "MemAvailable");
+            found = 1;
             break;
         }
     }
+    int read_error = ferror(f);
     fclose(f);
+    if (!found && read_error)
+        return mpc_fail(EIO, "cannot read /proc/meminfo: read error");
 
     char dir[1024];
     int ver = mpc__cgroup_dir(dir, sizeof dir);
@@ -175,11 +180,17 @@ static int mpc__check_available(uint64_t len, uint64_t *avail, char *why, size_t
     return len > *avail ? -ENOMEM : 0;
 }
 
+void mpc__shm_after_fork_child(void) {
+    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
+    memcpy(&mpc__avail_lock, &fresh, sizeof fresh);
+    mpc__avail_when = -1; /* the parent's figure: read again */
+}
+
 static int mpc__reserve(int fd, uint64_t off, uint64_t len) {
     uint64_t avail = 0;
     char why[512];
     if (mpc__check_available(len, &avail, why, sizeof why) < 0)
-        return mpc_fail(ENOMEM,
+        return mpc_fail(MPC_ENOSHM,
                         "cannot allocate %" PRIu64 " bytes (%.1f MiB) of shared memory: "
                         "only %" PRIu64 " bytes (%.1f MiB) available (%s)",
                         len, len / 1048576.0, avail, avail / 1048576.0, why);
@@ -188,7 +199,7 @@ static int mpc__reserve(int fd, uint64_t off, uint64_t len) {
         r = posix_fallocate(fd, (off_t)off, (off_t)len);
     } while (r == EINTR);
     if (r == ENOSPC || r == ENOMEM || r == EFBIG)
-        return mpc_fail(ENOMEM, "cannot allocate %" PRIu64 " bytes (%.1f MiB) of shared memory: %s",
+        return mpc_fail(MPC_ENOSHM, "cannot allocate %" PRIu64 " bytes (%.1f MiB) of shared memory: %s",
                         len, len / 1048576.0, strerror(r));
     if (r != 0)
         return mpc_fail(r, "posix_fallocate of %" PRIu64 " bytes failed: %s", len, strerror(r));
@@ -219,7 +230,7 @@ int mpc_memfd_create(uint64_t size, uint64_t reserve, int *fdp) {
 
     int r;
     if (ftruncate(fd, (off_t)size) < 0) {
-        r = mpc_fail(errno == EFBIG ? ENOMEM : errno, "cannot size a %" PRIu64 "-byte segment: %s",
+        r = mpc_fail(errno == EFBIG ? MPC_ENOSHM : errno, "cannot size a %" PRIu64 "-byte segment: %s",
                      size, strerror(errno));
         goto err;
     }

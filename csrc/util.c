@@ -61,3 +61,19 @@ void mpc_copy(void *dst, const void *src, size_t n) {
     memcpy(dst, src, half);
     pthread_join(t, NULL);
 }
+
+const char *mpc_strerror(int err) {
+    int e = err < 0 ? -err : err;
+    switch (e) {
+    case MPC_EHANDLE:
+        return "invalid shared-memory handle";
+    case MPC_ESTALE:
+        return "stale shared-memory handle";
+    case MPC_ENOSEG:
+        return "unknown shared-memory segment";
+    case MPC_ENOSHM:
+        return "out of shared memory";
+    default:
+        return strerror(e);
+    }
+}
