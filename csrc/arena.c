@@ -1,4 +1,7 @@
 /* arena.c: segments mapped by this process, and the blocks inside them.
+ * It asks the keeper for what it has not mapped through client.c, and
+ * offers the keeper (keeper.c) the few functions of internal.h that it
+ * needs to keep segments and sweep a dead process's holds.
  *
  * NOTE [ Blocks and references ]
  * Shared memory is handed out in blocks.  A request of up to
@@ -19,8 +22,9 @@
  *   release: clear bit then refs-- (only if the bit was set)
  * The keeper drops the holds of a process that dies (keeper.c).
  *
- * When a block's count reaches zero it is freed: a queue drops the tickets
- * of its undelivered messages first, then the generation becomes even.  A
+ * When a block's count reaches zero it is freed: its kind's finalizer runs
+ * first (a queue drops the tickets of its undelivered messages; NOTE
+ * [ Block finalizers ]), then the generation becomes even.  A
  * segment whose owner has gone (ORPHAN) is retired by the keeper when its
  * last block is freed.  A freed single-block segment stays with its owner
  * for reuse, within a budget (MPC_CACHE_BYTES); idle mappings of other

@@ -9,12 +9,14 @@
  * A process starts a keeper (and sets MPCORE_KEEPER for its own children)
  * only when no one listens at that address: connect() failing with
  * ECONNREFUSED (an address whose keeper has exited) or ENOENT.  Any other
- * failure means a keeper is there: EINTR (a signal while connect waited
- * for room in the backlog) is retried at once, and EAGAIN (the backlog of
- * a busy keeper is full) after a short pause, for up to
- * MPC_CONNECT_PATIENCE_NS.  Starting a second keeper then would split the
- * program's processes between two keepers, and neither could fetch the
- * other's segments. */
+ * failure means a keeper is there.  EINTR (a signal while connect waited
+ * for room in the backlog) is retried at once.  EAGAIN (the backlog of a
+ * busy keeper is full: a connect waits at most a second for room, then
+ * fails so) is retried after a short pause, for up to
+ * MPC_CONNECT_PATIENCE_NS, after which the keeper is reported as not
+ * accepting.  Starting a second keeper instead would split the program's
+ * processes between two keepers, and neither could fetch the other's
+ * segments. */
 #include "internal.h"
 
 #include <inttypes.h>
@@ -22,6 +24,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <sys/time.h>
 #include <time.h>
 
 #define MPC_CONNECT_PATIENCE_NS (30LL * 1000000000LL)
@@ -113,7 +116,14 @@ static int mpc__connect_to(const char *name, int *out) {
         if (sock < 0)
             return mpc_fail(errno, "cannot make a socket for the mpcore keeper: %s",
                             strerror(errno));
+        /* A blocking connect waits for room in a full backlog; the timeout
+         * turns that wait into EAGAIN after a second, so that a keeper that
+         * never accepts is reported instead of waited for forever.  It is
+         * cleared once connected: requests wait for their replies. */
+        struct timeval tv = {1, 0}, none = {0, 0};
+        setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
         if (connect(sock, (struct sockaddr *)&sa, l) == 0) {
+            setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &none, sizeof none);
             *out = sock;
             return 0;
         }

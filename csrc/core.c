@@ -16,11 +16,19 @@
  *   arena.c   mpc__lock          the segments mapped here
  *   shm.c     mpc__avail_lock    the cached memory-availability figure
  *   nccl.c    nccl_lock          loading NCCL
+ * Loading NCCL is more than a lock: a thread inside dlopen() at the moment
+ * of fork leaves the C library's list of loaded objects half-changed in
+ * the child, whose next dlopen() then crashes.  So the NCCL loader's lock
+ * is also taken around fork (pthread_atfork, registered once at load): the
+ * fork waits until no thread is loading NCCL, and the child starts with the
+ * lock fresh.
  * (The rings' mutexes live in shared memory and are robust, process-shared
  * ones: a holder in another process is not a lost thread; they need no
  * reset.)  A new lock in the core gets a reset here, or a fork test that
  * forks while a thread holds it will hang. */
 #include "internal.h"
+
+#include <pthread.h>
 
 /* The queue's finalizer: a queue's undelivered messages carry tickets,
  * dropped before its block is freed. */
@@ -30,7 +38,19 @@ static void mpc__queue_finalizer(void *addr, uint64_t length,
     mpc_ring_drain((mpc_ring *)addr, drop, arg);
 }
 
+static pthread_once_t mpc__atfork_once = PTHREAD_ONCE_INIT;
+static int mpc__atfork_err;
+
+static void mpc__register_atfork(void) {
+    mpc__atfork_err = pthread_atfork(mpc__nccl_before_fork, mpc__nccl_after_fork_parent,
+                                     mpc__nccl_after_fork_child);
+}
+
 int mpc_core_init(void) {
+    pthread_once(&mpc__atfork_once, mpc__register_atfork);
+    if (mpc__atfork_err != 0)
+        return mpc_fail(mpc__atfork_err, "cannot register the core's fork handlers: %s",
+                        mpc_strerror(mpc__atfork_err));
     return mpc_block_set_finalizer(MPC_BLOCK_QUEUE, mpc__queue_finalizer);
 }
 

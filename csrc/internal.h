@@ -141,8 +141,13 @@ void mpc__arena_after_fork_child(void);
  * and forgets the cached figure.  Never fails. */
 void mpc__shm_after_fork_child(void);
 
-/* In a child after fork: resets the lock that guards loading NCCL (what
- * was loaded stays loaded).  Never fails. */
+/* Around fork (pthread_atfork, NOTE [ Reset after fork ] in core.c):
+ * before_fork waits until no thread of this process is loading NCCL and
+ * keeps others from starting, after_fork_parent lets them go on, and
+ * after_fork_child makes the lock fresh in the child (what was loaded
+ * stays loaded).  They never fail. */
+void mpc__nccl_before_fork(void);
+void mpc__nccl_after_fork_parent(void);
 void mpc__nccl_after_fork_child(void);
 
 #endif /* MPCORE_INTERNAL_H */

@@ -325,7 +325,8 @@ int mpc_journal_clear(const mpc_ref *ref);
 /* ------------------------------------------------------------------ */
 
 /* Ties the subsystems together once per process, at load: registers the
- * queue's block finalizer with the arena.  Returns 0 or -errno. */
+ * queue's block finalizer with the arena and the core's fork handlers
+ * (NOTE [ Reset after fork ] in core.c).  Returns 0 or -errno. */
 int mpc_core_init(void);
 
 /* Resets every subsystem in a child after fork: each lock of the core is

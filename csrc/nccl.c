@@ -32,6 +32,10 @@ static struct {
 
 static pthread_mutex_t nccl_lock = PTHREAD_MUTEX_INITIALIZER;
 
+void mpc__nccl_before_fork(void) { pthread_mutex_lock(&nccl_lock); }
+
+void mpc__nccl_after_fork_parent(void) { pthread_mutex_unlock(&nccl_lock); }
+
 void mpc__nccl_after_fork_child(void) {
     pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
     memcpy(&nccl_lock, &fresh, sizeof fresh);

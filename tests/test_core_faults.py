@@ -101,7 +101,6 @@ def test_interrupted_connect_joins_the_running_keeper(scenario):
         filler = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         filler.connect("\0" + name)      # the backlog is now full
         os.environ["MPCORE_KEEPER"] = name
-        from mpcore import _core
         signal.signal(signal.SIGUSR1, lambda *a: None)   # no SA_RESTART
         main_tid = threading.get_native_id()
         main_ident = threading.main_thread().ident
@@ -125,6 +124,7 @@ def test_interrupted_connect_joins_the_running_keeper(scenario):
 
         t = threading.Thread(target=helper)
         t.start()
+        from mpcore import _core   # importing mpcore connects to MPCORE_KEEPER
         got = _core.ensure_keeper()
         t.join()
         print("NAME", got == name, os.environ["MPCORE_KEEPER"] == name, _core.keeper_pid())
