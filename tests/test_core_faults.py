@@ -171,3 +171,77 @@ def test_a_failed_malloc_is_not_called_a_shortage_of_shared_memory():
         _core.Pool(ring, 1 << 20, 1 << 30)
     assert "shared memory" not in str(info.value)
     assert str(info.value)  # says something
+
+
+_FAIL_CALLOC = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+extern void *__libc_calloc(size_t, size_t);
+static int armed;
+
+/* The next calloc called from mpcore's core fails. */
+void mpc_test_fail_next_core_calloc(void) { __atomic_store_n(&armed, 1, __ATOMIC_SEQ_CST); }
+
+void *calloc(size_t n, size_t size) {
+    if (__atomic_load_n(&armed, __ATOMIC_SEQ_CST)) {
+        Dl_info info;
+        if (dladdr(__builtin_return_address(0), &info) && info.dli_fname &&
+            strstr(info.dli_fname, "/_core.") && __atomic_exchange_n(&armed, 0, __ATOMIC_SEQ_CST)) {
+            errno = ENOMEM;
+            return NULL;
+        }
+    }
+    return __libc_calloc(n, size);
+}
+"""
+
+
+def test_a_new_segment_whose_books_cannot_be_allocated_is_retired(scenario, tmp_path):
+    # When the books of a new segment cannot be allocated, the segment
+    # (already registered with the keeper) is retired and the allocation
+    # fails with MemoryError; the process neither crashes (reading the
+    # unmapped header) nor leaves the keeper holding the segment.
+    import subprocess
+    from conftest import run_program
+    require(shutil.which("gcc") is not None, "gcc to build a calloc that fails on demand")
+    src = tmp_path / "failcalloc.c"
+    so = tmp_path / "failcalloc.so"
+    src.write_text(_FAIL_CALLOC)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(so), str(src), "-ldl"],
+                   check=True, timeout=60)
+    env = dict(scenario.env(), LD_PRELOAD=str(so))
+    r = run_program(r"""
+        import ctypes, os
+        from mpcore import _core
+        b = _core.alloc(4096)          # connected, slot taken
+        kpid = _core.keeper_pid()
+
+        def keeper_memfds():
+            n = 0
+            for fd in os.listdir("/proc/%d/fd" % kpid):
+                try:
+                    n += "memfd:mpcore" in os.readlink("/proc/%d/fd/%s" % (kpid, fd))
+                except OSError:
+                    pass
+            return n
+
+        before = keeper_memfds()
+        ctypes.CDLL(None).mpc_test_fail_next_core_calloc()
+        try:
+            _core.alloc(8 << 20)
+            print("NO ERROR")
+        except MemoryError as e:
+            print("MEMORYERROR", e)
+        print("KEEPER HOLDS", keeper_memfds() - before, "MORE")
+        big = _core.alloc(8 << 20)     # the next allocation works
+        print("ALLOCATED", len(memoryview(big)) >= 8 << 20)
+    """, env=env, timeout=60)
+    assert r.returncode == 0, f"exit status {r.returncode}\n{r.stdout}\n{r.stderr}"
+    assert "MEMORYERROR out of memory" in r.stdout, r.stdout + r.stderr
+    assert "KEEPER HOLDS 0 MORE" in r.stdout, r.stdout
+    assert "ALLOCATED True" in r.stdout, r.stdout
+    scenario.check_clean()
