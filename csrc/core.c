@@ -22,6 +22,8 @@
  * is also taken around fork (pthread_atfork, registered once at load): the
  * fork waits until no thread is loading NCCL, and the child starts with the
  * lock fresh.
+ * The pthread_once of mpc_core_init cannot be caught half-way: it runs
+ * while the module loads, and Python forks only with the import lock held.
  * (The rings' mutexes live in shared memory and are robust, process-shared
  * ones: a holder in another process is not a lost thread; they need no
  * reset.)  A new lock in the core gets a reset here, or a fork test that

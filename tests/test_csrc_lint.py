@@ -170,3 +170,22 @@ def test_the_contract_check_rejects_a_bare_comment():
              "/* Sets things up.  Returns 0 or -errno. */", "int mpc_y(void);"]
     assert not CONTRACT.search(_comment_before(lines, 1, True))
     assert CONTRACT.search(_comment_before(lines, 3, True))
+
+
+def test_every_lock_of_the_core_is_reset_after_fork():
+    # NOTE [ Reset after fork ] in core.c: each process-local mutex of the
+    # core is made fresh in the child by its own file's reset function, and
+    # the note lists it.
+    with open(os.path.join(CSRC, "core.c")) as f:
+        note = f.read()
+    bad = []
+    for name, text in sources():
+        if not name.endswith(".c") or name.startswith("py_"):
+            continue
+        for lock in re.findall(r"^static pthread_mutex_t (\w+)", text, re.M):
+            reset = re.search(rf"memcpy\(&{lock}, &fresh|pthread_mutex_init\(&{lock}\b", text)
+            if not reset:
+                bad.append(f"{name}: {lock} is never reset")
+            if not re.search(rf"\b{name}\s+{lock}\b", note):
+                bad.append(f"{name}: {lock} is not in NOTE [ Reset after fork ]")
+    assert not bad, bad
