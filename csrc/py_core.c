@@ -101,18 +101,18 @@ void mpc_py_argv_free(char **argv) {
 
 static int mpc_exec(PyObject *m) {
     mpc_state *st = mpc_get_state(m);
-    mpc_clear_error();
-    int rc = mpc_core_init();
-    if (rc < 0) {
-        mpc_py_raise(st, rc);
-        return -1;
-    }
     st->HandleError = PyErr_NewExceptionWithDoc(
         "mpcore.HandleError",
         "A shared-memory handle that is forged, corrupt, stale or out of bounds.",
         PyExc_ValueError, NULL);
     if (st->HandleError == NULL || PyModule_AddObjectRef(m, "HandleError", st->HandleError) < 0)
         return -1;
+    mpc_clear_error();
+    int rc = mpc_core_init();
+    if (rc < 0) {
+        mpc_py_raise(st, rc);
+        return -1;
+    }
     PyObject *queue = PyImport_ImportModule("queue");
     if (queue == NULL)
         return -1;

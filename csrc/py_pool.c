@@ -11,12 +11,13 @@
 #define HEADER 16
 enum { KIND_END = 3, KIND_RESUME = 4 }; /* see _worker.py for the others */
 
-typedef struct {
+typedef struct msg {
     mpc_ref *refs;
     uint32_t nrefs;
     uint32_t kind;
     void *payload; /* header included */
     uint64_t len;
+    struct msg *next; /* set aside to be dropped */
 } msg;
 
 typedef struct {
@@ -43,34 +44,22 @@ static void msg_drop(void *p) {
 
 /* The pool's books drop kept results while they change (reset, free),
  * where releasing the GIL would let another thread see them half-done: so
- * those results are only set aside here (under the GIL), and dropped by
- * drop_set_aside once the books are whole again. */
-static msg **set_aside;
-static size_t nset_aside, capset_aside;
+ * those results are only set aside here (a list under the GIL, which
+ * cannot fail), and dropped by drop_set_aside once the books are whole. */
+static msg *set_aside;
 
 static void msg_set_aside(void *p) {
-    if (nset_aside == capset_aside) {
-        size_t cap = capset_aside ? 2 * capset_aside : 16;
-        msg **grown = realloc(set_aside, cap * sizeof *grown);
-        if (grown == NULL) { /* no room to defer: drop now, GIL held */
-            msg *m = p;
-            for (uint32_t i = 0; i < m->nrefs; i++)
-                if (mpc_journal_clear(&m->refs[i]))
-                    mpc_ref_drop(&m->refs[i]);
-            free(m->refs);
-            free(m->payload);
-            free(m);
-            return;
-        }
-        set_aside = grown;
-        capset_aside = cap;
-    }
-    set_aside[nset_aside++] = p;
+    msg *m = p;
+    m->next = set_aside;
+    set_aside = m;
 }
 
 static void drop_set_aside(void) {
-    while (nset_aside > 0)
-        msg_drop(set_aside[--nset_aside]);
+    while (set_aside != NULL) {
+        msg *m = set_aside;
+        set_aside = m->next;
+        msg_drop(m);
+    }
 }
 
 /* (worker, kind, task, refs, payload) for Python; frees m. */

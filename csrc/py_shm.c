@@ -55,7 +55,9 @@ static void block_unlink(BlockObject *self) {
 static PyObject *block_new_from(PyTypeObject *type, const mpc_block *b) {
     BlockObject *self = PyObject_GC_New(BlockObject, type);
     if (self == NULL) {
+        Py_BEGIN_ALLOW_THREADS
         mpc_block_release(b);
+        Py_END_ALLOW_THREADS
         return NULL;
     }
     self->b = *b;

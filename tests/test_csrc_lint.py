@@ -189,3 +189,24 @@ def test_every_lock_of_the_core_is_reset_after_fork():
             if not re.search(rf"\b{name}\s+{lock}\b", note):
                 bad.append(f"{name}: {lock} is not in NOTE [ Reset after fork ]")
     assert not bad, bad
+
+
+# Core calls that may wait for the keeper (a connect, a request, a reply).
+_MAY_WAIT_FOR_THE_KEEPER = ("mpc_ref_drop", "mpc_block_release", "mpc_block_alloc",
+                            "mpc_block_claim", "mpc_segment_prepare", "mpc_forget_idle",
+                            "mpc_client_connect", "mpc_client_slot", "mpc_keeper_main")
+
+
+def test_bindings_release_the_gil_around_calls_that_may_wait_for_the_keeper():
+    bad = []
+    for name, text in sources():
+        if not name.startswith("py_") or not name.endswith(".c"):
+            continue
+        for fn, body in units(text):
+            for m in re.finditer(r"\b(" + "|".join(_MAY_WAIT_FOR_THE_KEEPER) + r")\s*\(", body):
+                before = body[:m.start()]
+                opened = before.rfind("Py_BEGIN_ALLOW_THREADS")
+                closed = before.rfind("Py_END_ALLOW_THREADS")
+                if opened < 0 or closed > opened:
+                    bad.append(f"{name}: {fn} calls {m.group(1)} with the GIL held")
+    assert not bad, bad
