@@ -7,8 +7,9 @@ validation, the protected attributes, len(), the samplers and the
 single-process iterator are torch's own.  Only multi-process iteration is
 ours (_PoolIter), and it follows torch's _MultiProcessingDataLoaderIter
 step for step: the same tasks to the same workers in the same order, the
-same seeds, the same errors.  Without torch the base class is
-_standalone.DataLoaderBase, which gives numpy batches.
+same seeds, the same errors.  Without torch the base classes are
+_base.DataLoaderBase and _base.DataLoaderIterBase, which give numpy
+batches.
 
 NOTE [ Batch slots ]
 A worker collates each batch into one block of shared memory that it
