@@ -340,3 +340,67 @@ def test_watching_a_process_that_is_gone_is_an_error():
         pool.watch(0, p.pid)
     with pytest.raises(ValueError, match="worker 3"):
         pool.watch(3, 1)
+
+
+class _Gate:
+    """Sample 2 waits until the test writes to a FIFO."""
+
+    def __init__(self, fifo):
+        self.fifo = fifo
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        if i == 2:
+            import os
+            fd = os.open(self.fifo, os.O_RDONLY)
+            os.read(fd, 1)
+            os.close(fd)
+        return i
+
+
+class _Counting:
+    """A Pool whose next() calls are counted."""
+
+    def __init__(self, pool):
+        self.pool, self.calls = pool, 0
+
+    def next(self, *args):
+        self.calls += 1
+        return self.pool.next(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.pool, name)
+
+
+@pytest.mark.timeout(60)
+def test_the_loader_waits_for_a_slow_batch_in_one_call(tmp_path, leak_check):
+    # NOTE [ Waiting for results ]: no periodic wake-up while a worker is
+    # busy.  The second is how long the batch is held back, not a wait for
+    # an event; a loader that looked at its workers every 0.1 s would call
+    # into the pool about ten times.
+    import os
+    import threading
+    import time
+    from mpcore.data import DataLoader
+    fifo = str(tmp_path / "gate")
+    os.mkfifo(fifo)
+    loader = DataLoader(_Gate(fifo), batch_size=1, num_workers=1, multiprocessing_context="fork")
+    it = iter(loader)
+    assert [int(next(it)), int(next(it))] == [0, 1]
+    it._pool = counting = _Counting(it._pool)
+
+    def release():
+        time.sleep(1.0)
+        fd = os.open(fifo, os.O_WRONLY)
+        os.write(fd, b"x")
+        os.close(fd)
+
+    t = threading.Thread(target=release)
+    t.start()
+    assert int(next(it)) == 2
+    t.join()
+    assert counting.calls == 1
+    assert int(next(it)) == 3
+    del it, loader

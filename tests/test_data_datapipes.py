@@ -8,6 +8,7 @@ Each case runs torch's loader and mpcore's over fresh copies of the same
 graph after the same torch.manual_seed, in this (plain python) process, so
 torch's loader is torch's own."""
 import ast
+import json
 import os
 import subprocess
 import sys
@@ -252,3 +253,58 @@ def _closure(name):
                 seen.add(n)
                 todo.append(n)
     return seen
+
+
+# --- across ranks ----------------------------------------------------------------
+
+RANK_PROGRAM = '''
+import json, sys
+import torch
+import torch.distributed as dist
+import torch.utils.data as tud
+from torch.utils.data.datapipes.iter import IterableWrapper
+import mpcore.data as md
+
+rank, world, init = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+
+def run(cls):
+    torch.manual_seed(100 + rank)  # each rank its own seed: the shared one is rank 0's
+    pipe = IterableWrapper(range({n})).shuffle().sharding_filter()
+    loader = cls(pipe, batch_size=2, num_workers=2, persistent_workers=True)
+    return [[x for b in loader for x in b.tolist()] for _ in range(2)]
+
+print("RESULT " + json.dumps({{"torch": run(tud.DataLoader), "mpcore": run(md.DataLoader)}}),
+      flush=True)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.timeout(180)
+def test_ranks_share_the_seed_and_split_the_data(tmp_path):
+    world = 2
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_PROGRAM.format(n=N))
+    init = f"file://{tmp_path / 'store'}"
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), init],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
+             for r in range(world)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=150)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(json.loads([l for l in out.splitlines()
+                                    if l.startswith("RESULT ")][0][len("RESULT "):]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for r in outs:
+        assert r["mpcore"] == r["torch"]
+    for epoch in range(2):
+        every = sorted(x for r in outs for x in r["mpcore"][epoch])
+        assert every == list(range(N)), "the ranks' workers split the data between them"
+    assert outs[0]["mpcore"][0] != outs[0]["mpcore"][1]
