@@ -531,6 +531,42 @@ uint64_t mpc_pool_outstanding(const mpc_pool *p);
 uint64_t mpc_pool_kept(const mpc_pool *p);
 int mpc_pool_active(const mpc_pool *p, int worker);
 
+/* The one definition of a pool message's header: every message on a
+ * pool's result ring starts with it, little-endian, and the rest is the
+ * kind's payload (NOTE [ Worker messages ] in data/_worker.py).  The
+ * binding exports its size, offsets and kinds to Python. */
+typedef struct {
+    uint64_t task;   /* the task's number in its epoch (0 for RESUME, DIED) */
+    uint32_t worker; /* the worker's index */
+    uint32_t kind;   /* enum mpc_pool_kind */
+} mpc_pool_msg;
+
+enum mpc_pool_kind {
+    MPC_POOL_COLLATED = 0, /* a batch collated into one block */
+    MPC_POOL_PICKLED = 1,  /* a batch as an encoded pickle */
+    MPC_POOL_ERROR = 2,    /* an exception from the worker */
+    MPC_POOL_END = 3,      /* the worker's iterable ran out */
+    MPC_POOL_RESUME = 4,   /* the worker acknowledges a new epoch */
+    MPC_POOL_DIED = 5,     /* the worker's process ended (from the watcher) */
+    MPC_POOL_NKINDS
+};
+
+/* Watches worker's process (pid) through a pidfd, so that its end puts an
+ * MPC_POOL_DIED message for it on ring (NOTE [ Watching workers ] in
+ * pool.c).  The pidfd is opened now; the watching thread starts with
+ * mpc_pool_watch_start.  Returns 0; -EINVAL for a bad worker or pid;
+ * -ESRCH when the process has already been reaped; another -errno from
+ * pidfd_open.  A worker watched again replaces its pidfd. */
+int mpc_pool_watch(mpc_pool *p, int worker, pid_t pid, mpc_ring *ring);
+
+/* Starts the watching thread if pidfds are watched and it is not running.
+ * Returns 0 or -errno (the thread could not start; nothing watches). */
+int mpc_pool_watch_start(mpc_pool *p);
+
+/* Stops the watching thread and closes the pidfds; no DIED message is
+ * put after it returns.  Never fails.  Called by mpc_pool_free. */
+void mpc_pool_unwatch(mpc_pool *p);
+
 /* Copies n pieces of piece bytes each, src[i] to dst + i * piece, so that
  * they lie end to end.  Never fails. */
 void mpc_gather(void *dst, void *const *src, size_t piece, size_t n);

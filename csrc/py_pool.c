@@ -1,15 +1,16 @@
 /* py_pool.c: mpcore._core.Pool, the main process's side of a pool of
  * DataLoader workers: the books of pool.c over the ring workers send their
- * results to.  Every result message starts with a 16-byte header,
- * little-endian: u64 task, u32 worker, u32 kind; the rest is the kind's
- * payload, handed back as bytes with the message's refs.  Waiting for a
- * result releases the GIL and runs signal handlers (py_ring.c). */
+ * results to.  Every result message starts with an mpc_pool_msg header
+ * (mpcore.h, its one definition; the module exports its size, offsets and
+ * kinds as POOL_*); the rest is the kind's payload, handed back as bytes
+ * with the message's refs.  Waiting for a result releases the GIL and runs
+ * signal handlers (py_ring.c); before the first wait the pool starts
+ * watching its workers (NOTE [ Watching workers ] in pool.c). */
 #include "py_mpcore.h"
 
 #include <string.h>
 
-#define HEADER 16
-enum { KIND_END = 3, KIND_RESUME = 4 }; /* see _worker.py for the others */
+#define HEADER ((uint64_t)sizeof(mpc_pool_msg))
 
 typedef struct msg {
     mpc_ref *refs;
@@ -65,7 +66,7 @@ static void drop_set_aside(void) {
 /* (worker, kind, task, refs, payload) for Python; frees m. */
 static PyObject *msg_out(msg *m, int worker) {
     uint64_t task;
-    memcpy(&task, m->payload, 8);
+    memcpy(&task, (char *)m->payload + offsetof(mpc_pool_msg, task), sizeof task);
     PyObject *rp = mpc_py_ring_message(m->refs, m->nrefs, (char *)m->payload + HEADER,
                                        m->len - HEADER);
     free(m->refs);
@@ -83,6 +84,14 @@ static PyObject *msg_out(msg *m, int worker) {
 /* Takes the next message off the ring.  Returns a new msg, or NULL with an
  * exception set (queue.Empty when none came before the deadline). */
 static msg *take(PoolObject *self, int64_t deadline) {
+    if (deadline != 0) {
+        mpc_clear_error();
+        int rc = mpc_pool_watch_start(self->pool);
+        if (rc < 0) {
+            mpc_py_raise(mpc_type_state(Py_TYPE(self)), rc);
+            return NULL;
+        }
+    }
     msg *m = calloc(1, sizeof *m);
     if (m == NULL) {
         PyErr_NoMemory();
@@ -99,7 +108,7 @@ static msg *take(PoolObject *self, int64_t deadline) {
         PyErr_SetString(PyExc_RuntimeError, "a DataLoader worker sent a malformed result");
         return NULL;
     }
-    memcpy(&m->kind, (char *)m->payload + 12, 4);
+    memcpy(&m->kind, (char *)m->payload + offsetof(mpc_pool_msg, kind), sizeof m->kind);
     return m;
 }
 
@@ -172,18 +181,19 @@ static PyObject *Pool_next(PyObject *op, PyObject *args) {
             return NULL;
         uint64_t task;
         uint32_t from;
-        memcpy(&task, m->payload, 8);
-        memcpy(&from, (char *)m->payload + 8, 4);
-        if (m->kind == KIND_RESUME) { /* a late acknowledgement: nothing to do */
+        memcpy(&task, (char *)m->payload + offsetof(mpc_pool_msg, task), sizeof task);
+        memcpy(&from, (char *)m->payload + offsetof(mpc_pool_msg, worker), sizeof from);
+        if (m->kind == MPC_POOL_RESUME) { /* a late acknowledgement: nothing to do */
             msg_drop(m);
             continue;
         }
         mpc_clear_error();
-        if (m->kind == KIND_END) {
+        if (m->kind == MPC_POOL_END || m->kind == MPC_POOL_DIED) {
+            uint32_t kind = m->kind;
             msg_drop(m);
-            if (mpc_pool_ended(self->pool, task, (int)from) < 0)
+            if (kind == MPC_POOL_END && mpc_pool_ended(self->pool, task, (int)from) < 0)
                 return mpc_py_raise(mpc_type_state(Py_TYPE(op)), -EINVAL);
-            return Py_BuildValue("(iIKOO)", (int)from, (unsigned)KIND_END,
+            return Py_BuildValue("(iIKOO)", (int)from, (unsigned)kind,
                                  (unsigned long long)task, Py_None, Py_None);
         }
         r = mpc_pool_arrived(self->pool, task, m, &worker);
@@ -208,7 +218,7 @@ static PyObject *Pool_get_raw(PyObject *op, PyObject *args) {
     if (m == NULL)
         return NULL;
     uint32_t from;
-    memcpy(&from, (char *)m->payload + 8, 4);
+    memcpy(&from, (char *)m->payload + offsetof(mpc_pool_msg, worker), sizeof from);
     return msg_out(m, (int)from);
 }
 
@@ -235,6 +245,27 @@ static PyObject *Pool_active(PyObject *op, PyObject *arg) {
     return PyBool_FromLong(mpc_pool_active(((PoolObject *)op)->pool, w));
 }
 
+static PyObject *Pool_watch(PyObject *op, PyObject *args) {
+    PoolObject *self = (PoolObject *)op;
+    int worker;
+    long pid;
+    if (!PyArg_ParseTuple(args, "il:watch", &worker, &pid))
+        return NULL;
+    mpc_clear_error();
+    int rc = mpc_pool_watch(self->pool, worker, (pid_t)pid, self->ring);
+    if (rc < 0)
+        return mpc_py_raise(mpc_type_state(Py_TYPE(op)), rc);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Pool_unwatch(PyObject *op, PyObject *unused) {
+    PoolObject *self = (PoolObject *)op;
+    Py_BEGIN_ALLOW_THREADS /* joins the watcher, which may wait up to a step */
+    mpc_pool_unwatch(self->pool);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *Pool_reset(PyObject *op, PyObject *unused) {
     mpc_pool_reset(((PoolObject *)op)->pool);
     drop_set_aside();
@@ -254,8 +285,9 @@ static PyMethodDef Pool_methods[] = {
      "dispatch() -> (worker, task) for the next task, or None when no worker can take it"},
     {"next", Pool_next, METH_VARARGS,
      "next(timeout=None) -> (worker, kind, task, refs, payload) of the next result in turn,\n"
-     "or None when the epoch is over.  A worker whose iterable ended gives kind 3 with\n"
-     "refs and payload None.  Raises queue.Empty when nothing came in time."},
+     "or None when the epoch is over.  A worker whose iterable ended gives POOL_END, and\n"
+     "one whose process ended POOL_DIED, with refs and payload None.  Raises queue.Empty\n"
+     "when nothing came in time."},
     {"get_raw", Pool_get_raw, METH_VARARGS,
      "get_raw(timeout=None) -> (worker, kind, task, refs, payload) of the next message,\n"
      "outside the books (used while the epoch restarts)."},
@@ -263,6 +295,11 @@ static PyMethodDef Pool_methods[] = {
     {"deactivate", Pool_deactivate, METH_O, "deactivate(worker): no more tasks for it"},
     {"active", Pool_active, METH_O, "active(worker) -> bool"},
     {"reset", Pool_reset, METH_NOARGS, "reset(): a new epoch; kept results are dropped"},
+    {"watch", Pool_watch, METH_VARARGS,
+     "watch(worker, pid): a POOL_DIED message comes when that process ends (from the\n"
+     "first wait on); call for every worker before waiting"},
+    {"unwatch", Pool_unwatch, METH_NOARGS,
+     "unwatch(): stop watching the workers; no POOL_DIED message comes after it"},
     {NULL},
 };
 
@@ -295,5 +332,26 @@ int mpc_py_pool_exec(PyObject *m, mpc_state *st) {
         return -1;
     int r = PyModule_AddObjectRef(m, "Pool", type);
     Py_DECREF(type);
-    return r;
+    if (r < 0)
+        return -1;
+    /* The wire format of pool messages (mpc_pool_msg), for data/_worker.py. */
+    static const struct {
+        const char *name;
+        long value;
+    } consts[] = {
+        {"POOL_HEADER_SIZE", (long)sizeof(mpc_pool_msg)},
+        {"POOL_HEADER_TASK", (long)offsetof(mpc_pool_msg, task)},
+        {"POOL_HEADER_WORKER", (long)offsetof(mpc_pool_msg, worker)},
+        {"POOL_HEADER_KIND", (long)offsetof(mpc_pool_msg, kind)},
+        {"POOL_COLLATED", MPC_POOL_COLLATED},
+        {"POOL_PICKLED", MPC_POOL_PICKLED},
+        {"POOL_ERROR", MPC_POOL_ERROR},
+        {"POOL_END", MPC_POOL_END},
+        {"POOL_RESUME", MPC_POOL_RESUME},
+        {"POOL_DIED", MPC_POOL_DIED},
+    };
+    for (size_t i = 0; i < sizeof consts / sizeof consts[0]; i++)
+        if (PyModule_AddIntConstant(m, consts[i].name, consts[i].value) < 0)
+            return -1;
+    return 0;
 }

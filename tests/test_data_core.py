@@ -7,21 +7,41 @@ import sys
 import numpy as np
 import pytest
 
-from mpcore import Queue, _core
+from mpcore import Queue, _core, _queue
 from mpcore.data import _collate, _worker
 
 from conftest import NO_TORCH_PRELUDE, run_in_session
 
-HEADER = struct.Struct("<QII")
+HEADER = _worker.HEADER
 
 
 def make_pool(nworkers=3, prefetch=2, in_order=True):
     q = Queue()
-    return _core.Pool(q._ring, nworkers, prefetch, in_order), q._ring
+    ring = _queue.ring_of(q)
+    return _core.Pool(ring, nworkers, prefetch, in_order), ring
 
 
 def send(ring, task, worker, kind=_worker.PICKLED, body=b"", refs=()):
     ring.put(list(refs), HEADER.pack(task, worker, kind) + body)
+
+
+# --- the wire format ----------------------------------------------------------
+
+def test_the_worker_header_is_the_cores_struct():
+    # mpc_pool_msg in mpcore.h is the one definition; the worker's struct
+    # format must lay its fields where C does.
+    assert struct.calcsize(HEADER.format) == _core.POOL_HEADER_SIZE == 16
+    packed = HEADER.pack(0x0102030405060708, 0x11223344, 0x55667788)
+    task_at, worker_at, kind_at = (_core.POOL_HEADER_TASK, _core.POOL_HEADER_WORKER,
+                                   _core.POOL_HEADER_KIND)
+    assert int.from_bytes(packed[task_at:task_at + 8], "little") == 0x0102030405060708
+    assert int.from_bytes(packed[worker_at:worker_at + 4], "little") == 0x11223344
+    assert int.from_bytes(packed[kind_at:kind_at + 4], "little") == 0x55667788
+    kinds = [_worker.COLLATED, _worker.PICKLED, _worker.ERROR, _worker.END, _worker.RESUME,
+             _worker.DIED]
+    assert kinds == [_core.POOL_COLLATED, _core.POOL_PICKLED, _core.POOL_ERROR,
+                     _core.POOL_END, _core.POOL_RESUME, _core.POOL_DIED]
+    assert len(set(kinds)) == len(kinds)
 
 
 # --- dispatch and reassembly --------------------------------------------------
@@ -249,3 +269,138 @@ def test_mpcore_run_serves_torch_dataloader(tmp_path):
     got = eval(line[len("REPORT "):])
     rows = [[[i, i] for i in range(5)], [[i, i] for i in range(5, 10)]]
     assert got == (True, True, True, rows, 2, True)
+
+
+# --- watching workers (NOTE [ Watching workers ] in pool.c) --------------------
+
+def _sleeper(grandchild):
+    """A process to watch, and a way to reap it: our child, or (grandchild)
+    one whose parent is a shell that is not us."""
+    import subprocess
+    if not grandchild:
+        p = subprocess.Popen(["sleep", "60"])
+        return p.pid, p.wait
+    sh = subprocess.Popen(["sh", "-c", "sleep 60 & echo $!; wait"], stdout=subprocess.PIPE)
+    pid = int(sh.stdout.readline())
+    return pid, lambda: (sh.wait(), sh.stdout.close())
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("grandchild", [False, True], ids=["child", "not-a-child"])
+def test_a_watched_worker_that_dies_wakes_the_wait_at_once(grandchild):
+    import os
+    import signal
+    import threading
+    import time
+    pool, ring = make_pool(2, 1)
+    pool.dispatch(), pool.dispatch()
+    pid, reap = _sleeper(grandchild)
+    other, reap_other = _sleeper(False)
+    try:
+        pool.watch(0, other)
+        pool.watch(1, pid)
+        killed = []
+
+        def kill():
+            time.sleep(0.3)  # let the main thread be asleep in next()
+            killed.append(time.monotonic())
+            os.kill(pid, signal.SIGKILL)
+
+        t = threading.Thread(target=kill)
+        t.start()
+        worker, kind, task, refs, payload = pool.next(10.0)
+        woke = time.monotonic()
+        t.join()
+        assert (worker, kind, refs, payload) == (1, _worker.DIED, None, None)
+        assert woke - killed[0] < 1.0
+        with pytest.raises(OSError, match="already being watched"):
+            pool.watch(1, pid)
+        pool.unwatch()
+        os.kill(other, signal.SIGKILL)
+        reap_other()
+        import queue
+        with pytest.raises(queue.Empty):  # unwatched: nothing more comes
+            pool.next(0.3)
+    finally:
+        for p in (pid, other):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        reap()
+        reap_other()
+
+
+def test_watching_a_process_that_is_gone_is_an_error():
+    import subprocess
+    pool, _ = make_pool(1, 1)
+    p = subprocess.Popen(["true"])
+    p.wait()
+    with pytest.raises(ProcessLookupError):
+        pool.watch(0, p.pid)
+    with pytest.raises(ValueError, match="worker 3"):
+        pool.watch(3, 1)
+
+
+class _Gate:
+    """Sample 2 waits until the test writes to a FIFO."""
+
+    def __init__(self, fifo):
+        self.fifo = fifo
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        if i == 2:
+            import os
+            fd = os.open(self.fifo, os.O_RDONLY)
+            os.read(fd, 1)
+            os.close(fd)
+        return i
+
+
+class _Counting:
+    """A Pool whose next() calls are counted."""
+
+    def __init__(self, pool):
+        self.pool, self.calls = pool, 0
+
+    def next(self, *args):
+        self.calls += 1
+        return self.pool.next(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.pool, name)
+
+
+@pytest.mark.timeout(60)
+def test_the_loader_waits_for_a_slow_batch_in_one_call(tmp_path, leak_check):
+    # NOTE [ Waiting for results ]: no periodic wake-up while a worker is
+    # busy.  The second is how long the batch is held back, not a wait for
+    # an event; a loader that looked at its workers every 0.1 s would call
+    # into the pool about ten times.
+    import os
+    import threading
+    import time
+    from mpcore.data import DataLoader
+    fifo = str(tmp_path / "gate")
+    os.mkfifo(fifo)
+    loader = DataLoader(_Gate(fifo), batch_size=1, num_workers=1, multiprocessing_context="fork")
+    it = iter(loader)
+    assert [int(next(it)), int(next(it))] == [0, 1]
+    it._pool = counting = _Counting(it._pool)
+
+    def release():
+        time.sleep(1.0)
+        fd = os.open(fifo, os.O_WRONLY)
+        os.write(fd, b"x")
+        os.close(fd)
+
+    t = threading.Thread(target=release)
+    t.start()
+    assert int(next(it)) == 2
+    t.join()
+    assert counting.calls == 1
+    assert int(next(it)) == 3
+    del it, loader

@@ -148,6 +148,11 @@ class DS(Dataset):
                 threading.Event().wait()
             elif f == "raise":
                 raise ValueError(f"sample {i} is broken on purpose")
+            elif f == "killme":             # waits to be SIGKILLed from outside
+                fd = os.open(self.fifo, os.O_WRONLY)
+                os.write(fd, b"%d\n" % os.getpid())
+                os.close(fd)
+                threading.Event().wait()
         return sample(i)
 
 
@@ -265,6 +270,44 @@ def fatal():
     report(pids=pids, got=got, err=err, kind=kind, t_raise=t_raise, fault=read_fault(),
            kids_after_error=kids_after_error, kids_after_del=kids_after_del,
            kids_end=kids())
+
+
+def sigkill():
+    """A worker is SIGKILLed (by a thread of this program, which learns its
+    pid from the FIFO it writes to) while the main thread waits in next()
+    for a batch that worker holds."""
+    ctx = None if sys.argv[3] == "fork" else sys.argv[3]
+    fifo = os.path.join(WORK, "fifo")
+    os.mkfifo(fifo)
+    loader = DataLoader(DS(64, "killme", fifo), batch_size=BS, num_workers=2,
+                        multiprocessing_context=ctx)
+    it = iter(loader)
+    pids = worker_pids(loader)
+    killed = {}
+
+    def killer():
+        with open(fifo) as f:
+            pid = int(f.readline())
+        killed["t"] = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        killed["pid"] = pid
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    got, err, kind, t_raise = [], None, None, None
+    try:
+        for b in it:
+            got.append(int(b["i"][0]) // BS)
+    except Exception as e:
+        t_raise = time.monotonic()
+        err, kind = str(e), type(e).__name__
+    t.join()
+    kids_after_error = kids()
+    del it
+    del loader
+    gc.collect()
+    report(pids=pids, got=got, err=err, kind=kind, t_raise=t_raise, killed=killed,
+           kids_after_error=kids_after_error, kids_end=kids())
 
 
 def raising():
@@ -391,7 +434,7 @@ def shortage():
 
 if __name__ == "__main__":
     {"segv": fatal, "exit3": fatal, "hang": fatal, "raise": raising, "keep": keep_all,
-     "normal": normal, "persistent": persistent, "kill": kill_main,
+     "normal": normal, "persistent": persistent, "kill": kill_main, "sigkill": sigkill,
      "shortage": shortage}[MODE]()
 '''
 
@@ -418,8 +461,8 @@ def test_worker_segfault_is_a_clear_error_at_once(leak_check, scenario, tmp_path
     msg = res["err"]
     assert f"pid {fault['pid']}" in msg, f"the message does not name the worker: {msg!r}"
     assert "killed by signal" in msg and "Segmentation fault" in msg, msg
-    # The death is noticed within the interval the loader looks at its
-    # workers, not at some long timeout.  (A bound, not a benchmark.)
+    # The death is noticed at once (the worker's pidfd wakes the wait), not
+    # at some long timeout.  (A bound, not a benchmark.)
     delay = res["t_raise"] - fault["t"]
     assert 0 <= delay < 2.0, f"the error came {delay:.2f}s after the worker died"
     assert res["got"] == list(range(len(res["got"]))) and len(res["got"]) <= 5, res["got"]
@@ -440,6 +483,30 @@ def test_worker_exit_code_is_a_clear_error(leak_check, scenario, tmp_path):
     assert f"pid {fault['pid']}" in msg, f"the message does not name the worker: {msg!r}"
     assert "exit code 3" in msg, msg
     assert res["t_raise"] - fault["t"] < 2.0, res
+    no_workers_left(res, "kids_after_error", res["pids"])
+    no_workers_left(res, "kids_end", res["pids"])
+    scenario.check_clean()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_worker_sigkilled_while_main_waits_is_reported_within_a_second(
+        leak_check, scenario, tmp_path, method):
+    # The loader learns of the death from the worker's pidfd (NOTE [ Watching
+    # workers ] in pool.c), not from a periodic look; spawn workers are the
+    # zygote's children, not the main process's.
+    r = run(scenario, "sigkill", tmp_path, method)
+    res = result(r)
+    assert r.returncode == 0, r.stderr[-3000:]
+    killed = res["killed"]
+    assert killed["pid"] in res["pids"], res
+    assert res["kind"] == "RuntimeError", res
+    msg = res["err"]
+    assert f"pid {killed['pid']}" in msg, f"the message does not name the worker: {msg!r}"
+    assert "killed by signal" in msg and "Killed" in msg, msg
+    delay = res["t_raise"] - killed["t"]
+    assert 0 <= delay < 1.0, f"the error came {delay:.2f}s after the worker was killed"
+    assert res["got"] == list(range(len(res["got"]))) and len(res["got"]) <= 5, res["got"]
     no_workers_left(res, "kids_after_error", res["pids"])
     no_workers_left(res, "kids_end", res["pids"])
     scenario.check_clean()

@@ -248,3 +248,9 @@ def _rebuild_queue(cls, ref, maxsize):
 
 Empty = _stdqueue.Empty
 Full = _stdqueue.Full
+
+
+def ring_of(q):
+    """The _core.Ring under an mpcore queue, for mpcore's own code that
+    speaks the ring's protocol directly (the DataLoader's pool)."""
+    return q._ring

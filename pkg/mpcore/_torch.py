@@ -77,6 +77,9 @@ def _storage_over(block, offset, nbytes):
     return s
 
 
+storage_over = _storage_over
+
+
 def share_storage_(storage):
     """Moves a CPU storage into an mpcore block in place (no-op if there)."""
     if storage.device.type != "cpu":

@@ -14,7 +14,7 @@ if torch is not None:
 
     def _storage(block):
         # every leaf of a batch is a view of its block's one storage
-        return _torch._storage_over(block, 0, block.nbytes)
+        return _torch.storage_over(block, 0, block.nbytes)
 
     def _tensor_info(t):
         if t.device.type != "cpu" or t.layout != torch.strided or t.is_nested:

@@ -14,9 +14,9 @@ try:
 except ImportError:  # mpcore works without torch: batches are numpy arrays
     torch = None
 
-MAP, ITERABLE = 0, 1  # torch's _DatasetKind values
-
 if torch is not None:
+    from torch.utils.data.dataloader import _DatasetKind
+    MAP, ITERABLE = _DatasetKind.Map, _DatasetKind.Iterable
     from torch.utils.data import (
         BatchSampler, Dataset, IterableDataset, RandomSampler, Sampler, SequentialSampler,
         SubsetRandomSampler, WeightedRandomSampler, default_collate, default_convert,
@@ -24,6 +24,11 @@ if torch is not None:
     )
     from torch.utils.data._utils import worker as _torch_worker
     from torch._utils import ExceptionWrapper
+    # DataPipes are torch's alone; the loader treats them as torch's does
+    # (NOTE [ DataPipes ] in _loader.py).
+    from torch.utils.data import IterDataPipe, MapDataPipe
+    from torch.utils.data.dataloader import _sharding_worker_init_fn as sharding_worker_init_fn
+    from torch.utils.data.graph_settings import apply_random_seed
 
     def base_seed(generator):
         return torch.empty((), dtype=torch.int64).random_(generator=generator).item()
@@ -36,10 +41,13 @@ if torch is not None:
             id=worker_id, num_workers=num_workers, seed=seed, dataset=dataset)
 else:
     from ._standalone import (  # noqa: F401
-        BatchSampler, Dataset, ExceptionWrapper, IterableDataset, RandomSampler, Sampler,
+        ITERABLE, MAP, BatchSampler, Dataset, ExceptionWrapper, IterableDataset, RandomSampler,
+        Sampler,
         SequentialSampler, SubsetRandomSampler, WeightedRandomSampler, base_seed,
         default_collate, default_convert, get_worker_info, numpy_seed, set_worker_info,
     )
+    IterDataPipe = MapDataPipe = ()  # no DataPipes without torch: isinstance is False
+    sharding_worker_init_fn = apply_random_seed = None
 
 
 def wrap_exception(worker_id):

@@ -7,8 +7,9 @@ validation, the protected attributes, len(), the samplers and the
 single-process iterator are torch's own.  Only multi-process iteration is
 ours (_PoolIter), and it follows torch's _MultiProcessingDataLoaderIter
 step for step: the same tasks to the same workers in the same order, the
-same seeds, the same errors.  Without torch the base class is
-_standalone.DataLoaderBase, which gives numpy batches.
+same seeds, the same errors.  Without torch the base classes are
+_base.DataLoaderBase and _base.DataLoaderIterBase, which give numpy
+batches.
 
 NOTE [ Batch slots ]
 A worker collates each batch into one block of shared memory that it
@@ -18,32 +19,56 @@ worker's arena, and the worker's next batch of that size takes it again:
 the blocks of a worker are a ring of slots, already faulted in on both
 sides, reused batch after batch.  A program that keeps every batch only
 makes the worker allocate more; nothing waits for a slot to come back.
+
+NOTE [ DataPipes ]
+A DataPipe graph is loaded as torch loads it: the iterator's base is
+torch's _BaseDataLoaderIter, which draws the epoch's shared seed
+(_share_dist_seed: broadcast over a process group when torch.distributed
+is initialised) and seeds the graph's random operations with it, at
+construction and at each _reset; each worker seeds its copy of the graph
+with the same shared seed (and again with each Resume), and shards it
+with torch's _sharding_worker_init_fn (apply_sharding over
+num_workers * world_size, MULTIPROCESSING priority), so that workers
+split the data instead of each giving all of it.
+
+NOTE [ Waiting for results ]
+The iterator waits for the next result on the result ring alone, in C,
+with the GIL released and no periodic wake-up.  A worker that dies cannot
+send anything, so the pool watches the workers' pidfds from a thread of
+its own (NOTE [ Watching workers ] in pool.c) that puts a DIED message on
+the result ring when a worker's process ends; the wait wakes as for any
+result, and the iterator decides whether that worker mattered (torch's
+rule: a persistent worker, or one with tasks still to do).
 """
+import functools
 import multiprocessing as _mp
 import pickle
 import queue
 import signal
-import threading
 import time
 import warnings
 from multiprocessing import context as _mpctx
+from typing import TypeVar
 
 from .. import _context, _core, _queue, _shm
 from . import _collate, _compat, _worker
 
 torch = _compat.torch
-_CHECK_INTERVAL = 0.1       # seconds between looks at the workers while waiting
 _INDEX_CAPACITY = 64 << 10  # bytes of each worker's task ring
+_EXIT_CODE_WAIT = 1.0       # seconds to learn the exit code of a worker known to be gone
 _STOP = pickle.dumps(_worker.STOP)
-_RESUME = pickle.dumps(_worker.RESUME_TASK)
 
 if torch is not None:
+    from torch.utils.data.dataloader import _BaseDataLoaderIter as _IterBase
     _Base = torch.utils.data.DataLoader
 else:
-    from ._standalone import DataLoaderBase as _Base
+    from ._base import DataLoaderBase as _Base
+    from ._base import DataLoaderIterBase as _IterBase
+
+_T_co = TypeVar("_T_co", covariant=True)
 
 
-class DataLoader(_Base):
+class DataLoader(_Base[_T_co]):
     """torch.utils.data.DataLoader, with mpcore's worker pool.
 
     Takes torch's arguments with torch's meaning.  With num_workers > 0,
@@ -138,34 +163,30 @@ def _start_method(ctx):
     return ctx.get_start_method()
 
 
-class _PoolIter:
+class _PoolIter(_IterBase):
     """Multi-process iteration over a DataLoader (NOTE [ One loader,
-    torch's rules ]); the books are a _core.Pool."""
+    torch's rules ]); the books are a _core.Pool.  The base (torch's
+    _BaseDataLoaderIter, or _base.DataLoaderIterBase without torch) draws
+    the seeds in torch's order and seeds DataPipe graphs (NOTE [ DataPipes ])."""
 
     def __init__(self, loader):
-        self._dataset = loader.dataset
-        self._dataset_kind = loader._dataset_kind
-        self._IterableDataset_len_called = loader._IterableDataset_len_called
-        self._auto_collation = loader._auto_collation
-        self._drop_last = loader.drop_last
-        self._index_sampler = loader._index_sampler
-        self._num_workers = n = loader.num_workers
-        self._timeout = loader.timeout
-        self._collate_fn = loader.collate_fn
-        self._persistent_workers = loader.persistent_workers
-        self._prefetch_factor = loader.prefetch_factor
-        self._pin_memory = _pin_memory_setting(loader)
-        self._sampler_iter = iter(self._index_sampler)
-        self._base_seed = _compat.base_seed(loader.generator)
-        self._num_yielded = 0
         self._shutdown = True
+        super().__init__(loader)
+        self._prefetch_factor = loader.prefetch_factor
+        n = self._num_workers
         self._stats = _Stats(n, self._prefetch_factor)
+
+        worker_init_fn = loader.worker_init_fn
+        if isinstance(self._dataset, (_compat.IterDataPipe, _compat.MapDataPipe)):
+            worker_init_fn = functools.partial(
+                _compat.sharding_worker_init_fn, worker_init_fn, self._world_size, self._rank)
 
         ctx = _context.get_context(_start_method(loader.multiprocessing_context))
         self._results = _queue.Queue()
+        self._result_ring = _queue.ring_of(self._results)
         self._index_queues = [_queue.Queue(capacity=_INDEX_CAPACITY) for _ in range(n)]
-        self._index_rings = [q._ring for q in self._index_queues]
-        self._pool = _core.Pool(self._results._ring, n, self._prefetch_factor,
+        self._index_rings = [_queue.ring_of(q) for q in self._index_queues]
+        self._pool = _core.Pool(self._result_ring, n, self._prefetch_factor,
                                 getattr(loader, "in_order", True))
         self._workers = []
         self._shutdown = False
@@ -176,12 +197,17 @@ class _PoolIter:
                     target=_worker.main,
                     args=(self._dataset_kind, self._dataset, self._index_queues[i],
                           self._results, self._auto_collation, self._collate_fn,
-                          self._drop_last, self._base_seed, loader.worker_init_fn, i, n,
-                          parent),
+                          self._drop_last, self._base_seed, worker_init_fn, i, n,
+                          parent, self._shared_seed),
                     daemon=True)
                 w.start()
                 self._workers.append(w)
                 self._stats.pids[i] = w.pid
+                try:
+                    self._pool.watch(i, w.pid)
+                except ProcessLookupError:  # already gone, and reaped by the zygote
+                    w.join(_EXIT_CODE_WAIT)
+                    raise RuntimeError(_death(w)) from None
             self._reset(loader, first_iter=True)
         except BaseException:
             self._shutdown_workers()
@@ -197,13 +223,12 @@ class _PoolIter:
         raise NotImplementedError("{} cannot be pickled", self.__class__.__name__)
 
     def _reset(self, loader, first_iter=False):
-        self._sampler_iter = iter(self._index_sampler)
-        self._num_yielded = 0
-        self._IterableDataset_len_called = loader._IterableDataset_len_called
+        super()._reset(loader, first_iter)  # the sampler, and the epoch's shared seed
         self._pool.reset()
         if not first_iter:
+            resume = pickle.dumps(_worker.Resume(self._shared_seed), 4)
             for ring in self._index_rings:
-                ring.put([], _RESUME)
+                ring.put([], resume)
             waiting = self._num_workers
             while waiting > 0:
                 _, kind, _, refs, _ = self._wait(self._pool.get_raw)
@@ -250,7 +275,7 @@ class _PoolIter:
             raise StopIteration
         stats = self._stats
         while True:
-            stats.ready_sum += self._pool.kept + self._results._ring.count()
+            stats.ready_sum += self._pool.kept + self._result_ring.count()
             got = self._wait(self._pool.next)
             if got is None:
                 if not self._persistent_workers:
@@ -281,44 +306,44 @@ class _PoolIter:
             data.reraise()
         if self._pin_memory:
             from torch.utils.data._utils.pin_memory import pin_memory
-            data = pin_memory(data, self._pin_memory)
+            data = pin_memory(data, self._pin_memory_device)
         return data
 
     def _wait(self, get):
-        """get(timeout) until it gives something, looking at the workers
-        every _CHECK_INTERVAL, within the loader's timeout."""
+        """get(timeout) until it gives a result, within the loader's
+        timeout (NOTE [ Waiting for results ])."""
         timeout = self._timeout
         t0 = time.perf_counter()
         deadline = t0 + timeout if timeout > 0 else None
         try:
             while True:
-                step = _CHECK_INTERVAL
+                left = None
                 if deadline is not None:
-                    step = max(0.0, min(step, deadline - time.perf_counter()))
+                    left = max(0.0, deadline - time.perf_counter())
                 try:
-                    return get(step)
+                    got = get(left)
                 except queue.Empty:
-                    pass
-                self._check_workers()
-                if deadline is not None and time.perf_counter() >= deadline:
-                    raise RuntimeError(f"DataLoader timed out after {timeout} seconds")
+                    raise RuntimeError(f"DataLoader timed out after {timeout} seconds") from None
+                if got is None or got[1] != _worker.DIED:
+                    return got
+                self._worker_ended(got[0])
         finally:
             self._stats.wait += time.perf_counter() - t0
 
-    def _check_workers(self):
-        failed = []
-        for i, w in enumerate(self._workers):
-            if (self._persistent_workers or self._pool.active(i)) and w.exitcode is not None:
-                failed.append(w)
-        if not failed:
-            return
+    def _worker_ended(self, i):
+        """Worker i's process ended: an error if the loader still needed it."""
+        if not (self._persistent_workers or self._pool.active(i)):
+            return  # it ran out of data and was told to stop
+        w = self._workers[i]
+        w.join(_EXIT_CODE_WAIT)  # it is gone; this only learns its exit code
         self._shutdown_workers()
-        raise RuntimeError("; ".join(_death(w) for w in failed))
+        raise RuntimeError(_death(w))
 
     def _shutdown_workers(self):
         if self._shutdown:
             return
         self._shutdown = True
+        self._pool.unwatch()
         for ring in self._index_rings:
             try:
                 ring.put([], _STOP, False)
@@ -347,6 +372,8 @@ class _PoolIter:
 
 def _death(w):
     code = w.exitcode
+    if code is None:
+        return f"DataLoader worker (pid {w.pid}) exited unexpectedly."
     if code < 0:
         try:
             name = signal.strsignal(-code) or f"signal {-code}"
@@ -354,19 +381,3 @@ def _death(w):
             name = f"signal {-code}"
         return f"DataLoader worker (pid {w.pid}) is killed by signal: {name}."
     return f"DataLoader worker (pid {w.pid}) exited unexpectedly with exit code {code}."
-
-
-def _pin_memory_setting(loader):
-    """torch's warnings about pin_memory; the device to pin for, or None."""
-    if not loader.pin_memory:
-        return None
-    if loader.pin_memory_device:
-        warnings.warn(
-            "pin_memory_device is deprecated, the current accelerator will be used as the "
-            f"device,ignore pin_memory_device='{loader.pin_memory_device}'.", stacklevel=3)
-    if torch is None or not torch.accelerator.is_available():
-        warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "
-                      "then device pinned memory won't be used.", stacklevel=3)
-        return None
-    acc = torch.accelerator.current_accelerator()
-    return acc.type if acc is not None and acc.type != "mps" else None

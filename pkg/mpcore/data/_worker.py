@@ -3,9 +3,11 @@ memory, send the batch.  The main process's side is _loader.py.
 
 NOTE [ Worker messages ]
 Tasks arrive on the worker's own index queue's ring as pickles of
-(task, index); RESUME starts a new epoch (persistent workers) and None
-says stop.  Results go to the one result ring, each behind a 16-byte
-header (task, worker, kind) that the main process's Pool (py_pool.c) reads:
+(task, index); a Resume starts a new epoch (persistent workers) with the
+epoch's shared seed, and None says stop.  Results go to the one result
+ring, each behind a header (task, worker, kind) whose one definition is
+mpc_pool_msg in C (mpcore.h); its size, offsets and kinds come from
+_core, and HEADER below is checked against them at import:
   COLLATED  refs = [the batch's block]; payload: pickle of
             (skeleton, busy_ns, samples)  (NOTE [ Collating into a block ])
   PICKLED   payload: an encoded (batch, busy_ns, samples), for batches
@@ -13,7 +15,9 @@ header (task, worker, kind) that the main process's Pool (py_pool.c) reads:
             only, batch_size=None, or samples collate.c does not take)
   ERROR     payload: an encoded (ExceptionWrapper, busy_ns, 0)
   END       the worker's iterable ran out (IterableDataset)
-  RESUME    acknowledges RESUME
+  RESUME    acknowledges a Resume
+  DIED      (sent by the main process's watcher, never by a worker: the
+            worker's process ended; NOTE [ Watching workers ] in pool.c)
 The seeds, worker info and the order of events are torch's worker loop's,
 so that a program gets the same batches from the same workers.
 """
@@ -25,12 +29,49 @@ import time
 
 from .. import _core, _queue
 from . import _collate, _compat
+from ._fetch import Fetcher
 
-COLLATED, PICKLED, ERROR, END, RESUME = range(5)
-HEADER = struct.Struct("<QII")
+COLLATED, PICKLED, ERROR, END, RESUME, DIED = (
+    _core.POOL_COLLATED, _core.POOL_PICKLED, _core.POOL_ERROR, _core.POOL_END,
+    _core.POOL_RESUME, _core.POOL_DIED)
+
+
+def _header():
+    """The struct of mpc_pool_msg, laid out from the offsets and size the
+    core exports: u64 task, u32 worker, u32 kind, little-endian, packed in
+    that order."""
+    fields = sorted([(_core.POOL_HEADER_TASK, "Q", "task"),
+                     (_core.POOL_HEADER_WORKER, "I", "worker"),
+                     (_core.POOL_HEADER_KIND, "I", "kind")])
+    fmt, at = "<", 0
+    for offset, code, name in fields:
+        if offset < at or name != ("task", "worker", "kind")[fields.index((offset, code, name))]:
+            break
+        fmt += "x" * (offset - at) + code
+        at = offset + struct.calcsize("<" + code)
+    else:
+        if at <= _core.POOL_HEADER_SIZE:
+            return struct.Struct(fmt + "x" * (_core.POOL_HEADER_SIZE - at))
+    raise ImportError("mpcore.data: the core's pool message header is not laid out as "
+                      "task, worker, kind; reinstall mpcore")
+
+
+HEADER = _header()  # pack(task, worker, kind)
 STOP = None
-RESUME_TASK = b"resume"
 _CHECK_INTERVAL = 5.0
+
+
+class Resume:
+    """Starts a new epoch of a persistent worker, as torch's
+    _ResumeIteration does: seed is the epoch's shared seed (DataPipes)."""
+
+    __slots__ = ("seed",)
+
+    def __init__(self, seed=None):
+        self.seed = seed
+
+    def __reduce__(self):
+        return (Resume, (self.seed,))
 
 
 def _seed(base_seed, worker_id):
@@ -48,51 +89,23 @@ def _seed(base_seed, worker_id):
     return seed
 
 
-class _Fetcher:
-    """torch's map-style and iterable-style fetchers, stopping short of
-    collation, which the loop does (into shared memory when it can)."""
-
-    def __init__(self, kind, dataset, auto_collation, drop_last):
-        self.kind = kind
-        self.dataset = dataset
-        self.auto_collation = auto_collation
-        self.drop_last = drop_last
-        self.ended = False
-        if kind == _compat.ITERABLE:
-            self.it = iter(dataset)
-
-    def fetch(self, index):
-        if self.kind != _compat.ITERABLE:
-            if not self.auto_collation:
-                return self.dataset[index]
-            getitems = getattr(self.dataset, "__getitems__", None)
-            if getitems:
-                return getitems(index)
-            return [self.dataset[i] for i in index]
-        if self.ended:
-            raise StopIteration
-        if not self.auto_collation:
-            return next(self.it)
-        data = []
-        for _ in index:
-            try:
-                data.append(next(self.it))
-            except StopIteration:
-                self.ended = True
-                break
-        if not data or (self.drop_last and len(data) < len(index)):
-            raise StopIteration
-        return data
-
-
 def main(kind, dataset, index_queue, result_queue, auto_collation, collate_fn, drop_last,
-         base_seed, init_fn, worker_id, num_workers, parent):
+         base_seed, init_fn, worker_id, num_workers, parent, shared_seed=None):
     """A worker's whole life."""
     _compat.die_with_parent(parent)
     seed = _seed(base_seed, worker_id)
+    # As torch's worker loop: a DataPipe graph's random operations take the
+    # seed that every worker (and every rank) shares this epoch.
+    shared_rng = None
+    if isinstance(dataset, _compat.IterDataPipe):
+        if shared_seed is None:
+            raise AssertionError("shared_seed must be provided for IterDataPipe workers")
+        shared_rng = _compat.torch.Generator()
+        shared_rng.manual_seed(shared_seed)
+        dataset = _compat.apply_random_seed(dataset, shared_rng)
     _compat.set_worker_info(worker_id, num_workers, seed, dataset)
-    index_ring = index_queue._ring
-    result_ring = result_queue._ring
+    index_ring = _queue.ring_of(index_queue)
+    result_ring = _queue.ring_of(result_queue)
     room = result_ring.max_message()
     fast = collate_fn is _compat.default_collate and auto_collation
 
@@ -118,7 +131,7 @@ def main(kind, dataset, index_queue, result_queue, auto_collation, collate_fn, d
     try:
         if init_fn is not None:
             init_fn(worker_id)
-        fetcher = _Fetcher(kind, dataset, auto_collation, drop_last)
+        fetcher = Fetcher(kind, dataset, auto_collation, drop_last)
     except Exception:
         init_error = _compat.wrap_exception(worker_id)
     ended = False
@@ -133,9 +146,14 @@ def main(kind, dataset, index_queue, result_queue, auto_collation, collate_fn, d
             r = pickle.loads(msg)
             if r is STOP:
                 return
-            if r == RESUME_TASK:
+            if type(r) is Resume:
                 send(0, RESUME)
                 ended = False
+                if shared_rng is not None:
+                    if r.seed is None:
+                        raise AssertionError("resume iteration seed is None for IterDataPipe")
+                    shared_rng.manual_seed(r.seed)
+                    dataset = _compat.apply_random_seed(dataset, shared_rng)
                 fetcher = None
                 continue
             if ended:
@@ -148,7 +166,7 @@ def main(kind, dataset, index_queue, result_queue, auto_collation, collate_fn, d
             start = time.perf_counter_ns()
             try:
                 if fetcher is None:
-                    fetcher = _Fetcher(kind, dataset, auto_collation, drop_last)
+                    fetcher = Fetcher(kind, dataset, auto_collation, drop_last)
                 samples = fetcher.fetch(index)
                 block = None
                 if fast and type(samples) is list and samples:
