@@ -219,25 +219,50 @@ static PyObject *Ring_put(PyObject *op, PyObject *args, PyObject *kwds) {
     if (deadline == -2 || ring_parse_refs(refs_obj, stack, &refs, &nrefs) < 0)
         goto done;
 
-    int (*put)(mpc_ring *, const mpc_ref *, uint32_t, const void *, uint64_t, int64_t) =
-        task ? mpc_ring_put_counted : mpc_ring_put;
+    /* A payload too large for the ring is put into a block once, before
+     * any wait (NOTE [ Ring ], Spilled messages); the GIL is released for
+     * the copy, since the buffer stays exported meanwhile. */
+    mpc_ref spill;
+    int spilled = 0;
     mpc_clear_error();
-    int rc = put(self->ring, refs, nrefs, pb.buf, (uint64_t)pb.len, 0);
+    if ((uint64_t)pb.len + (uint64_t)nrefs * sizeof(mpc_ref) > mpc_ring_max_message(self->ring)) {
+        Py_BEGIN_ALLOW_THREADS
+        spilled = mpc_ring_spill(self->ring, nrefs, pb.buf, (uint64_t)pb.len, &spill);
+        Py_END_ALLOW_THREADS
+    }
+    if (spilled < 0) {
+        ring_raise(op, spilled, 1);
+        goto done;
+    }
+#define RING_PUT(deadline_)                                                                 \
+    (spilled ? mpc_ring_put_spilled(self->ring, refs, nrefs, &spill, (uint64_t)pb.len,      \
+                                    (deadline_), task)                                      \
+     : task  ? mpc_ring_put_counted(self->ring, refs, nrefs, pb.buf, (uint64_t)pb.len,      \
+                                    (deadline_))                                            \
+             : mpc_ring_put(self->ring, refs, nrefs, pb.buf, (uint64_t)pb.len, (deadline_)))
+    int rc = RING_PUT(0);
     while (rc == -EAGAIN && deadline != 0) {
         /* A signal that came before the wait would otherwise only be seen
          * when the wait ends, which may be never. */
         if (PyErr_CheckSignals() < 0)
-            goto done;
+            break;
         Py_BEGIN_ALLOW_THREADS
-        rc = put(self->ring, refs, nrefs, pb.buf, (uint64_t)pb.len, deadline);
+        rc = RING_PUT(deadline);
         Py_END_ALLOW_THREADS
         if (rc == -EINTR)
             rc = -EAGAIN; /* check the signal, then wait again */
         else if (rc == -EAGAIN)
             rc = -ETIMEDOUT; /* cannot happen with a deadline; never loop on it */
     }
+#undef RING_PUT
+    if (rc < 0 && spilled) {
+        Py_BEGIN_ALLOW_THREADS
+        mpc_ref_drop(&spill);
+        Py_END_ALLOW_THREADS
+    }
     if (rc < 0) {
-        ring_raise(op, rc, 1);
+        if (!PyErr_Occurred())
+            ring_raise(op, rc, 1);
         goto done;
     }
     result = Py_NewRef(Py_None);
@@ -461,8 +486,10 @@ static PyMethodDef Ring_methods[] = {
     {"put", (PyCFunction)(void (*)(void))Ring_put, METH_VARARGS | METH_KEYWORDS,
      "put(refs, payload, block=True, timeout=None, task=False)\n--\n\n"
      "Appends a message: refs, a sequence of (seg_id, index, gen), and payload,\n"
-     "any bytes-like object.  Raises queue.Full if no room comes in time,\n"
-     "ValueError if the ring is closed or the message can never fit.  task=True\n"
+     "any bytes-like object, of any size (one too large for the ring travels in\n"
+     "a shared-memory block).  Raises queue.Full if no room comes in time,\n"
+     "ValueError if the ring is closed or its refs alone can never fit,\n"
+     "MemoryError if a large payload finds no shared memory.  task=True\n"
      "also counts one unfinished task (JoinableQueue), together with the message."},
     {"get", (PyCFunction)(void (*)(void))Ring_get, METH_VARARGS | METH_KEYWORDS,
      "get(block=True, timeout=None)\n--\n\n"
@@ -471,7 +498,8 @@ static PyMethodDef Ring_methods[] = {
      "in time, ValueError once the ring is closed and empty."},
     {"count", Ring_count, METH_NOARGS, "count()\n--\n\nMessages in the ring now."},
     {"max_message", Ring_max_message, METH_NOARGS,
-     "max_message()\n--\n\nThe largest message, 16 bytes per ref plus the payload, that fits."},
+     "max_message()\n--\n\nThe largest message, 16 bytes per ref plus the payload, that travels\n"
+     "inline; larger payloads go through a shared-memory block."},
     {"close", Ring_close, METH_NOARGS,
      "close()\n--\n\nCloses the ring: puts fail, gets return what is left, waiters wake."},
     {"task_add", Ring_task_add, METH_NOARGS, "task_add()\n--\n\nCounts one more unfinished task."},
