@@ -348,6 +348,12 @@ int mpc_ring_put_spilled(mpc_ring *r, const mpc_ref *refs, uint32_t nrefs, const
 int mpc_ring_get(mpc_ring *r, mpc_ref **refs, uint32_t *nrefs, void **payload,
                  uint64_t *len, int64_t deadline_ns);
 
+/* As mpc_ring_get, but a spilled payload is handed over uncopied: its
+ * block, held by this process, goes to *block (the caller releases it),
+ * *payload is NULL, *len its length, and 1 is returned instead of 0. */
+int mpc_ring_get_block(mpc_ring *r, mpc_ref **refs, uint32_t *nrefs, void **payload,
+                       uint64_t *len, mpc_block *block, int64_t deadline_ns);
+
 /* Messages in the ring now (a snapshot). */
 uint32_t mpc_ring_count(const mpc_ring *r);
 

@@ -299,15 +299,20 @@ PyObject *mpc_py_ring_message(const mpc_ref *refs, uint32_t nrefs, const void *p
     return res;
 }
 
-int mpc_py_ring_get(mpc_ring *r, int64_t deadline, mpc_ref **refs, uint32_t *nrefs,
-                    void **payload, uint64_t *len) {
+/* The wait loop of the gets: mpc_ring_get_block when block is not NULL
+ * (returns 1 for a payload handed over in its block), else mpc_ring_get. */
+static int ring_get_loop(mpc_ring *r, int64_t deadline, mpc_ref **refs, uint32_t *nrefs,
+                         void **payload, uint64_t *len, mpc_block *block) {
+#define RING_GET(deadline_)                                                   \
+    (block ? mpc_ring_get_block(r, refs, nrefs, payload, len, block, (deadline_)) \
+           : mpc_ring_get(r, refs, nrefs, payload, len, (deadline_)))
     mpc_clear_error();
-    int rc = mpc_ring_get(r, refs, nrefs, payload, len, 0);
+    int rc = RING_GET(0);
     while (rc == -EAGAIN && deadline != 0) {
         if (PyErr_CheckSignals() < 0)
             return -EINTR;
         Py_BEGIN_ALLOW_THREADS
-        rc = mpc_ring_get(r, refs, nrefs, payload, len, deadline);
+        rc = RING_GET(deadline);
         Py_END_ALLOW_THREADS
         if (rc == -EINTR)
             rc = -EAGAIN;
@@ -315,6 +320,12 @@ int mpc_py_ring_get(mpc_ring *r, int64_t deadline, mpc_ref **refs, uint32_t *nre
             rc = -ETIMEDOUT;
     }
     return rc;
+#undef RING_GET
+}
+
+int mpc_py_ring_get(mpc_ring *r, int64_t deadline, mpc_ref **refs, uint32_t *nrefs,
+                    void **payload, uint64_t *len) {
+    return ring_get_loop(r, deadline, refs, nrefs, payload, len, NULL);
 }
 
 PyObject *mpc_py_ring_raise(PyObject *ring, int rc) {
@@ -346,12 +357,24 @@ static PyObject *Ring_get(PyObject *op, PyObject *args, PyObject *kwds) {
     uint32_t nrefs = 0;
     void *payload = NULL;
     uint64_t len = 0;
-    int rc = mpc_py_ring_get(self->ring, deadline, &refs, &nrefs, &payload, &len);
+    mpc_block spill;
+    int rc = ring_get_loop(self->ring, deadline, &refs, &nrefs, &payload, &len, &spill);
     if (rc < 0)
         return mpc_py_ring_raise(op, rc);
     /* The message has left the ring; if Python cannot take it now (no
      * memory), it is lost, as a message read from a pipe would be. */
-    PyObject *res = mpc_py_ring_message(refs, nrefs, payload, len);
+    PyObject *res;
+    if (rc == 1) {
+        /* A spilled payload: handed out as its Block, read in place. */
+        PyObject *b = mpc_py_block_wrap(ring_state(op), &spill);
+        res = b ? mpc_py_ring_message(refs, nrefs, "", 0) : NULL;
+        if (res != NULL)
+            PyTuple_SetItem(res, 1, b); /* steals b; replaces the empty bytes */
+        else
+            Py_XDECREF(b);
+    } else {
+        res = mpc_py_ring_message(refs, nrefs, payload, len);
+    }
     free(refs);
     free(payload);
     return res;
@@ -494,7 +517,9 @@ static PyMethodDef Ring_methods[] = {
     {"get", (PyCFunction)(void (*)(void))Ring_get, METH_VARARGS | METH_KEYWORDS,
      "get(block=True, timeout=None)\n--\n\n"
      "Removes the oldest message and returns (refs, payload): a list of\n"
-     "(seg_id, index, gen) tuples and bytes.  Raises queue.Empty if none comes\n"
+     "(seg_id, index, gen) tuples and the payload: bytes, or for a payload\n"
+     "larger than the ring the Block it travelled in (a buffer of exactly its\n"
+     "length, released with the object).  Raises queue.Empty if none comes\n"
      "in time, ValueError once the ring is closed and empty."},
     {"count", Ring_count, METH_NOARGS, "count()\n--\n\nMessages in the ring now."},
     {"max_message", Ring_max_message, METH_NOARGS,

@@ -35,8 +35,10 @@
  * everything that already keeps tickets leak-free keeps it too: the putter journals the ticket before it takes
  * it and the publishing put clears it, a get journals it with the others,
  * mpc_ring_drain hands it to fn with the others (a queue freed with the
- * message inside drops it), and the getter redeems it, copies the payload
- * out and releases the block before returning.  A putter killed while
+ * message inside drops it), and the getter redeems it and either copies
+ * the payload out and releases the block before returning (mpc_ring_get)
+ * or hands the block over, held (mpc_ring_get_block, which Ring.get
+ * uses, so that a large pickle is loaded where it lies, with no copy).  A putter killed while
  * spilling leaves a block held by a dead process and a journaled ticket,
  * both of which the keeper drops; a getter killed between taking the
  * record and releasing the block leaves the same.  Spilling is done once
@@ -609,7 +611,7 @@ int mpc_ring_put_counted(mpc_ring *r, const mpc_ref *refs, uint32_t nrefs, const
  * filled by the caller once the mutex is released.  Returns 0, -ENOMEM
  * (the message stays), or -EIO if the record at the head is corrupt. */
 static int mpc__ring_pop(mpc_ring *r, mpc_ref **refs, uint32_t *nrefs, void **payload,
-                         uint64_t *len, mpc_ref *spill, int *spilled) {
+                         uint64_t *len, mpc_ref *spill, int *spilled, int keep_block) {
     mpc__rec rec;
     uint64_t total = mpc__ring_peek(r, &rec);
     if (total == 0)
@@ -622,9 +624,10 @@ static int mpc__ring_pop(mpc_ring *r, mpc_ref **refs, uint32_t *nrefs, void **pa
         if (rbuf == NULL)
             return mpc_fail(ENOMEM, "cannot allocate %u refs to receive a message", n);
     }
-    /* At least one byte, so that a successful get never hands back NULL. */
-    void *pbuf = malloc(rec.len > 0 ? (size_t)rec.len : 1);
-    if (pbuf == NULL) {
+    /* At least one byte, so that a successful get never hands back NULL;
+     * none when a spilled payload is handed over in its block. */
+    void *pbuf = NULL;
+    if (!(is_spill && keep_block) && (pbuf = malloc(rec.len > 0 ? (size_t)rec.len : 1)) == NULL) {
         free(rbuf);
         return mpc_fail(ENOMEM, "cannot allocate %" PRIu64 " bytes to receive a message", rec.len);
     }
@@ -652,41 +655,41 @@ static int mpc__ring_pop(mpc_ring *r, mpc_ref **refs, uint32_t *nrefs, void **pa
     return 0;
 }
 
-/* Copies a spilled message's payload out of its block into buf (len
- * bytes) and lets the block go.  Called without the ring's mutex, since
- * it may have to ask the keeper for the block's segment.  Returns 0, or
- * the -errno of mpc_block_attach, or -EIO if the block is shorter than
- * the record says; the ticket is dropped either way. */
-static int mpc__ring_unspill(const mpc_ref *spill, void *buf, uint64_t len) {
-    mpc_block b;
-    int rc = mpc_block_attach(spill, 0, 1, &b);
+/* Redeems a spilled message's ticket into this process's hold on its
+ * block.  Returns 0 with *out filled, or the -errno of mpc_block_attach or
+ * -EIO (block shorter than the record says), the ticket dropped. */
+static int mpc__ring_take_block(const mpc_ref *spill, uint64_t len, mpc_block *out) {
+    int rc = mpc_block_attach(spill, 0, 1, out);
     if (rc < 0) {
         mpc_ref_drop(spill);
         return rc;
     }
-    if (b.length < len)
+    if (out->length < len) {
         rc = mpc_fail(EIO, "a spilled message says %" PRIu64 " bytes but its block has %" PRIu64,
-                      len, b.length);
-    else
-        mpc_copy(buf, b.addr, len);
-    mpc_block_release(&b);
+                      len, out->length);
+        mpc_block_release(out);
+    }
     return rc;
 }
 
-/* Removes the oldest message, waiting for one until deadline_ns (-1
- * forever, 0 not at all).  On success returns 0 and hands over malloc'd
- * buffers that the caller frees: *refs (NULL when *nrefs is 0) and
- * *payload (never NULL, *len bytes), a spilled payload copied out of its
- * block, which is released.  Returns -EAGAIN when empty and not waiting;
- * -ETIMEDOUT; -EINTR (a signal: check it and call again); -EPIPE when
- * closed and empty; -ENOMEM when the buffers cannot be allocated; -EIO if
- * the ring is corrupt; -EINVAL if r is not a ring; on all of these the
- * ring is unchanged and the out-parameters are untouched.  When a spilled
- * payload cannot be read back (its block cannot be mapped: the -errno of
- * mpc_block_attach), the message is lost, its tickets are dropped, and
- * the out-parameters are untouched. */
-int mpc_ring_get(mpc_ring *r, mpc_ref **refs, uint32_t *nrefs, void **payload, uint64_t *len,
-                 int64_t deadline_ns) {
+/* Copies a spilled message's payload out of its block into buf (len
+ * bytes) and lets the block go.  Called without the ring's mutex, since
+ * it may have to ask the keeper for the block's segment.  Returns 0 or the
+ * errors of mpc__ring_take_block; the ticket is dropped either way. */
+static int mpc__ring_unspill(const mpc_ref *spill, void *buf, uint64_t len) {
+    mpc_block b;
+    int rc = mpc__ring_take_block(spill, len, &b);
+    if (rc < 0)
+        return rc;
+    mpc_copy(buf, b.addr, len);
+    mpc_block_release(&b);
+    return 0;
+}
+
+/* The body of mpc_ring_get and mpc_ring_get_block: block, when not NULL,
+ * receives a spilled payload's block (held) instead of a copy. */
+static int mpc__ring_get(mpc_ring *r, mpc_ref **refs, uint32_t *nrefs, void **payload,
+                         uint64_t *len, mpc_block *block, int64_t deadline_ns) {
     int rc = mpc__ring_valid(r);
     if (rc < 0)
         return rc;
@@ -700,7 +703,7 @@ int mpc_ring_get(mpc_ring *r, mpc_ref **refs, uint32_t *nrefs, void **payload, u
             void *p = NULL;
             uint64_t n = 0;
             int spilled = 0;
-            rc = mpc__ring_pop(r, &rr, &nr, &p, &n, &spill, &spilled);
+            rc = mpc__ring_pop(r, &rr, &nr, &p, &n, &spill, &spilled, block != NULL);
             if (rc == 0)
                 atomic_fetch_add(&r->not_full_seq, 1);
             int more = atomic_load(&r->count) > 0;
@@ -713,19 +716,23 @@ int mpc_ring_get(mpc_ring *r, mpc_ref **refs, uint32_t *nrefs, void **payload, u
              * may have been meant for a getter that has gone. */
             if (more && atomic_load(&r->get_sleepers) > 0)
                 mpc_futex_wake(&r->not_empty_seq, 1);
-            if (spilled && (rc = mpc__ring_unspill(&spill, p, n)) < 0) {
-                for (uint32_t i = 0; i < nr; i++)
-                    if (mpc_journal_clear(&rr[i]))
-                        mpc_ref_drop(&rr[i]);
-                free(rr);
-                free(p);
-                return rc;
+            if (spilled) {
+                rc = block ? mpc__ring_take_block(&spill, n, block)
+                           : mpc__ring_unspill(&spill, p, n);
+                if (rc < 0) {
+                    for (uint32_t i = 0; i < nr; i++)
+                        if (mpc_journal_clear(&rr[i]))
+                            mpc_ref_drop(&rr[i]);
+                    free(rr);
+                    free(p);
+                    return rc;
+                }
             }
             *refs = rr;
             *nrefs = nr;
             *payload = p;
             *len = n;
-            return 0;
+            return spilled && block != NULL;
         }
         if (atomic_load(&r->closed)) {
             mpc__ring_unlock(r);
@@ -748,6 +755,34 @@ int mpc_ring_get(mpc_ring *r, mpc_ref **refs, uint32_t *nrefs, void **payload, u
             return rc;
         }
     }
+}
+
+/* Removes the oldest message, waiting for one until deadline_ns (-1
+ * forever, 0 not at all).  On success returns 0 and hands over malloc'd
+ * buffers that the caller frees: *refs (NULL when *nrefs is 0) and
+ * *payload (never NULL, *len bytes), a spilled payload copied out of its
+ * block, which is released.  Returns -EAGAIN when empty and not waiting;
+ * -ETIMEDOUT; -EINTR (a signal: check it and call again); -EPIPE when
+ * closed and empty; -ENOMEM when the buffers cannot be allocated; -EIO if
+ * the ring is corrupt; -EINVAL if r is not a ring; on all of these the
+ * ring is unchanged and the out-parameters are untouched.  When a spilled
+ * payload cannot be read back (its block cannot be mapped: the -errno of
+ * mpc_block_attach), the message is lost, its tickets are dropped, and
+ * the out-parameters are untouched. */
+int mpc_ring_get(mpc_ring *r, mpc_ref **refs, uint32_t *nrefs, void **payload, uint64_t *len,
+                 int64_t deadline_ns) {
+    return mpc__ring_get(r, refs, nrefs, payload, len, NULL, deadline_ns);
+}
+
+/* As mpc_ring_get, but a spilled payload is not copied: its block is
+ * handed over in *block, held by this process (the caller releases it
+ * with mpc_block_release), with *payload NULL and *len its length; then
+ * 1 is returned instead of 0.  The same errors otherwise. */
+int mpc_ring_get_block(mpc_ring *r, mpc_ref **refs, uint32_t *nrefs, void **payload,
+                       uint64_t *len, mpc_block *block, int64_t deadline_ns) {
+    if (block == NULL)
+        return mpc_fail(EINVAL, "mpc_ring_get_block needs a block to fill");
+    return mpc__ring_get(r, refs, nrefs, payload, len, block, deadline_ns);
 }
 
 /* ------------------------------------------------------------------ */
