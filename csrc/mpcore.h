@@ -354,24 +354,51 @@ uint64_t mpc_ring_footprint(uint64_t capacity);
  * no bound on the count of messages.  Returns 0 or -EINVAL. */
 int mpc_ring_init(void *region, uint64_t size, uint32_t maxitems);
 
-/* Returns the largest payload a single message may carry (refs included).
- * Never fails. */
+/* Returns the largest message (refs included) that travels inline in the
+ * ring; larger payloads are spilled into blocks.  Never fails. */
 uint64_t mpc_ring_max_message(const mpc_ring *r);
 
-/* Appends a message.  deadline_ns: -1 waits for room forever, 0 does not
- * wait, else an absolute monotonic time.  Returns 0; -EAGAIN when full and
- * not waiting; -ETIMEDOUT; -EINTR (a signal: check it and call again);
- * -EPIPE when the ring was closed; -EMSGSIZE when it can never fit. */
+/* Appends a message of any size: a payload that can never fit in the
+ * ring travels in a shared-memory block whose ticket the message carries
+ * (NOTE [ Ring ], Spilled messages).  deadline_ns: -1 waits for room
+ * forever, 0 does not wait, else an absolute monotonic time.  Returns 0;
+ * -EAGAIN when full and not waiting; -ETIMEDOUT; -EINTR (a signal: check
+ * it and call again); -EPIPE when the ring was closed; -EMSGSIZE when its
+ * refs alone can never fit; -ENOMEM when no block can be had for a large
+ * payload.  On failure nothing is put and no block is left behind. */
 int mpc_ring_put(mpc_ring *r, const mpc_ref *refs, uint32_t nrefs,
                  const void *payload, uint64_t len, int64_t deadline_ns);
 
+/* The two halves of a put that may be retried (after -EAGAIN or -EINTR)
+ * without copying a large payload again.  mpc_ring_spill returns 0 when
+ * the message fits inline (put it with mpc_ring_put), or 1 having put the
+ * payload into a new block whose journaled ticket it stores in *spill;
+ * -EMSGSIZE, -ENOMEM (naming the size) or -errno with nothing allocated.
+ * mpc_ring_put_spilled then puts refs plus *spill (counted != 0: as
+ * mpc_ring_put_counted), with mpc_ring_put's returns; on success the ring
+ * owns *spill, on failure the caller drops it with mpc_ref_drop when it
+ * gives up. */
+int mpc_ring_spill(mpc_ring *r, uint32_t nrefs, const void *payload, uint64_t len,
+                   mpc_ref *spill);
+int mpc_ring_put_spilled(mpc_ring *r, const mpc_ref *refs, uint32_t nrefs, const mpc_ref *spill,
+                         uint64_t len, int64_t deadline_ns, int counted);
+
 /* Removes the oldest message.  On success returns 0 and hands over, in
  * malloc'd buffers the caller frees, the refs (*refs, *nrefs; NULL when
- * none) and the payload (*payload, *len).  Same error returns as put,
- * except that -EPIPE means closed and empty; -ENOMEM if malloc fails (the
- * message then stays in the ring). */
+ * none) and the payload (*payload, *len; a spilled payload is copied out
+ * of its block, which is released).  Same error returns as put, except
+ * that -EPIPE means closed and empty; -ENOMEM if malloc fails (the
+ * message then stays in the ring); a spilled payload whose block cannot
+ * be mapped gives mpc_block_attach's -errno, the message being lost. */
 int mpc_ring_get(mpc_ring *r, mpc_ref **refs, uint32_t *nrefs, void **payload,
                  uint64_t *len, int64_t deadline_ns);
+
+/* As mpc_ring_get, but a spilled payload is handed over uncopied: its
+ * block, held by this process, goes to *block (the caller releases it),
+ * *payload is NULL, *len its length, and 1 is returned instead of 0.
+ * Same error returns as mpc_ring_get. */
+int mpc_ring_get_block(mpc_ring *r, mpc_ref **refs, uint32_t *nrefs, void **payload,
+                       uint64_t *len, mpc_block *block, int64_t deadline_ns);
 
 /* Returns the count of messages in the ring now (a snapshot).  Never fails. */
 uint32_t mpc_ring_count(const mpc_ring *r);
@@ -380,9 +407,10 @@ uint32_t mpc_ring_count(const mpc_ring *r);
  * what is left first. */
 void mpc_ring_close(mpc_ring *r);
 
-/* Calls fn(ref, arg) for each ref of each undelivered message and empties
- * the ring.  Used when a queue is freed, so its tickets are dropped.  Never
- * fails (a corrupt ring is emptied without calls). */
+/* Calls fn(ref, arg) for each ref of each undelivered message (spilled
+ * payloads' block tickets included) and empties the ring.  Used when a
+ * queue is freed, so its tickets are dropped.  Never fails (a corrupt ring
+ * is emptied without calls). */
 void mpc_ring_drain(mpc_ring *r, void (*fn)(const mpc_ref *, void *), void *arg);
 
 /* Checks that region (size bytes) holds an initialised ring that fits in
@@ -413,14 +441,38 @@ int mpc_ring_join(mpc_ring *r, int64_t deadline_ns);
 
 #define MPC_ZMAX_FDS 16
 
+/* The zygote's wire format, its one definition: the module exports these
+ * (ZYGOTE_* in py_proc.c, with the header's layout) and _zygote.py builds
+ * its struct from them.  A request is a header, the fds by SCM_RIGHTS, and
+ * then either len payload bytes on the stream or, with MPC_ZF_MEMFD, none:
+ * the payload is the first len bytes of the last fd, a memfd sealed
+ * against shrinking (NOTE [ Zygote payloads ] in proc.c). */
+#define MPC_ZMAGIC 0x5a59474fu /* "OGYZ" */
+enum { MPC_ZOP_SPAWN = 1, MPC_ZOP_STARTED, MPC_ZOP_FAILED, MPC_ZOP_EXIT };
+#define MPC_ZF_MEMFD 1u
+#define MPC_ZINLINE_MAX (64u << 20) /* larger payloads must come in a memfd */
+
+typedef struct {
+    uint32_t magic;
+    uint32_t op;
+    uint64_t token; /* request: chosen by the requester; replies echo it */
+    int64_t arg;    /* STARTED: pid; FAILED: errno; EXIT: pid */
+    int64_t arg2;   /* FAILED: detail; EXIT: wait status */
+    uint64_t len;   /* SPAWN: payload bytes */
+    uint32_t nfds;  /* SPAWN: fds passed with the header (the memfd included) */
+    uint32_t flags; /* SPAWN: MPC_ZF_* */
+    int32_t targets[MPC_ZMAX_FDS]; /* SPAWN: the number each fd must get */
+} mpc_zmsg;
+
 typedef struct mpc_zygote mpc_zygote;
 
 /* A request to start a child: the pickled process and the fds it gets. */
 typedef struct {
     int client;
     uint64_t token;
-    char *payload;
-    uint32_t len;
+    char *payload;   /* malloc'd, or a read-only mapping when maplen != 0 */
+    uint64_t len;
+    uint64_t maplen; /* bytes mapped at payload (a memfd payload), or 0 */
     int nfds;
     int fds[MPC_ZMAX_FDS];     /* received here */
     int targets[MPC_ZMAX_FDS]; /* the number each must have in the child */
@@ -461,6 +513,17 @@ int mpc_spawn_service(char *const tmpl[], const char *prefix, int type, char *na
 
 /* Frees a request's payload and closes its fds.  Never fails. */
 void mpc_zreq_free(mpc_zreq *req);
+
+/* Frees (or unmaps) only a request's payload, as a child does once it has
+ * copied it.  Never fails. */
+void mpc_zreq_free_payload(mpc_zreq *req);
+
+/* The requester's side of a large payload: a memfd of len bytes (len > 0)
+ * holding a copy of p, sealed against shrinking and growing, for a request with
+ * MPC_ZF_MEMFD.  Stores the fd (close-on-exec) in *fd and returns 0, or
+ * -ENOMEM (naming the size and what was available) or another -errno with
+ * nothing left open. */
+int mpc_zygote_payload_fd(const void *p, uint64_t len, int *fd);
 
 /* In the child right after fork: dies with the zygote (exits at once if
  * the zygote is already gone), unblocks signals, puts the handed fds on

@@ -32,7 +32,9 @@
 #include <signal.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/mman.h>
 #include <sys/signalfd.h>
+#include <sys/stat.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -122,22 +124,11 @@ int mpc_spawn_service(char *const tmpl[], const char *prefix, int type, char *na
 }
 
 
-#define MPC_ZMAGIC 0x5a59474fu /* "OGYZ" */
 #define MPC_ZMAX_CLIENTS 256
 #define MPC_ZMAX_CHILDREN 4096
 
-enum { ZOP_SPAWN = 1, ZOP_STARTED, ZOP_FAILED, ZOP_EXIT };
-
-typedef struct {
-    uint32_t magic;
-    uint32_t op;
-    uint64_t token; /* request: chosen by the requester; replies echo it */
-    int64_t arg;    /* STARTED: pid; FAILED: errno; EXIT: pid */
-    int64_t arg2;   /* EXIT: wait status */
-    uint32_t len;   /* SPAWN: payload bytes that follow */
-    uint32_t nfds;  /* SPAWN: fds passed with the header */
-    int32_t targets[MPC_ZMAX_FDS]; /* SPAWN: the number each fd must get */
-} mpc_zmsg;
+/* mpc_zmsg (mpcore.h) crosses to Python as a packed struct: no padding. */
+_Static_assert(sizeof(mpc_zmsg) == 48 + 4 * MPC_ZMAX_FDS, "mpc_zmsg has padding");
 
 struct mpc_zygote {
     int root;   /* fd 3: the program's first process */
@@ -233,13 +224,69 @@ static void mpc__zreap(mpc_zygote *z) {
             int c = z->child_client[i];
             z->child_pid[i] = 0;
             if (c >= 0 && z->clients[c] >= 0) {
-                mpc_zmsg m = {.magic = MPC_ZMAGIC, .op = ZOP_EXIT, .arg = pid, .arg2 = status};
+                mpc_zmsg m = {.magic = MPC_ZMAGIC, .op = MPC_ZOP_EXIT, .arg = pid, .arg2 = status};
                 if (mpc__zsend(z->clients[c], &m) < 0)
                     mpc__zdrop_client(z, c);
             }
             break;
         }
     }
+}
+
+/* NOTE [ Zygote payloads ]
+ * A request's payload (the pickled process) comes inline on the stream
+ * when it is at most MPC_ZINLINE_MAX bytes, which costs one copy into the
+ * socket and one out.  A larger one would hold the zygote, which serves
+ * every requester from one thread, for as long as the stream takes, and
+ * would need as much again in its heap: it comes instead as one more fd,
+ * a memfd that the requester filled and sealed against shrinking (so that
+ * the mapping cannot turn into SIGBUS under the zygote), which the zygote
+ * maps read-only and hands to the child.  Its size is bounded only by
+ * memory, and it is reserved when made, so a shortage is the requester's
+ * MemoryError. */
+
+/* Maps the first len bytes of a payload memfd read-only.  Returns 0 with
+ * *p and *maplen set, or -errno (-EINVAL when the fd is not a memfd
+ * sealed against shrinking or is shorter than len). */
+static int mpc__zmap_payload(int fd, uint64_t len, char **p, uint64_t *maplen) {
+    struct stat st;
+    int seals = fcntl(fd, F_GET_SEALS);
+    if (len == 0 || seals < 0 || !(seals & F_SEAL_SHRINK) || fstat(fd, &st) < 0 ||
+        (uint64_t)st.st_size < len)
+        return mpc_fail(EINVAL, "a zygote request's payload fd is not a sealed memfd of "
+                        "%" PRIu64 " bytes", len);
+    void *a = mmap(NULL, (size_t)len, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (a == MAP_FAILED)
+        return mpc_fail(errno, "zygote: cannot map a payload of %" PRIu64 " bytes: %s", len,
+                        strerror(errno));
+    *p = a;
+    *maplen = len;
+    return 0;
+}
+
+int mpc_zygote_payload_fd(const void *p, uint64_t len, int *fdp) {
+    if (len == 0)
+        return mpc_fail(EINVAL, "an empty payload needs no memfd");
+    uint64_t size = (len + MPC_PAGE - 1) / MPC_PAGE * MPC_PAGE;
+    int fd, r = mpc_memfd_create(size, size, &fd);
+    if (r < 0)
+        return r;
+    const char *src = p;
+    for (uint64_t off = 0; off < len;) {
+        ssize_t n = pwrite(fd, src + off, len - off > (1u << 30) ? (1u << 30) : len - off,
+                           (off_t)off);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0) {
+            r = mpc_fail(n < 0 ? errno : EIO, "cannot fill a %" PRIu64 "-byte payload memfd: %s",
+                         len, n < 0 ? strerror(errno) : "short write");
+            close(fd);
+            return r;
+        }
+        off += (uint64_t)n;
+    }
+    *fdp = fd;
+    return 0;
 }
 
 /* Reads one request from client c into req.  Returns 1 if a request is
@@ -255,22 +302,38 @@ static int mpc__zrecv(mpc_zygote *z, int c, mpc_zreq *req) {
     /* The rest of the header may come in a later segment of the stream. */
     if ((size_t)n < sizeof m && mpc__zread(sock, (char *)&m + n, sizeof m - (size_t)n) < 0)
         goto gone;
-    if (m.magic != MPC_ZMAGIC || m.op != ZOP_SPAWN || m.nfds != (uint32_t)nfds ||
-        m.len > (256u << 20))
+    int in_memfd = (m.flags & MPC_ZF_MEMFD) != 0;
+    if (m.magic != MPC_ZMAGIC || m.op != MPC_ZOP_SPAWN || m.nfds != (uint32_t)nfds ||
+        (m.flags & ~MPC_ZF_MEMFD) != 0 || (in_memfd ? nfds < 1 : m.len > MPC_ZINLINE_MAX))
         goto gone;
-    char *payload = malloc(m.len ? m.len : 1);
-    if (payload == NULL || mpc__zread(sock, payload, m.len) < 0) {
-        free(payload);
-        goto gone;
+    char *payload = NULL;
+    uint64_t maplen = 0;
+    int err = 0;
+    if (in_memfd) {
+        int pfd = fds[--nfds];
+        err = mpc__zmap_payload(pfd, m.len, &payload, &maplen);
+        close(pfd);
+    } else {
+        payload = malloc(m.len ? m.len : 1);
+        if (payload == NULL || mpc__zread(sock, payload, m.len) < 0) {
+            free(payload);
+            goto gone;
+        }
     }
     req->client = c;
     req->token = m.token;
     req->payload = payload;
     req->len = m.len;
+    req->maplen = maplen;
     req->nfds = nfds;
     for (int i = 0; i < nfds; i++) {
         req->fds[i] = fds[i];
         req->targets[i] = m.targets[i];
+    }
+    if (err < 0) {
+        /* The stream is intact: refuse this request, keep the client. */
+        mpc_zygote_started(z, req, 0, -err, 0);
+        return 0;
     }
     return 1;
 gone:
@@ -344,7 +407,7 @@ int mpc_zygote_threads(void) {
 void mpc_zygote_started(mpc_zygote *z, mpc_zreq *req, pid_t pid, int err, int64_t detail) {
     mpc_zmsg m = {.magic = MPC_ZMAGIC, .token = req->token};
     if (pid > 0) {
-        m.op = ZOP_STARTED;
+        m.op = MPC_ZOP_STARTED;
         m.arg = pid;
         int placed = 0;
         for (int i = 0; i < MPC_ZMAX_CHILDREN && !placed; i++)
@@ -356,7 +419,7 @@ void mpc_zygote_started(mpc_zygote *z, mpc_zreq *req, pid_t pid, int err, int64_
         if (!placed) /* cannot keep books on it: do not let it run unwatched */
             kill(pid, SIGKILL);
     } else {
-        m.op = ZOP_FAILED;
+        m.op = MPC_ZOP_FAILED;
         m.arg = err;
         m.arg2 = detail;
     }
@@ -365,13 +428,21 @@ void mpc_zygote_started(mpc_zygote *z, mpc_zreq *req, pid_t pid, int err, int64_
     mpc_zreq_free(req);
 }
 
+void mpc_zreq_free_payload(mpc_zreq *req) {
+    if (req->maplen != 0)
+        munmap(req->payload, (size_t)req->maplen);
+    else
+        free(req->payload);
+    req->payload = NULL;
+    req->maplen = 0;
+}
+
 void mpc_zreq_free(mpc_zreq *req) {
     for (int i = 0; i < req->nfds; i++)
         if (req->fds[i] >= 0)
             close(req->fds[i]);
     req->nfds = 0;
-    free(req->payload);
-    req->payload = NULL;
+    mpc_zreq_free_payload(req);
 }
 
 int mpc_zygote_child_setup(mpc_zygote *z, mpc_zreq *req, pid_t zygote_pid) {

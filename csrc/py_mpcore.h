@@ -62,6 +62,11 @@ PyObject *mpc_py_ring_raise(PyObject *ring, int rc);
  * MemoryError (naming the sizes) or another exception on failure. */
 PyObject *mpc_py_block_alloc(mpc_state *st, uint64_t nbytes, void **addr);
 
+/* Returns the Block object of a block this process has just come to hold
+ * (its hold passes to the object), or NULL with an exception set, the
+ * block then released. */
+PyObject *mpc_py_block_wrap(mpc_state *st, const mpc_block *b);
+
 /* Each binding file adds its types and functions to the module; each
  * returns 0, or -1 with an exception set. */
 int mpc_py_shm_exec(PyObject *m, mpc_state *st);

@@ -4,6 +4,7 @@
 #include "py_mpcore.h"
 
 #include <signal.h>
+#include <stddef.h>
 #include <sys/socket.h>
 #include <string.h>
 
@@ -61,7 +62,7 @@ static PyObject *zygote_serve(ZygoteObject *self, PyObject *unused) {
             mpc_zygote_started(self->z, &req, 0, EDEADLK, threads);
             continue;
         }
-        PyObject *payload = PyBytes_FromStringAndSize(req.payload, req.len);
+        PyObject *payload = PyBytes_FromStringAndSize(req.payload, (Py_ssize_t)req.len);
         if (payload == NULL) {
             mpc_zygote_started(self->z, &req, 0, ENOMEM, 0);
             PyErr_Clear();
@@ -74,7 +75,7 @@ static PyObject *zygote_serve(ZygoteObject *self, PyObject *unused) {
             PyOS_AfterFork_Child();
             r = mpc_zygote_child_setup(self->z, &req, me);
             self->z = NULL;
-            free(req.payload);
+            mpc_zreq_free_payload(&req);
             if (r < 0) {
                 fprintf(stderr, "mpcore zygote child: %s\n", mpc_errmsg());
                 _exit(70);
@@ -131,13 +132,87 @@ static PyObject *py_spawn_service(PyObject *m, PyObject *args) {
     return Py_BuildValue("(sii)", name, sock, (int)pid);
 }
 
+/* zygote_payload_fd(buffer) -> fd: a sealed memfd holding a copy of a
+ * large request payload (NOTE [ Zygote payloads ]); the caller closes it.
+ * MemoryError names the size when shared memory is short. */
+static PyObject *py_zygote_payload_fd(PyObject *m, PyObject *arg) {
+    Py_buffer b;
+    if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) < 0)
+        return NULL;
+    int fd = -1, r;
+    mpc_clear_error();
+    Py_BEGIN_ALLOW_THREADS
+    r = mpc_zygote_payload_fd(b.buf, (uint64_t)b.len, &fd);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
+    if (r < 0)
+        return mpc_py_raise(mpc_get_state(m), r);
+    return PyLong_FromLong(fd);
+}
+
 PyMethodDef mpc_py_proc_methods[] = {
+    {"zygote_payload_fd", py_zygote_payload_fd, METH_O,
+     "zygote_payload_fd(buffer) -> fd: a sealed memfd with a copy of a large zygote payload"},
     {"spawn_service", py_spawn_service, METH_VARARGS,
      "spawn_service(argv, prefix) -> (address, fd, pid): starts a service of the program"},
     {NULL},
 };
 
+/* The zygote's wire format (mpcore.h), for _zygote.py: the header as
+ * (field, offset, struct code) in order, its size, the op codes, flags and
+ * limits.  The codes are checked against the fields' C types here, so that
+ * Python's struct is this header or the build fails. */
+#define ZFIELD(name, code, type)                                                         \
+    _Static_assert(sizeof(((mpc_zmsg *)0)->name) == sizeof(type), "mpc_zmsg." #name); \
+    if (zfield(layout, &i, #name, offsetof(mpc_zmsg, name), code) < 0)                 \
+        goto fail;
+
+static int zfield(PyObject *layout, Py_ssize_t *i, const char *name, size_t off,
+                  const char *code) {
+    PyObject *t = Py_BuildValue("(sns)", name, (Py_ssize_t)off, code);
+    if (t == NULL)
+        return -1;
+    PyTuple_SET_ITEM(layout, (*i)++, t);
+    return 0;
+}
+
+static int zygote_constants(PyObject *m) {
+    PyObject *layout = PyTuple_New(9);
+    if (layout == NULL)
+        return -1;
+    Py_ssize_t i = 0;
+    ZFIELD(magic, "I", uint32_t)
+    ZFIELD(op, "I", uint32_t)
+    ZFIELD(token, "Q", uint64_t)
+    ZFIELD(arg, "q", int64_t)
+    ZFIELD(arg2, "q", int64_t)
+    ZFIELD(len, "Q", uint64_t)
+    ZFIELD(nfds, "I", uint32_t)
+    ZFIELD(flags, "I", uint32_t)
+    ZFIELD(targets, "16i", int32_t[16])
+    _Static_assert(MPC_ZMAX_FDS == 16, "the targets code above says 16");
+    int r = PyModule_AddObjectRef(m, "ZYGOTE_MSG_LAYOUT", layout);
+    Py_DECREF(layout);
+    if (r < 0 ||
+        PyModule_AddIntConstant(m, "ZYGOTE_MSG_SIZE", (long)sizeof(mpc_zmsg)) < 0 ||
+        PyModule_AddIntConstant(m, "ZYGOTE_MAGIC", (long)MPC_ZMAGIC) < 0 ||
+        PyModule_AddIntConstant(m, "ZYGOTE_SPAWN", MPC_ZOP_SPAWN) < 0 ||
+        PyModule_AddIntConstant(m, "ZYGOTE_STARTED", MPC_ZOP_STARTED) < 0 ||
+        PyModule_AddIntConstant(m, "ZYGOTE_FAILED", MPC_ZOP_FAILED) < 0 ||
+        PyModule_AddIntConstant(m, "ZYGOTE_EXIT", MPC_ZOP_EXIT) < 0 ||
+        PyModule_AddIntConstant(m, "ZYGOTE_FLAG_MEMFD", MPC_ZF_MEMFD) < 0 ||
+        PyModule_AddIntConstant(m, "ZYGOTE_MAX_FDS", MPC_ZMAX_FDS) < 0 ||
+        PyModule_AddIntConstant(m, "ZYGOTE_INLINE_MAX", (long)MPC_ZINLINE_MAX) < 0)
+        return -1;
+    return 0;
+fail:
+    Py_DECREF(layout);
+    return -1;
+}
+
 int mpc_py_proc_exec(PyObject *m, mpc_state *st) {
+    if (zygote_constants(m) < 0)
+        return -1;
     PyObject *t = PyType_FromModuleAndSpec(m, &zygote_spec, NULL);
     if (t == NULL)
         return -1;

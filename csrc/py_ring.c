@@ -219,25 +219,50 @@ static PyObject *Ring_put(PyObject *op, PyObject *args, PyObject *kwds) {
     if (deadline == -2 || ring_parse_refs(refs_obj, stack, &refs, &nrefs) < 0)
         goto done;
 
-    int (*put)(mpc_ring *, const mpc_ref *, uint32_t, const void *, uint64_t, int64_t) =
-        task ? mpc_ring_put_counted : mpc_ring_put;
+    /* A payload too large for the ring is put into a block once, before
+     * any wait (NOTE [ Ring ], Spilled messages); the GIL is released for
+     * the copy, since the buffer stays exported meanwhile. */
+    mpc_ref spill;
+    int spilled = 0;
     mpc_clear_error();
-    int rc = put(self->ring, refs, nrefs, pb.buf, (uint64_t)pb.len, 0);
+    if ((uint64_t)pb.len + (uint64_t)nrefs * sizeof(mpc_ref) > mpc_ring_max_message(self->ring)) {
+        Py_BEGIN_ALLOW_THREADS
+        spilled = mpc_ring_spill(self->ring, nrefs, pb.buf, (uint64_t)pb.len, &spill);
+        Py_END_ALLOW_THREADS
+    }
+    if (spilled < 0) {
+        ring_raise(op, spilled, 1);
+        goto done;
+    }
+#define RING_PUT(deadline_)                                                                 \
+    (spilled ? mpc_ring_put_spilled(self->ring, refs, nrefs, &spill, (uint64_t)pb.len,      \
+                                    (deadline_), task)                                      \
+     : task  ? mpc_ring_put_counted(self->ring, refs, nrefs, pb.buf, (uint64_t)pb.len,      \
+                                    (deadline_))                                            \
+             : mpc_ring_put(self->ring, refs, nrefs, pb.buf, (uint64_t)pb.len, (deadline_)))
+    int rc = RING_PUT(0);
     while (rc == -EAGAIN && deadline != 0) {
         /* A signal that came before the wait would otherwise only be seen
          * when the wait ends, which may be never. */
         if (PyErr_CheckSignals() < 0)
-            goto done;
+            break;
         Py_BEGIN_ALLOW_THREADS
-        rc = put(self->ring, refs, nrefs, pb.buf, (uint64_t)pb.len, deadline);
+        rc = RING_PUT(deadline);
         Py_END_ALLOW_THREADS
         if (rc == -EINTR)
             rc = -EAGAIN; /* check the signal, then wait again */
         else if (rc == -EAGAIN)
             rc = -ETIMEDOUT; /* cannot happen with a deadline; never loop on it */
     }
+#undef RING_PUT
+    if (rc < 0 && spilled) {
+        Py_BEGIN_ALLOW_THREADS
+        mpc_ref_drop(&spill);
+        Py_END_ALLOW_THREADS
+    }
     if (rc < 0) {
-        ring_raise(op, rc, 1);
+        if (!PyErr_Occurred())
+            ring_raise(op, rc, 1);
         goto done;
     }
     result = Py_NewRef(Py_None);
@@ -274,15 +299,20 @@ PyObject *mpc_py_ring_message(const mpc_ref *refs, uint32_t nrefs, const void *p
     return res;
 }
 
-int mpc_py_ring_get(mpc_ring *r, int64_t deadline, mpc_ref **refs, uint32_t *nrefs,
-                    void **payload, uint64_t *len) {
+/* The wait loop of the gets: mpc_ring_get_block when block is not NULL
+ * (returns 1 for a payload handed over in its block), else mpc_ring_get. */
+static int ring_get_loop(mpc_ring *r, int64_t deadline, mpc_ref **refs, uint32_t *nrefs,
+                         void **payload, uint64_t *len, mpc_block *block) {
+#define RING_GET(deadline_)                                                   \
+    (block ? mpc_ring_get_block(r, refs, nrefs, payload, len, block, (deadline_)) \
+           : mpc_ring_get(r, refs, nrefs, payload, len, (deadline_)))
     mpc_clear_error();
-    int rc = mpc_ring_get(r, refs, nrefs, payload, len, 0);
+    int rc = RING_GET(0);
     while (rc == -EAGAIN && deadline != 0) {
         if (PyErr_CheckSignals() < 0)
             return -EINTR;
         Py_BEGIN_ALLOW_THREADS
-        rc = mpc_ring_get(r, refs, nrefs, payload, len, deadline);
+        rc = RING_GET(deadline);
         Py_END_ALLOW_THREADS
         if (rc == -EINTR)
             rc = -EAGAIN;
@@ -290,6 +320,12 @@ int mpc_py_ring_get(mpc_ring *r, int64_t deadline, mpc_ref **refs, uint32_t *nre
             rc = -ETIMEDOUT;
     }
     return rc;
+#undef RING_GET
+}
+
+int mpc_py_ring_get(mpc_ring *r, int64_t deadline, mpc_ref **refs, uint32_t *nrefs,
+                    void **payload, uint64_t *len) {
+    return ring_get_loop(r, deadline, refs, nrefs, payload, len, NULL);
 }
 
 PyObject *mpc_py_ring_raise(PyObject *ring, int rc) {
@@ -321,12 +357,24 @@ static PyObject *Ring_get(PyObject *op, PyObject *args, PyObject *kwds) {
     uint32_t nrefs = 0;
     void *payload = NULL;
     uint64_t len = 0;
-    int rc = mpc_py_ring_get(self->ring, deadline, &refs, &nrefs, &payload, &len);
+    mpc_block spill;
+    int rc = ring_get_loop(self->ring, deadline, &refs, &nrefs, &payload, &len, &spill);
     if (rc < 0)
         return mpc_py_ring_raise(op, rc);
     /* The message has left the ring; if Python cannot take it now (no
      * memory), it is lost, as a message read from a pipe would be. */
-    PyObject *res = mpc_py_ring_message(refs, nrefs, payload, len);
+    PyObject *res;
+    if (rc == 1) {
+        /* A spilled payload: handed out as its Block, read in place. */
+        PyObject *b = mpc_py_block_wrap(ring_state(op), &spill);
+        res = b ? mpc_py_ring_message(refs, nrefs, "", 0) : NULL;
+        if (res != NULL)
+            PyTuple_SetItem(res, 1, b); /* steals b; replaces the empty bytes */
+        else
+            Py_XDECREF(b);
+    } else {
+        res = mpc_py_ring_message(refs, nrefs, payload, len);
+    }
     free(refs);
     free(payload);
     return res;
@@ -461,17 +509,22 @@ static PyMethodDef Ring_methods[] = {
     {"put", (PyCFunction)(void (*)(void))Ring_put, METH_VARARGS | METH_KEYWORDS,
      "put(refs, payload, block=True, timeout=None, task=False)\n--\n\n"
      "Appends a message: refs, a sequence of (seg_id, index, gen), and payload,\n"
-     "any bytes-like object.  Raises queue.Full if no room comes in time,\n"
-     "ValueError if the ring is closed or the message can never fit.  task=True\n"
+     "any bytes-like object, of any size (one too large for the ring travels in\n"
+     "a shared-memory block).  Raises queue.Full if no room comes in time,\n"
+     "ValueError if the ring is closed or its refs alone can never fit,\n"
+     "MemoryError if a large payload finds no shared memory.  task=True\n"
      "also counts one unfinished task (JoinableQueue), together with the message."},
     {"get", (PyCFunction)(void (*)(void))Ring_get, METH_VARARGS | METH_KEYWORDS,
      "get(block=True, timeout=None)\n--\n\n"
      "Removes the oldest message and returns (refs, payload): a list of\n"
-     "(seg_id, index, gen) tuples and bytes.  Raises queue.Empty if none comes\n"
+     "(seg_id, index, gen) tuples and the payload: bytes, or for a payload\n"
+     "larger than the ring the Block it travelled in (a buffer of exactly its\n"
+     "length, released with the object).  Raises queue.Empty if none comes\n"
      "in time, ValueError once the ring is closed and empty."},
     {"count", Ring_count, METH_NOARGS, "count()\n--\n\nMessages in the ring now."},
     {"max_message", Ring_max_message, METH_NOARGS,
-     "max_message()\n--\n\nThe largest message, 16 bytes per ref plus the payload, that fits."},
+     "max_message()\n--\n\nThe largest message, 16 bytes per ref plus the payload, that travels\n"
+     "inline; larger payloads go through a shared-memory block."},
     {"close", Ring_close, METH_NOARGS,
      "close()\n--\n\nCloses the ring: puts fail, gets return what is left, waiters wake."},
     {"task_add", Ring_task_add, METH_NOARGS, "task_add()\n--\n\nCounts one more unfinished task."},

@@ -386,6 +386,10 @@ PyObject *mpc_py_block_alloc(mpc_state *st, uint64_t nbytes, void **addr) {
     return block_new_from(st->BlockType, &b);
 }
 
+PyObject *mpc_py_block_wrap(mpc_state *st, const mpc_block *b) {
+    return block_new_from(st->BlockType, b);
+}
+
 /* alloc_copy(address, nbytes) -> Block holding a copy of nbytes bytes at
  * address (memory the caller keeps alive and readable meanwhile). */
 static PyObject *py_alloc_copy(PyObject *m, PyObject *args) {

@@ -25,6 +25,26 @@
  * a message fits depend on where the tail happens to be, and buy nothing,
  * since messages are always copied out anyway.
  *
+ * Spilled messages.  A message whose payload can never fit travels in a
+ * shared-memory block of its own (mpc_block_alloc, MPC_BLOCK_DATA), and
+ * the ring carries a record tagged MPC_REC_SPILL: its refs, then the
+ * ticket of that block as one more ref, and no payload bytes; its len is
+ * the payload's length in the block.  Only refs must fit in the ring:
+ * 16 bytes each, so a ring of capacity C carries up to C/16 - 2 of them
+ * in one message.  The block's ticket is one more ref of the message, so
+ * everything that already keeps tickets leak-free keeps it too: the putter journals the ticket before it takes
+ * it and the publishing put clears it, a get journals it with the others,
+ * mpc_ring_drain hands it to fn with the others (a queue freed with the
+ * message inside drops it), and the getter redeems it and either copies
+ * the payload out and releases the block before returning (mpc_ring_get)
+ * or hands the block over, held (mpc_ring_get_block, which Ring.get
+ * uses, so that a large pickle is loaded where it lies, with no copy).  A putter killed while
+ * spilling leaves a block held by a dead process and a journaled ticket,
+ * both of which the keeper drops; a getter killed between taking the
+ * record and releasing the block leaves the same.  Spilling is done once
+ * per message by mpc_ring_spill, before the put waits for room, so a put
+ * that has to wait or is retried after a signal does not copy again.
+ *
  * Locking.  One process-shared robust mutex guards head, tail and count,
  * and messages are copied in and out while it is held.  Critical sections
  * are therefore as long as a message copy; messages are meant to be small
@@ -96,7 +116,8 @@ typedef struct {
     uint64_t len; /* payload bytes */
 } mpc__rec;
 
-#define MPC_REC_TAG 0x4753534du /* "MSSG" */
+#define MPC_REC_TAG 0x4753534du   /* "MSSG" */
+#define MPC_REC_SPILL 0x4c495053u /* "SPIL": the payload is in the block of the last ref */
 #define MPC_REC_HDR ((uint64_t)sizeof(mpc__rec))
 
 /* How long a waiter looks at a sequence word before it sleeps; see
@@ -209,6 +230,16 @@ static uint64_t mpc__rec_size(const mpc_ring *r, uint64_t nrefs, uint64_t len) {
     return total <= cap ? total : 0;
 }
 
+/* Bytes the record with header *rec takes in the ring (a spilled record
+ * holds no payload bytes), or 0 if the header is corrupt. */
+static uint64_t mpc__rec_total(const mpc_ring *r, const mpc__rec *rec) {
+    if (rec->tag == MPC_REC_TAG)
+        return mpc__rec_size(r, rec->nrefs, rec->len);
+    if (rec->tag == MPC_REC_SPILL && rec->nrefs >= 1 && rec->len > 0)
+        return mpc__rec_size(r, rec->nrefs, 0);
+    return 0;
+}
+
 /* Reads the record header at the head and checks it against the bytes in
  * use.  Called with the mutex held.  Returns the record size, or 0 if the
  * record is corrupt. */
@@ -217,9 +248,7 @@ static uint64_t mpc__ring_peek(mpc_ring *r, mpc__rec *rec) {
     if (used < MPC_REC_HDR || used > r->capacity)
         return 0;
     mpc__ring_read(r, r->head, rec, MPC_REC_HDR);
-    if (rec->tag != MPC_REC_TAG)
-        return 0;
-    uint64_t total = mpc__rec_size(r, rec->nrefs, rec->len);
+    uint64_t total = mpc__rec_total(r, rec);
     return total != 0 && total <= used ? total : 0;
 }
 
@@ -234,7 +263,7 @@ static void mpc__ring_repair(mpc_ring *r) {
     while (!corrupt && pos != r->tail) {
         mpc__rec rec;
         mpc__ring_read(r, pos, &rec, MPC_REC_HDR);
-        uint64_t total = rec.tag == MPC_REC_TAG ? mpc__rec_size(r, rec.nrefs, rec.len) : 0;
+        uint64_t total = mpc__rec_total(r, &rec);
         if (total == 0 || total > r->tail - pos) {
             corrupt = 1;
             break;
@@ -394,25 +423,28 @@ int mpc_ring_is_closed(const mpc_ring *r) {
 /* Put and get                                                         */
 /* ------------------------------------------------------------------ */
 
-/* The body of mpc_ring_put and mpc_ring_put_counted: counted != 0 also
- * adds one unfinished task, inside the same critical section that
- * publishes the message, so that no consumer can finish the task before it
- * is counted and a put that fails counts nothing. */
+/* The body of the puts: counted != 0 also adds one unfinished task,
+ * inside the same critical section that publishes the message, so that no
+ * consumer can finish the task before it is counted and a put that fails
+ * counts nothing.  spill, when not NULL, is the ticket of the block that
+ * holds the payload (mpc_ring_spill): the record then carries it as its
+ * last ref and no payload bytes. */
 static int mpc__ring_put(mpc_ring *r, const mpc_ref *refs, uint32_t nrefs, const void *payload,
-                         uint64_t len, int64_t deadline_ns, int counted) {
+                         uint64_t len, const mpc_ref *spill, int64_t deadline_ns, int counted) {
     int rc = mpc__ring_valid(r);
     if (rc < 0)
         return rc;
-    if ((nrefs > 0 && refs == NULL) || (len > 0 && payload == NULL))
+    if ((nrefs > 0 && refs == NULL) || (len > 0 && payload == NULL && spill == NULL))
         return mpc_fail(EINVAL, "a message with refs or payload but no buffer for them");
-    uint64_t total = mpc__rec_size(r, nrefs, len);
+    uint32_t nall = nrefs + (spill != NULL);
+    if (nall < nrefs)
+        return mpc_fail(EMSGSIZE, "a message cannot carry %u refs", nrefs);
+    uint64_t total = mpc__rec_size(r, nall, spill ? 0 : len);
     if (total == 0)
         return mpc_fail(EMSGSIZE,
-                        "a message of %" PRIu64 " bytes (%u refs and %" PRIu64
-                        " payload bytes) can never fit in a ring whose largest message is %" PRIu64
-                        " bytes",
-                        (uint64_t)nrefs * sizeof(mpc_ref) + len, nrefs, len,
-                        r->capacity - MPC_REC_HDR);
+                        "a message of %u refs (%" PRIu64 " bytes, besides its payload) can never "
+                        "fit in a ring whose largest message is %" PRIu64 " bytes",
+                        nrefs, (uint64_t)nrefs * sizeof(mpc_ref), r->capacity - MPC_REC_HDR);
 
     int last_try = 0;
     for (;;) {
@@ -436,18 +468,22 @@ static int mpc__ring_put(mpc_ring *r, const mpc_ref *refs, uint32_t nrefs, const
                     }
                 } while (!atomic_compare_exchange_weak(&r->tasks, &t, t + 1));
             }
-            mpc__rec rec = {.nrefs = nrefs, .tag = MPC_REC_TAG, .len = len};
-            uint64_t pos = r->tail;
+            mpc__rec rec = {.nrefs = nall, .tag = spill ? MPC_REC_SPILL : MPC_REC_TAG, .len = len};
+            uint64_t pos = r->tail, at = pos + MPC_REC_HDR;
             mpc__ring_write(r, pos, &rec, MPC_REC_HDR);
             if (nrefs > 0)
-                mpc__ring_write(r, pos + MPC_REC_HDR, refs, (uint64_t)nrefs * sizeof(mpc_ref));
-            if (len > 0)
-                mpc__ring_write(r, pos + MPC_REC_HDR + (uint64_t)nrefs * sizeof(mpc_ref), payload,
-                                len);
+                mpc__ring_write(r, at, refs, (uint64_t)nrefs * sizeof(mpc_ref));
+            at += (uint64_t)nrefs * sizeof(mpc_ref);
+            if (spill != NULL)
+                mpc__ring_write(r, at, spill, sizeof(mpc_ref));
+            else if (len > 0)
+                mpc__ring_write(r, at, payload, len);
             /* The message carries its tickets now: they leave the
              * putter's journal before it is published (NOTE [ Journal ]). */
             for (uint32_t i = 0; i < nrefs; i++)
                 mpc_journal_clear(&refs[i]);
+            if (spill != NULL)
+                mpc_journal_clear(spill);
             /* Publish only now that the copy is complete. */
             r->tail = pos + total;
             atomic_store(&r->count, count + 1);
@@ -471,15 +507,93 @@ static int mpc__ring_put(mpc_ring *r, const mpc_ref *refs, uint32_t nrefs, const
     }
 }
 
+/* Decides whether a message of nrefs refs and len payload bytes must
+ * travel in a block, and if so puts its payload into a new block (NOTE
+ * [ Ring ], Spilled messages) and stores the block's ticket, journaled, in
+ * *spill.  Returns 1 when spilled (the caller then puts with
+ * mpc_ring_put_spilled, or drops *spill with mpc_ref_drop); 0 when the
+ * message fits inline (nothing done); -EINVAL if r is not a ring;
+ * -EMSGSIZE when even its refs can never fit; -ENOMEM (the message names
+ * the size and what was available) or another -errno of mpc_block_alloc,
+ * with nothing allocated. */
+int mpc_ring_spill(mpc_ring *r, uint32_t nrefs, const void *payload, uint64_t len,
+                   mpc_ref *spill) {
+    int rc = mpc__ring_valid(r);
+    if (rc < 0)
+        return rc;
+    if (mpc__rec_size(r, nrefs, len) != 0)
+        return 0;
+    if (mpc__rec_size(r, (uint64_t)nrefs + 1, 0) == 0)
+        return mpc_fail(EMSGSIZE,
+                        "a message of %u refs (%" PRIu64 " bytes, besides its payload) can never "
+                        "fit in a ring whose largest message is %" PRIu64 " bytes",
+                        nrefs, (uint64_t)nrefs * sizeof(mpc_ref), r->capacity - MPC_REC_HDR);
+    if (payload == NULL)
+        return mpc_fail(EINVAL, "a message with a payload but no buffer for it");
+    mpc_block b;
+    if ((rc = mpc_block_alloc(len, MPC_BLOCK_DATA, 0, &b)) < 0) {
+        if (rc == -ENOMEM) {
+            char why[512];
+            snprintf(why, sizeof why, "%s", mpc_errmsg());
+            return mpc_fail(ENOMEM, "a message of %" PRIu64 " bytes, larger than its ring, "
+                            "cannot travel in shared memory: %s", len, why);
+        }
+        return rc;
+    }
+    mpc_copy(b.addr, payload, len);
+    mpc_ref ref = {.seg_id = b.seg_id, .index = b.index, .gen = b.gen};
+    /* Journaled before it is taken: a death in between leaves a ticket
+     * the keeper cannot drop while our hold stands, so it is refused, and
+     * the hold's drop frees the block. */
+    mpc_journal_add(&ref);
+    if ((rc = mpc_block_ticket(&b)) < 0) {
+        mpc_journal_clear(&ref);
+        mpc_block_release(&b);
+        return rc;
+    }
+    mpc_block_release(&b); /* the ticket keeps it now */
+    *spill = ref;
+    return 1;
+}
+
+/* Appends a message whose payload mpc_ring_spill put into a block: the
+ * record carries refs and then the ticket *spill, and records len as the
+ * payload's length.  The same returns as mpc_ring_put; on success the
+ * ring owns *spill, on failure the caller still does. */
+int mpc_ring_put_spilled(mpc_ring *r, const mpc_ref *refs, uint32_t nrefs, const mpc_ref *spill,
+                         uint64_t len, int64_t deadline_ns, int counted) {
+    if (spill == NULL || len == 0)
+        return mpc_fail(EINVAL, "a spilled message needs its block and length");
+    return mpc__ring_put(r, refs, nrefs, NULL, len, spill, deadline_ns, counted);
+}
+
+/* Spills if needed, puts, and drops the spilled block if the put fails. */
+static int mpc__ring_put_any(mpc_ring *r, const mpc_ref *refs, uint32_t nrefs,
+                             const void *payload, uint64_t len, int64_t deadline_ns, int counted) {
+    mpc_ref spill;
+    int rc = mpc_ring_spill(r, nrefs, payload, len, &spill);
+    if (rc <= 0)
+        return rc < 0 ? rc : mpc__ring_put(r, refs, nrefs, payload, len, NULL, deadline_ns,
+                                           counted);
+    rc = mpc__ring_put(r, refs, nrefs, NULL, len, &spill, deadline_ns, counted);
+    if (rc < 0)
+        mpc_ref_drop(&spill);
+    return rc;
+}
+
 /* Appends a message, waiting for room until deadline_ns (-1 forever, 0 not
- * at all).  Returns 0; -EAGAIN when full and not waiting; -ETIMEDOUT;
+ * at all); a payload too large for the ring travels in a block (NOTE
+ * [ Ring ]).  Returns 0; -EAGAIN when full and not waiting; -ETIMEDOUT;
  * -EINTR (a signal: the caller checks it and calls again); -EPIPE when the
- * ring is closed; -EMSGSIZE (with a message naming the sizes) when the
- * message can never fit; -EINVAL if r is not a ring.  On any failure the
- * ring is unchanged. */
+ * ring is closed; -EMSGSIZE (with a message naming the sizes) when its
+ * refs alone can never fit; -ENOMEM when a block for a large payload
+ * cannot be had; -EINVAL if r is not a ring.  On any failure the ring is
+ * unchanged and no block is left behind.  A caller that may call again
+ * after -EAGAIN or -EINTR spills once itself (mpc_ring_spill,
+ * mpc_ring_put_spilled). */
 int mpc_ring_put(mpc_ring *r, const mpc_ref *refs, uint32_t nrefs, const void *payload,
                  uint64_t len, int64_t deadline_ns) {
-    return mpc__ring_put(r, refs, nrefs, payload, len, deadline_ns, 0);
+    return mpc__ring_put_any(r, refs, nrefs, payload, len, deadline_ns, 0);
 }
 
 /* As mpc_ring_put, and also adds one unfinished task (JoinableQueue.put)
@@ -487,59 +601,95 @@ int mpc_ring_put(mpc_ring *r, const mpc_ref *refs, uint32_t nrefs, const void *p
  * On any failure neither the ring nor the task count changes. */
 int mpc_ring_put_counted(mpc_ring *r, const mpc_ref *refs, uint32_t nrefs, const void *payload,
                          uint64_t len, int64_t deadline_ns) {
-    return mpc__ring_put(r, refs, nrefs, payload, len, deadline_ns, 1);
+    return mpc__ring_put_any(r, refs, nrefs, payload, len, deadline_ns, 1);
 }
 
 /* Removes the head message into malloc'd buffers.  Called with the mutex
- * held and count > 0.  Returns 0, -ENOMEM (the message stays), or -EIO
- * if the record at the head is corrupt. */
+ * held and count > 0.  A spilled message's block ticket goes to *spill
+ * (journaled, like its refs) and *spilled is set; its payload buffer is
+ * allocated here, so that a failure leaves the message in the ring, and
+ * filled by the caller once the mutex is released.  Returns 0, -ENOMEM
+ * (the message stays), or -EIO if the record at the head is corrupt. */
 static int mpc__ring_pop(mpc_ring *r, mpc_ref **refs, uint32_t *nrefs, void **payload,
-                         uint64_t *len) {
+                         uint64_t *len, mpc_ref *spill, int *spilled, int keep_block) {
     mpc__rec rec;
     uint64_t total = mpc__ring_peek(r, &rec);
     if (total == 0)
         return mpc_fail(EIO, "the ring at %p is corrupt at byte %" PRIu64, (void *)r, r->head);
+    int is_spill = rec.tag == MPC_REC_SPILL;
+    uint32_t n = rec.nrefs - (uint32_t)is_spill; /* the message's own refs */
     mpc_ref *rbuf = NULL;
-    if (rec.nrefs > 0) {
-        rbuf = malloc((size_t)rec.nrefs * sizeof(mpc_ref));
+    if (n > 0) {
+        rbuf = malloc((size_t)n * sizeof(mpc_ref));
         if (rbuf == NULL)
-            return mpc_fail(ENOMEM, "cannot allocate %u refs to receive a message", rec.nrefs);
+            return mpc_fail(ENOMEM, "cannot allocate %u refs to receive a message", n);
     }
-    /* At least one byte, so that a successful get never hands back NULL. */
-    void *pbuf = malloc(rec.len > 0 ? (size_t)rec.len : 1);
-    if (pbuf == NULL) {
+    /* At least one byte, so that a successful get never hands back NULL;
+     * none when a spilled payload is handed over in its block. */
+    void *pbuf = NULL;
+    if (!(is_spill && keep_block) && (pbuf = malloc(rec.len > 0 ? (size_t)rec.len : 1)) == NULL) {
         free(rbuf);
         return mpc_fail(ENOMEM, "cannot allocate %" PRIu64 " bytes to receive a message", rec.len);
     }
-    uint64_t pos = r->head;
-    if (rec.nrefs > 0)
-        mpc__ring_read(r, pos + MPC_REC_HDR, rbuf, (uint64_t)rec.nrefs * sizeof(mpc_ref));
-    if (rec.len > 0)
-        mpc__ring_read(r, pos + MPC_REC_HDR + (uint64_t)rec.nrefs * sizeof(mpc_ref), pbuf,
-                       rec.len);
+    uint64_t pos = r->head, at = pos + MPC_REC_HDR;
+    if (n > 0)
+        mpc__ring_read(r, at, rbuf, (uint64_t)n * sizeof(mpc_ref));
+    at += (uint64_t)n * sizeof(mpc_ref);
+    if (is_spill)
+        mpc__ring_read(r, at, spill, sizeof(mpc_ref));
+    else if (rec.len > 0)
+        mpc__ring_read(r, at, pbuf, rec.len);
     r->head = pos + total;
     atomic_fetch_sub(&r->count, 1);
     /* The tickets are the getter's now: journal them, so that they are
      * dropped if it dies before redeeming them (NOTE [ Journal ]). */
-    for (uint32_t i = 0; i < rec.nrefs; i++)
+    for (uint32_t i = 0; i < n; i++)
         mpc_journal_add(&rbuf[i]);
+    if (is_spill)
+        mpc_journal_add(spill);
     *refs = rbuf;
-    *nrefs = rec.nrefs;
+    *nrefs = n;
     *payload = pbuf;
     *len = rec.len;
+    *spilled = is_spill;
     return 0;
 }
 
-/* Removes the oldest message, waiting for one until deadline_ns (-1
- * forever, 0 not at all).  On success returns 0 and hands over malloc'd
- * buffers that the caller frees: *refs (NULL when *nrefs is 0) and
- * *payload (never NULL, *len bytes).  Returns -EAGAIN when empty and not
- * waiting; -ETIMEDOUT; -EINTR (a signal: check it and call again); -EPIPE
- * when closed and empty; -ENOMEM when the buffers cannot be allocated;
- * -EIO if the ring is corrupt; -EINVAL if r is not a ring.  On any failure
- * the ring is unchanged and the out-parameters are untouched. */
-int mpc_ring_get(mpc_ring *r, mpc_ref **refs, uint32_t *nrefs, void **payload, uint64_t *len,
-                 int64_t deadline_ns) {
+/* Redeems a spilled message's ticket into this process's hold on its
+ * block.  Returns 0 with *out filled, or the -errno of mpc_block_attach or
+ * -EIO (block shorter than the record says), the ticket dropped. */
+static int mpc__ring_take_block(const mpc_ref *spill, uint64_t len, mpc_block *out) {
+    int rc = mpc_block_attach(spill, 0, 1, out);
+    if (rc < 0) {
+        mpc_ref_drop(spill);
+        return rc;
+    }
+    if (out->length < len) {
+        rc = mpc_fail(EIO, "a spilled message says %" PRIu64 " bytes but its block has %" PRIu64,
+                      len, out->length);
+        mpc_block_release(out);
+    }
+    return rc;
+}
+
+/* Copies a spilled message's payload out of its block into buf (len
+ * bytes) and lets the block go.  Called without the ring's mutex, since
+ * it may have to ask the keeper for the block's segment.  Returns 0 or the
+ * errors of mpc__ring_take_block; the ticket is dropped either way. */
+static int mpc__ring_unspill(const mpc_ref *spill, void *buf, uint64_t len) {
+    mpc_block b;
+    int rc = mpc__ring_take_block(spill, len, &b);
+    if (rc < 0)
+        return rc;
+    mpc_copy(buf, b.addr, len);
+    mpc_block_release(&b);
+    return 0;
+}
+
+/* The body of mpc_ring_get and mpc_ring_get_block: block, when not NULL,
+ * receives a spilled payload's block (held) instead of a copy. */
+static int mpc__ring_get(mpc_ring *r, mpc_ref **refs, uint32_t *nrefs, void **payload,
+                         uint64_t *len, mpc_block *block, int64_t deadline_ns) {
     int rc = mpc__ring_valid(r);
     if (rc < 0)
         return rc;
@@ -548,7 +698,12 @@ int mpc_ring_get(mpc_ring *r, mpc_ref **refs, uint32_t *nrefs, void **payload, u
         if ((rc = mpc__ring_lock(r)) < 0)
             return rc;
         if (atomic_load(&r->count) > 0) {
-            rc = mpc__ring_pop(r, refs, nrefs, payload, len);
+            mpc_ref *rr = NULL, spill;
+            uint32_t nr = 0;
+            void *p = NULL;
+            uint64_t n = 0;
+            int spilled = 0;
+            rc = mpc__ring_pop(r, &rr, &nr, &p, &n, &spill, &spilled, block != NULL);
             if (rc == 0)
                 atomic_fetch_add(&r->not_full_seq, 1);
             int more = atomic_load(&r->count) > 0;
@@ -561,7 +716,23 @@ int mpc_ring_get(mpc_ring *r, mpc_ref **refs, uint32_t *nrefs, void **payload, u
              * may have been meant for a getter that has gone. */
             if (more && atomic_load(&r->get_sleepers) > 0)
                 mpc_futex_wake(&r->not_empty_seq, 1);
-            return 0;
+            if (spilled) {
+                rc = block ? mpc__ring_take_block(&spill, n, block)
+                           : mpc__ring_unspill(&spill, p, n);
+                if (rc < 0) {
+                    for (uint32_t i = 0; i < nr; i++)
+                        if (mpc_journal_clear(&rr[i]))
+                            mpc_ref_drop(&rr[i]);
+                    free(rr);
+                    free(p);
+                    return rc;
+                }
+            }
+            *refs = rr;
+            *nrefs = nr;
+            *payload = p;
+            *len = n;
+            return spilled && block != NULL;
         }
         if (atomic_load(&r->closed)) {
             mpc__ring_unlock(r);
@@ -586,6 +757,34 @@ int mpc_ring_get(mpc_ring *r, mpc_ref **refs, uint32_t *nrefs, void **payload, u
     }
 }
 
+/* Removes the oldest message, waiting for one until deadline_ns (-1
+ * forever, 0 not at all).  On success returns 0 and hands over malloc'd
+ * buffers that the caller frees: *refs (NULL when *nrefs is 0) and
+ * *payload (never NULL, *len bytes), a spilled payload copied out of its
+ * block, which is released.  Returns -EAGAIN when empty and not waiting;
+ * -ETIMEDOUT; -EINTR (a signal: check it and call again); -EPIPE when
+ * closed and empty; -ENOMEM when the buffers cannot be allocated; -EIO if
+ * the ring is corrupt; -EINVAL if r is not a ring; on all of these the
+ * ring is unchanged and the out-parameters are untouched.  When a spilled
+ * payload cannot be read back (its block cannot be mapped: the -errno of
+ * mpc_block_attach), the message is lost, its tickets are dropped, and
+ * the out-parameters are untouched. */
+int mpc_ring_get(mpc_ring *r, mpc_ref **refs, uint32_t *nrefs, void **payload, uint64_t *len,
+                 int64_t deadline_ns) {
+    return mpc__ring_get(r, refs, nrefs, payload, len, NULL, deadline_ns);
+}
+
+/* As mpc_ring_get, but a spilled payload is not copied: its block is
+ * handed over in *block, held by this process (the caller releases it
+ * with mpc_block_release), with *payload NULL and *len its length; then
+ * 1 is returned instead of 0.  The same errors otherwise. */
+int mpc_ring_get_block(mpc_ring *r, mpc_ref **refs, uint32_t *nrefs, void **payload,
+                       uint64_t *len, mpc_block *block, int64_t deadline_ns) {
+    if (block == NULL)
+        return mpc_fail(EINVAL, "mpc_ring_get_block needs a block to fill");
+    return mpc__ring_get(r, refs, nrefs, payload, len, block, deadline_ns);
+}
+
 /* ------------------------------------------------------------------ */
 /* Close and drain                                                     */
 /* ------------------------------------------------------------------ */
@@ -608,7 +807,8 @@ void mpc_ring_close(mpc_ring *r) {
 }
 
 /* Calls fn(ref, arg) (fn may be NULL) for each ref of each undelivered
- * message, oldest first, and empties the ring.  fn runs with the ring's
+ * message, oldest first (the ticket of a spilled message's block among
+ * them, so that dropping the refs frees it), and empties the ring.  fn runs with the ring's
  * mutex held, so it must not use this ring.  Never fails; does nothing if
  * r is not a ring or its mutex cannot be taken.  If the ring is corrupt
  * the refs of the unreadable messages are not reported.  A process that

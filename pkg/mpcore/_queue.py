@@ -5,7 +5,8 @@ A message is a ForkingPickler pickle.  Pickling a tensor or a shared array
 takes a ticket on its block (see _shm.ticket), so the block outlives the
 sender; the message lists those tickets beside its bytes, so that a queue
 freed with messages still inside drops them (ring.c).  A pickle too large
-for the ring travels in a block of its own, named by the message.
+for the ring travels in a block of its own: the ring does that itself
+(NOTE [ Ring ] in ring.c), for every ring, so nothing here limits a size.
 There is no feeder thread: put() returns once the message is in shared
 memory, and a killed sender cannot lose a message it has put.
 
@@ -26,8 +27,6 @@ from multiprocessing import util as _mputil
 
 from . import _core, _pickle, _shm, _stats
 
-_INLINE = b"P"
-_SPILLED = b"S"
 DEFAULT_CAPACITY = 2 << 20
 
 
@@ -67,7 +66,7 @@ class Queue:
 
     def put(self, obj, block=True, timeout=None):
         self._check_closed()
-        refs, payload = encode(obj, self._ring.max_message())
+        refs, payload = encode(obj)
         try:
             if self._maxsize == 0:
                 if self._backlog == 0:
@@ -200,39 +199,24 @@ class SimpleQueue(Queue):
         return Queue.get(self)
 
 
-def encode(obj, room, prefix=b""):
-    """(refs, payload) of a message carrying obj after `prefix`, for a ring
-    whose messages hold at most `room` bytes: the pickle inline, or, when
-    too large, in a block of its own named by the last ref."""
+def encode(obj, prefix=b""):
+    """(refs, payload) of a message carrying obj after `prefix`."""
     t = _shm.transfer()
-    refs = t.refs
     try:
         with t:
-            payload = _pickle.dumps(obj, prefix + _INLINE)
-        if len(payload) > room - 16 * (len(refs) + 1):
-            body = memoryview(payload)[len(prefix):]
-            spill = _shm.alloc(len(body))
-            memoryview(spill)[:] = body
-            refs.append(spill.ticket(True))
-            payload = prefix + _SPILLED
+            payload = _pickle.dumps(obj, prefix)
     except BaseException:
-        for ref in refs:
+        for ref in t.refs:
             _core.drop_ticket(ref)
         raise
-    return refs, payload
+    return t.refs, payload
 
 
 def decode(refs, payload):
     """The object of a message made by encode() (prefix removed)."""
     if not refs:
-        return _pickle.loads(memoryview(payload)[1:])
-    if payload[:1] == _SPILLED:
-        return _shm.receive(refs, _load_spilled, refs[-1])
-    return _shm.receive(refs, _pickle.loads, memoryview(payload)[1:])
-
-
-def _load_spilled(ref):
-    return _pickle.loads(memoryview(_shm.attach(ref))[1:])
+        return _pickle.loads(payload)
+    return _shm.receive(refs, _pickle.loads, payload)
 
 
 def _rebuild_queue(cls, ref, maxsize):

@@ -30,10 +30,36 @@ from multiprocessing import popen_fork, popen_spawn_posix, spawn as _mpspawn, ut
 
 from . import _core
 
-_MSG = struct.Struct("=IIQqqII16i")  # mpc_zmsg in proc.c
-_MAGIC = 0x5A59474F
-_SPAWN, _STARTED, _FAILED, _EXIT = 1, 2, 3, 4
-_MAX_FDS = 16
+# The wire format has one definition, mpc_zmsg in mpcore.h; the module
+# exports its layout, and the struct is built from it.
+_FIELDS = ("magic", "op", "token", "arg", "arg2", "len", "nfds", "flags", "targets")
+
+
+def _header_struct(layout, size):
+    """The struct of the request header from the core's (field, offset, code)
+    layout; RuntimeError when it is not the header this module packs."""
+    if tuple(name for name, _, _ in layout) != _FIELDS:
+        raise RuntimeError(f"mpcore: the zygote header's fields are {layout}, "
+                           f"this module packs {_FIELDS}")
+    fmt = "="
+    for name, offset, code in layout:
+        if struct.calcsize(fmt) != offset:
+            raise RuntimeError(f"mpcore: the zygote header's field {name} is at byte {offset} "
+                               f"in C but at {struct.calcsize(fmt)} in Python")
+        fmt += code
+    if struct.calcsize(fmt) != size:
+        raise RuntimeError(f"mpcore: the zygote header is {size} bytes in C but "
+                           f"{struct.calcsize(fmt)} in Python")
+    return struct.Struct(fmt)
+
+
+_MSG = _header_struct(_core.ZYGOTE_MSG_LAYOUT, _core.ZYGOTE_MSG_SIZE)
+_MAGIC = _core.ZYGOTE_MAGIC
+_SPAWN, _STARTED, _FAILED, _EXIT = (_core.ZYGOTE_SPAWN, _core.ZYGOTE_STARTED,
+                                    _core.ZYGOTE_FAILED, _core.ZYGOTE_EXIT)
+_MAX_FDS = _core.ZYGOTE_MAX_FDS
+_INLINE_MAX = _core.ZYGOTE_INLINE_MAX  # larger payloads travel in a memfd
+_FLAG_MEMFD = _core.ZYGOTE_FLAG_MEMFD
 ENV = "MPCORE_ZYGOTE"
 forked = False  # true in a child the zygote forked
 PRELOAD_ENV = "MPCORE_ZYGOTE_PRELOAD"
@@ -147,24 +173,38 @@ class _Client:
             if not chunk:
                 raise ConnectionError("the mpcore zygote has gone")
             data += chunk
-        magic, op, token, arg, arg2, _, _, *_ = _MSG.unpack(data)
+        magic, op, token, arg, arg2, *_ = _MSG.unpack(data)
         if op == _EXIT:
             self.exits[arg] = arg2
         else:
             self.replies[token] = (op, arg, arg2)
 
     def request(self, payload, fds, targets):
-        with self.lock:
-            self.token += 1
-            token = self.token
-            msg = _MSG.pack(_MAGIC, _SPAWN, token, 0, 0, len(payload), len(fds),
-                            *(list(targets) + [0] * (_MAX_FDS - len(targets))))
-            self.sock.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                       struct.pack(f"{len(fds)}i", *fds))])
-            self.sock.sendall(payload)
-            while token not in self.replies:
-                self._read_one()
-            return self.replies.pop(token)
+        """Asks for a child; a payload above _INLINE_MAX bytes goes as one
+        more fd, a sealed memfd (NOTE [ Zygote payloads ] in proc.c)."""
+        nbytes = len(payload)
+        pfd = _core.zygote_payload_fd(payload) if nbytes > _INLINE_MAX else None
+        try:
+            with self.lock:
+                self.token += 1
+                token = self.token
+                sent = list(fds) + ([pfd] if pfd is not None else [])
+                msg = _MSG.pack(_MAGIC, _SPAWN, token, 0, 0, nbytes, len(sent),
+                                _FLAG_MEMFD if pfd is not None else 0,
+                                *(list(targets) + [0] * (_MAX_FDS - len(targets))))
+                self.sock.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                           struct.pack(f"{len(sent)}i", *sent))])
+                if pfd is None:
+                    self.sock.sendall(payload)
+                else:
+                    os.close(pfd)
+                    pfd = None
+                while token not in self.replies:
+                    self._read_one()
+                return self.replies.pop(token)
+        finally:
+            if pfd is not None:
+                os.close(pfd)
 
     def exit_status(self, pid, block):
         with self.lock:
@@ -264,8 +304,9 @@ class Popen(popen_fork.Popen):
             finally:
                 _mpctx.set_spawning_popen(None)
             fds = list(dict.fromkeys([0, 1, 2, child_w, child_r] + self._fds))
-            if len(fds) > _MAX_FDS:
-                raise _Fallback(f"{len(fds)} fds to hand over, more than {_MAX_FDS}")
+            room = _MAX_FDS - (fp.tell() > _INLINE_MAX)  # one for the payload's memfd
+            if len(fds) > room:
+                raise _Fallback(f"{len(fds)} fds to hand over, more than {room}")
             try:
                 op, arg, arg2 = _get_client().request(fp.getbuffer(), fds, fds)
             except (ConnectionError, OSError) as e:

@@ -106,7 +106,6 @@ def main(kind, dataset, index_queue, result_queue, auto_collation, collate_fn, d
     _compat.set_worker_info(worker_id, num_workers, seed, dataset)
     index_ring = _queue.ring_of(index_queue)
     result_ring = _queue.ring_of(result_queue)
-    room = result_ring.max_message()
     fast = collate_fn is _compat.default_collate and auto_collation
 
     def send(task, what, obj=None, refs=None):
@@ -114,7 +113,7 @@ def main(kind, dataset, index_queue, result_queue, auto_collation, collate_fn, d
         if refs is not None:
             payload = header + pickle.dumps(obj, 4)
         elif obj is not None:
-            refs, payload = _queue.encode(obj, room, header)
+            refs, payload = _queue.encode(obj, header)
         else:
             refs, payload = [], header
         try:
