@@ -10,13 +10,34 @@ mpc_state *mpc_get_state(PyObject *module) {
     return (mpc_state *)PyModule_GetState(module);
 }
 
+/* NOTE [ Module state from a type ]
+ * Methods of our types find the module's state through the type that
+ * defines them, which may be a subclass's base.  Python 3.11 has
+ * PyType_GetModuleByDef for that; on 3.10 the same walk is done here, as
+ * 3.11 does it: the first heap type in the MRO whose module is this one.
+ * This is the only place that knows how. */
 mpc_state *mpc_type_state(PyTypeObject *type) {
+#if PY_VERSION_HEX >= 0x030B0000
     PyObject *m = PyType_GetModuleByDef(type, &mpc_module);
     if (m == NULL) {
         PyErr_Clear();
         return NULL;
     }
     return mpc_get_state(m);
+#else
+    PyObject *mro = type->tp_mro;
+    if (mro == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(mro); i++) {
+        PyTypeObject *t = (PyTypeObject *)PyTuple_GET_ITEM(mro, i);
+        if (!PyType_HasFeature(t, Py_TPFLAGS_HEAPTYPE))
+            continue;
+        PyObject *m = ((PyHeapTypeObject *)t)->ht_module;
+        if (m != NULL && PyModule_GetDef(m) == &mpc_module)
+            return mpc_get_state(m);
+    }
+    return NULL;
+#endif
 }
 
 PyObject *mpc_py_raise(mpc_state *st, int err) {

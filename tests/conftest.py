@@ -38,24 +38,74 @@ def article(name):
     return path
 
 
+# --- mpcore's shared memory, seen from /proc ---------------------------------
+# (Programs that tests run import these too, after putting TESTS on sys.path:
+# see TESTS_ON_PATH.)
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+# First line of a program that imports helpers from this file.
+TESTS_ON_PATH = f"import sys; sys.path.insert(0, {TESTS!r})\n"
+
+
+def _memfd_links(pid):
+    """The /proc/PID/fd/N links of the mpcore memfds pid has open."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return []
+    out = []
+    for fd in fds:
+        link = f"/proc/{pid}/fd/{fd}"
+        try:
+            if os.readlink(link).startswith("/memfd:mpcore"):
+                out.append(link)
+        except OSError:
+            pass
+    return out
+
+
 def mpcore_memfds(exclude_pids=()):
     """{pid: count} of mpcore memfds open in any process."""
     found = {}
     for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) in exclude_pids:
-            continue
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("/memfd:mpcore"):
-                found[int(pid)] = found.get(int(pid), 0) + 1
+        if pid.isdigit() and int(pid) not in exclude_pids:
+            n = len(_memfd_links(pid))
+            if n:
+                found[int(pid)] = n
     return found
+
+
+def memfd_inodes(pid, maps=False):
+    """{inode: bytes} of the mpcore memfds pid has open (and, with maps, those
+    it maps), with the memory a mapped one holds (0 for one only open)."""
+    inos = {}
+    for link in _memfd_links(pid):
+        try:
+            inos.setdefault(os.stat(link).st_ino, 0)
+        except OSError:
+            pass
+    if maps:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 6 and parts[5].startswith("/memfd:mpcore"):
+                    try:   # the memory the segment holds: its allocated blocks
+                        held = os.stat(f"/proc/{pid}/map_files/{parts[0]}").st_blocks * 512
+                    except OSError:
+                        held = 0
+                    inos[int(parts[4])] = held
+    return inos
+
+
+def mpcore_ranges():
+    """[(start, end)] of this process's mappings of mpcore memfds."""
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "memfd:mpcore" in line:
+                lo, hi = line.split()[0].split("-")
+                out.append((int(lo, 16), int(hi, 16)))
+    return out
 
 
 def mpcore_processes(all_groups=False):
@@ -377,6 +427,36 @@ def result(q, procs, timeout=90):
     if kind == "error":
         raise AssertionError("child failed:\n" + value)
     return value
+
+
+def run_scenario(module, name, method, timeout=150, fresh=False, torch_free=False):
+    """Runs the scenario function `name` of test module `module` (its
+    __name__) with a start method: in this process under fork (unless
+    fresh), else as a fresh program that imports the module, so that spawn
+    children can import the targets by module name and multiprocessing's
+    resource tracker is not left behind as a child of pytest.  torch_free:
+    the program must not have imported torch."""
+    if method == "fork" and not fresh:
+        getattr(sys.modules[module], name)(method)
+        return
+    code = f"""
+    import sys
+    sys.path.insert(0, {TESTS!r})
+    import {module} as T
+    if __name__ == "__main__":
+        T.{name}({method!r})
+        print("SCENARIO-PASSED")
+        print("TORCH=%s" % ("torch" in sys.modules))
+        print("KEEPER=%d" % (T.mpcore._core.keeper_pid() or 0))
+    """
+    r = run_program(code, timeout=timeout)
+    assert r.returncode == 0 and "SCENARIO-PASSED" in r.stdout, (
+        f"scenario {name}({method!r}) failed, rc={r.returncode}\n"
+        f"--- stdout\n{r.stdout}\n--- stderr\n{r.stderr}")
+    if torch_free:
+        assert "TORCH=False" in r.stdout, "torch was imported"
+    wait_keeper_gone(int(re.search(r"KEEPER=(\d+)", r.stdout).group(1)))
+
 
 def reap(procs, timeout=60):
     for p in procs:

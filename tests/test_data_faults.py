@@ -30,7 +30,8 @@ import time
 
 import pytest
 
-from conftest import fresh_env, make_memcg, memory_amounts, program_result as result, remove_memcg
+from conftest import (TESTS_ON_PATH, fresh_env, make_memcg, memory_amounts,
+                      program_result as result, remove_memcg)
 
 
 def _env(scenario):
@@ -65,7 +66,7 @@ def popen(scenario, *args):
                             env=_env(scenario))
 
 
-PROGRAM = r'''
+PROGRAM = TESTS_ON_PATH + r'''
 import gc, json, os, signal, sys, threading, time
 import numpy as np
 import torch
@@ -214,25 +215,7 @@ def settle():
             pass
 
 
-def memfd_inodes(pid, maps=False):
-    """{inode: bytes} of the mpcore memfds pid has open (and maps), with
-    the memory a mapped one holds."""
-    inos = {}
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:mpcore"):
-                inos.setdefault(os.stat(f"/proc/{pid}/fd/{fd}").st_ino, 0)
-        except OSError:
-            pass
-    if maps:
-        with open(f"/proc/{pid}/maps") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 6 and parts[5].startswith("/memfd:mpcore"):
-                    # the memory the segment holds: its allocated blocks
-                    st = os.stat(f"/proc/{pid}/map_files/{parts[0]}")
-                    inos[int(parts[4])] = st.st_blocks * 512
-    return inos
+from conftest import memfd_inodes  # noqa: E402
 
 
 def memory_left():

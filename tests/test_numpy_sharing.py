@@ -8,10 +8,7 @@ method; under fork they run in the pytest process, under spawn as a fresh
 program (spawning from pytest would leave multiprocessing's resource
 tracker behind as a child of pytest).  Every test reaps its children.
 """
-import os
-import re
 import sys
-import time
 import traceback
 from multiprocessing.reduction import ForkingPickler
 
@@ -19,25 +16,14 @@ import numpy as np
 import pytest
 
 import mpcore
-from conftest import run_program, reap, wait_keeper_gone
+from conftest import mpcore_ranges, reap, result, run_scenario
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
 MODULE = __name__
 METHODS = ["fork", "spawn"]
 THRESHOLD = 64 * 1024
 
 
 # --- helpers ------------------------------------------------------------
-
-def _mpcore_ranges():
-    out = []
-    with open("/proc/self/maps") as f:
-        for line in f:
-            if "memfd:mpcore" in line:
-                lo, hi = line.split()[0].split("-")
-                out.append((int(lo, 16), int(hi, 16)))
-    return out
-
 
 def in_mpcore_memory(a):
     """Whether the array's bytes lie in an mpcore memfd mapping."""
@@ -49,7 +35,7 @@ def in_mpcore_memory(a):
         else:
             lo += (n - 1) * s
     hi += a.itemsize
-    return any(x <= lo and hi <= y for x, y in _mpcore_ranges())
+    return any(x <= lo and hi <= y for x, y in mpcore_ranges())
 
 
 def address(a):
@@ -63,47 +49,6 @@ def _run_child(result_q, fn_name, *args):
         result_q.put(("error", traceback.format_exc()))
         raise
     result_q.put(("ok", out))
-
-
-def child_result(q, p, timeout=90):
-    """The child's report; fails at once if the child died without one
-    (the loop's timeouts only bound a hang)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            kind, value = q.get(timeout=0.5)
-            break
-        except mpcore.Empty:
-            if p.exitcode not in (None, 0):
-                raise AssertionError(f"child died without reporting: {p.exitcode}")
-            if time.monotonic() > deadline:
-                raise AssertionError("no report from the child")
-    if kind == "error":
-        raise AssertionError("child failed:\n" + value)
-    return value
-
-
-def run_scenario(name, method, timeout=120, fresh=False, torch_free=False):
-    if method == "fork" and not fresh:
-        globals()[name](method)
-        return
-    code = f"""
-    import sys
-    sys.path.insert(0, {TESTS!r})
-    import {MODULE} as T
-    if __name__ == "__main__":
-        T.{name}({method!r})
-        print("SCENARIO-PASSED")
-        print("TORCH=%s" % ("torch" in sys.modules))
-        print("KEEPER=%d" % (T.mpcore._core.keeper_pid() or 0))
-    """
-    r = run_program(code, timeout=timeout)
-    assert r.returncode == 0 and "SCENARIO-PASSED" in r.stdout, (
-        f"scenario {name}({method!r}) failed, rc={r.returncode}\n"
-        f"--- stdout\n{r.stdout}\n--- stderr\n{r.stderr}")
-    if torch_free:
-        assert "TORCH=False" in r.stdout, "torch was imported"
-    wait_keeper_gone(int(re.search(r"KEEPER=(\d+)", r.stdout).group(1)))
 
 
 # --- one process --------------------------------------------------------
@@ -253,7 +198,7 @@ def scenario_children_see_writes(method):
     try:
         p.start()
         q_in.put((s, big, small))
-        report, mine, tail = child_result(q_out, p)
+        report, mine, tail = result(q_out, [p])
         p.join(60)
         assert p.exitcode == 0
     finally:
@@ -273,7 +218,7 @@ def scenario_children_see_writes(method):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("method", METHODS)
 def test_children_see_and_make_writes(method, leak_check):
-    run_scenario("scenario_children_see_writes", method)
+    run_scenario(MODULE, "scenario_children_see_writes", method)
 
 
 def _child_sends_and_exits(q):
@@ -303,7 +248,7 @@ def scenario_sender_exits_first(method):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("method", METHODS)
 def test_sender_may_exit_before_receiver_gets(method, leak_check):
-    run_scenario("scenario_sender_exits_first", method)
+    run_scenario(MODULE, "scenario_sender_exits_first", method)
 
 
 def scenario_torch_free(method):
@@ -320,4 +265,4 @@ def scenario_torch_free(method):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", METHODS)
 def test_works_without_torch(method, leak_check):
-    run_scenario("scenario_torch_free", method, fresh=True, torch_free=True)
+    run_scenario(MODULE, "scenario_torch_free", method, fresh=True, torch_free=True)

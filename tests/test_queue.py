@@ -11,16 +11,14 @@ loose lower bound on a get() timeout.
 """
 import os
 import queue
-import re
 import time
 import traceback
 
 import pytest
 
 import mpcore
-from conftest import run_program, reap, wait_keeper_gone
+from conftest import reap, run_scenario
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
 MODULE = __name__
 METHODS = ["fork", "spawn"]
 
@@ -57,26 +55,6 @@ def join_all(procs):
     for p in procs:
         p.join(60)
     assert [p.exitcode for p in procs] == [0] * len(procs)
-
-
-def run_scenario(name, method, timeout=150):
-    if method == "fork":
-        globals()[name](method)
-        return
-    code = f"""
-    import sys
-    sys.path.insert(0, {TESTS!r})
-    import {MODULE} as T
-    if __name__ == "__main__":
-        T.{name}({method!r})
-        print("SCENARIO-PASSED")
-        print("KEEPER=%d" % (T.mpcore._core.keeper_pid() or 0))
-    """
-    r = run_program(code, timeout=timeout)
-    assert r.returncode == 0 and "SCENARIO-PASSED" in r.stdout, (
-        f"scenario {name}({method!r}) failed, rc={r.returncode}\n"
-        f"--- stdout\n{r.stdout}\n--- stderr\n{r.stderr}")
-    wait_keeper_gone(int(re.search(r"KEEPER=(\d+)", r.stdout).group(1)))
 
 
 # --- one process --------------------------------------------------------
@@ -327,7 +305,7 @@ def scenario_many_producers_consumers(method):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("method", METHODS)
 def test_many_producers_and_consumers(method, leak_check):
-    run_scenario("scenario_many_producers_consumers", method)
+    run_scenario(MODULE, "scenario_many_producers_consumers", method)
 
 
 def _child_uses_queues(q, jq, sq, small, out):
@@ -395,7 +373,7 @@ def scenario_queues_in_children(method):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", METHODS)
 def test_queues_passed_to_children(method, leak_check):
-    run_scenario("scenario_queues_in_children", method)
+    run_scenario(MODULE, "scenario_queues_in_children", method)
 
 
 def _bounded_producer(q, n):
@@ -440,7 +418,7 @@ def scenario_blocking_and_large(method):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", METHODS)
 def test_blocking_producer_and_large_messages(method, leak_check):
-    run_scenario("scenario_blocking_and_large", method)
+    run_scenario(MODULE, "scenario_blocking_and_large", method)
 
 
 def _nested_child(q_in, q_out):
@@ -493,7 +471,7 @@ def scenario_nested(method):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", METHODS)
 def test_nested_containers_of_tensors_and_arrays(method, leak_check):
-    run_scenario("scenario_nested", method)
+    run_scenario(MODULE, "scenario_nested", method)
 
 
 def test_failed_put_takes_no_ticket_with_it():

@@ -19,7 +19,8 @@ import subprocess
 
 import pytest
 
-from conftest import make_memcg, memory_amounts, program_result as result, remove_memcg
+from conftest import (TESTS_ON_PATH, make_memcg, memory_amounts, program_result as result,
+                      remove_memcg)
 
 # --------------------------------------------------------------------------
 # 1. Ten thousand tensors held under RLIMIT_NOFILE = 128
@@ -178,7 +179,7 @@ def test_memory_cgroup_shortage_is_a_memory_error(leak_check, scenario):
 # 3. Producer and consumer SIGKILLed mid-transfer
 # --------------------------------------------------------------------------
 
-KILL_PROGRAM = r'''
+KILL_PROGRAM = TESTS_ON_PATH + r'''
 import gc, json, os, signal, sys
 import torch
 torch.set_num_threads(1)
@@ -241,21 +242,7 @@ def consumer(q, progress):
             progress.set()
 
 
-def memfd_inodes(pid, maps=False):
-    inos = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:mpcore"):
-                inos.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
-        except OSError:
-            pass
-    if maps:
-        with open(f"/proc/{pid}/maps") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 6 and parts[5].startswith("/memfd:mpcore"):
-                    inos.add(int(parts[4]))
-    return inos
+from conftest import memfd_inodes  # noqa: E402
 
 
 def settle():
@@ -302,7 +289,7 @@ if __name__ == "__main__":
     if CHECK_KEEPER:
         kept = memfd_inodes(keeper)
         mine = memfd_inodes(os.getpid(), maps=True)
-        report.update(keeper_after=len(kept), own=len(mine), not_ours=len(kept - mine),
+        report.update(keeper_after=len(kept), own=len(mine), not_ours=len(set(kept) - set(mine)),
                       stats=mpcore.stats())
     print("RESULT " + json.dumps(report), flush=True)
 '''

@@ -27,6 +27,33 @@ SURFACE = [
     "get_all_sharing_strategies",
 ]
 
+# The names mpcore implements itself.  Each must be an object of an mpcore
+# module, never the standard library's reached through mpcore's fallback
+# (its module __getattr__ hands out whatever mpcore does not define).
+OWN = [
+    "Process", "Queue", "SimpleQueue", "JoinableQueue", "get_context", "set_sharing_strategy",
+    "get_sharing_strategy", "get_all_sharing_strategies", "spawn", "start_processes",
+    "ProcessContext", "ProcessException", "ProcessRaisedException", "ProcessExitedException",
+    "SpawnContext",
+]
+
+
+def assert_mpcores(name):
+    """mpcore.<name> is mpcore's own object where mpcore implements the
+    name (OWN), else the very object torch.multiprocessing exports (for
+    Pool, Lock, Value and the like, torch's are the standard library's, and
+    mpcore gives the same on purpose)."""
+    import torch.multiprocessing as tmp
+    obj = getattr(mp, name)
+    module = getattr(obj, "__module__", None) or ""
+    if name in OWN:
+        assert module.startswith("mpcore"), (
+            f"mpcore.{name} is {obj!r} from {module!r}, not mpcore's own")
+    else:
+        assert hasattr(tmp, name), f"mpcore.{name} is neither mpcore's nor torch's"
+        assert obj is getattr(tmp, name), (
+            f"mpcore.{name} is {obj!r} from {module!r}, not torch.multiprocessing's")
+
 
 # --- running a fresh program ----------------------------------------------------
 
@@ -52,13 +79,26 @@ def report(r):
 def test_name_is_there(name):
     import torch.multiprocessing as tmp
     assert hasattr(tmp, name)          # it is torch's surface ...
-    assert callable(getattr(mp, name))  # ... and mpcore has it
+    assert callable(getattr(mp, name))  # ... and mpcore has it ...
+    assert_mpcores(name)               # ... its own, or torch's on purpose
 
 
 def test_all_of_torch_multiprocessing_is_there():
     import torch.multiprocessing as tmp
     missing = [n for n in tmp.__all__ if not hasattr(mp, n)]
     assert not missing
+    for name in tmp.__all__:
+        assert_mpcores(name)
+
+
+def test_own_names_are_checked_as_mpcores(monkeypatch):
+    # Were mpcore to lose one of its own names, its fallback would hand out
+    # the standard library's: assert_mpcores must then fail.
+    import multiprocessing
+    monkeypatch.delattr(mp, "Queue")
+    assert mp.Queue is multiprocessing.Queue
+    with pytest.raises(AssertionError, match="not mpcore's own"):
+        assert_mpcores("Queue")
 
 
 def test_torch_spawn_api_is_there():
@@ -70,6 +110,9 @@ def test_torch_spawn_api_is_there():
         assert hasattr(mp, name), name
     assert not isinstance(mp.spawn, types.ModuleType), mp.spawn
     assert callable(mp.spawn)
+    for name in ("spawn", "start_processes", "ProcessContext", "ProcessRaisedException",
+                 "ProcessExitedException"):
+        assert_mpcores(name)
 
 
 def test_process_and_queues_are_mpcores():

@@ -9,8 +9,6 @@ multiprocessing's resource tracker behind as a child of pytest.  Children
 report through queues; every scenario reaps its children even when it
 fails.  Nothing here waits on a sleep or asserts on time.
 """
-import os
-import re
 import traceback
 
 import pytest
@@ -20,9 +18,8 @@ from multiprocessing.reduction import ForkingPickler
 from torch import nn
 
 import mpcore
-from conftest import run_program, result, reap, wait_keeper_gone
+from conftest import mpcore_ranges, reap, result, run_scenario
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
 MODULE = __name__
 METHODS = ["fork", "spawn"]
 
@@ -32,21 +29,11 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16,
 
 # --- helpers ------------------------------------------------------------
 
-def _mpcore_ranges():
-    out = []
-    with open("/proc/self/maps") as f:
-        for line in f:
-            if "memfd:mpcore" in line:
-                lo, hi = line.split()[0].split("-")
-                out.append((int(lo, 16), int(hi, 16)))
-    return out
-
-
 def in_mpcore_memory(t):
     """Whether all of the tensor's storage lies in an mpcore memfd mapping."""
     s = t.untyped_storage()
     lo, hi = s.data_ptr(), s.data_ptr() + s.nbytes()
-    return any(a <= lo and hi <= b for a, b in _mpcore_ranges())
+    return any(a <= lo and hi <= b for a, b in mpcore_ranges())
 
 
 def child_setup():
@@ -73,26 +60,6 @@ def start(ctx, procs, fn_name, result_q, *args):
     procs.append(p)
     p.start()
     return p
-
-
-def run_scenario(name, method, timeout=150, fresh=False):
-    if method == "fork" and not fresh:
-        globals()[name](method)
-        return
-    code = f"""
-    import sys
-    sys.path.insert(0, {TESTS!r})
-    import {MODULE} as T
-    if __name__ == "__main__":
-        T.{name}({method!r})
-        print("SCENARIO-PASSED")
-        print("KEEPER=%d" % (T.mpcore._core.keeper_pid() or 0))
-    """
-    r = run_program(code, timeout=timeout)
-    assert r.returncode == 0 and "SCENARIO-PASSED" in r.stdout, (
-        f"scenario {name}({method!r}) failed, rc={r.returncode}\n"
-        f"--- stdout\n{r.stdout}\n--- stderr\n{r.stderr}")
-    wait_keeper_gone(int(re.search(r"KEEPER=(\d+)", r.stdout).group(1)))
 
 
 # --- in one process -----------------------------------------------------
@@ -229,7 +196,7 @@ def scenario_child_changes_seen(method):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", METHODS)
 def test_child_changes_seen_by_parent(method, leak_check):
-    run_scenario("scenario_child_changes_seen", method)
+    run_scenario(MODULE, "scenario_child_changes_seen", method)
 
 
 # --- views and storage identity across a queue ---------------------------
@@ -283,7 +250,7 @@ def scenario_views(method, kind="mpcore"):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", METHODS)
 def test_views_and_identity_through_queue(method, leak_check):
-    run_scenario("scenario_views", method)
+    run_scenario(MODULE, "scenario_views", method)
 
 
 def scenario_views_torch_queue(method):
@@ -293,7 +260,7 @@ def scenario_views_torch_queue(method):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", METHODS)
 def test_views_and_identity_through_torch_multiprocessing_queue(method, leak_check):
-    run_scenario("scenario_views_torch_queue", method)
+    run_scenario(MODULE, "scenario_views_torch_queue", method)
 
 
 # --- a sender that exits before the receiver gets -----------------------
@@ -344,13 +311,13 @@ def scenario_sender_exits_first_torch_queue(method):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", METHODS)
 def test_sender_may_exit_before_receiver_gets(method, leak_check):
-    run_scenario("scenario_sender_exits_first", method)
+    run_scenario(MODULE, "scenario_sender_exits_first", method)
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", METHODS)
 def test_sender_may_exit_before_receiver_gets_torch_queue(method, leak_check):
-    run_scenario("scenario_sender_exits_first_torch_queue", method)
+    run_scenario(MODULE, "scenario_sender_exits_first_torch_queue", method)
 
 
 # --- Hogwild -------------------------------------------------------------
@@ -411,7 +378,7 @@ def scenario_hogwild(method):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", METHODS)
 def test_hogwild_training_updates_parent(method, leak_check):
-    run_scenario("scenario_hogwild", method)
+    run_scenario(MODULE, "scenario_hogwild", method)
 
 
 # --- Parameters, requires_grad, identity within one pickle ---------------
@@ -470,7 +437,7 @@ def scenario_params(method):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", METHODS)
 def test_parameters_and_optimizer_arrive_intact(method, leak_check):
-    run_scenario("scenario_params", method)
+    run_scenario(MODULE, "scenario_params", method)
 
 
 # --- dtypes and layouts ---------------------------------------------------
@@ -537,7 +504,7 @@ def scenario_dtypes(method):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", METHODS)
 def test_dtypes_and_layouts(method, leak_check):
-    run_scenario("scenario_dtypes", method)
+    run_scenario(MODULE, "scenario_dtypes", method)
 
 
 # --- a tensor made in a child comes to the parent ------------------------
@@ -573,7 +540,7 @@ def scenario_child_makes(method):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", METHODS)
 def test_tensor_made_in_child_reaches_parent(method, leak_check):
-    run_scenario("scenario_child_makes", method)
+    run_scenario(MODULE, "scenario_child_makes", method)
 
 
 # --- children's tensors reach a parent that has not used mpcore yet ------
@@ -613,4 +580,4 @@ def scenario_fresh_parent(method):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", METHODS)
 def test_tensor_from_child_to_parent_that_has_not_used_mpcore(method, leak_check):
-    run_scenario("scenario_fresh_parent", method, fresh=True)
+    run_scenario(MODULE, "scenario_fresh_parent", method, fresh=True)

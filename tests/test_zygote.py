@@ -191,3 +191,81 @@ def test_child_output_on_a_terminal_is_line_buffered(tmp_path, leak_check):
         proc.stderr.close()
         os.close(master)
     assert b"exit 0" in out
+
+
+def test_zygote_at_launch_costs_a_program_nothing(tmp_path, leak_check):
+    # NOTE [ The zygote costs only programs that use it ]: under `mpcore
+    # run` the zygote warms up at SCHED_IDLE (or, where it could not leave
+    # that policy, is not started before the first request); the first
+    # request raises it at once, and its children run at the normal policy.
+    # Its preload is held on a FIFO here, so the zygote is still warming up
+    # while the program looks.
+    fifo = tmp_path / "hold"
+    os.mkfifo(fifo)
+    (tmp_path / "held_preload.py").write_text(
+        "import os\nwith open(os.environ['HOLD_FIFO']) as f:\n    f.read()\n")
+    r = run_program("""
+        import os
+        import mpcore
+        from mpcore import _zygote
+        def child(q):
+            q.put(os.sched_getscheduler(0))
+        if __name__ == "__main__":
+            allowed = _zygote._may_leave_idle()
+            started = _zygote._service is not None
+            before = os.sched_getscheduler(_zygote._service[1]) if started else None
+            _zygote.start()                 # what the first request does first
+            raised = os.sched_getscheduler(_zygote._service[1])
+            with open(os.environ["HOLD_FIFO"], "w") as f:
+                f.write("go")               # the preload may finish
+            q = mpcore.Queue()
+            p = mpcore.get_context("spawn").Process(target=child, args=(q,))
+            p.start()
+            policy = q.get(timeout=60)
+            p.join()
+            print(allowed, started, before == os.SCHED_IDLE, raised == os.SCHED_OTHER,
+                  policy == os.SCHED_OTHER, p.exitcode)
+        """, launcher=True, env={
+            "MPCORE_ZYGOTE_PRELOAD": "held_preload", "HOLD_FIFO": str(fifo),
+            "PYTHONPATH": str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    assert r.returncode == 0, r.stderr
+    allowed, *rest = r.stdout.split()
+    if allowed == "True":
+        assert rest == ["True", "True", "True", "True", "0"], r.stdout
+    else:   # not started before it was needed
+        assert rest == ["False", "False", "True", "True", "0"], r.stdout
+
+
+def test_zygote_never_needed_goes_with_its_program(tmp_path, leak_check):
+    # A program that never asks its zygote for a child exits while the
+    # zygote still warms up (its preload held on a FIFO that nobody
+    # opens): the zygote goes with the program instead of finishing an
+    # import for nothing.
+    fifo = tmp_path / "hold"
+    os.mkfifo(fifo)
+    (tmp_path / "held_preload.py").write_text(
+        "import os\nwith open(os.environ['HOLD_FIFO']) as f:\n    f.read()\n")
+    r = run_program("""
+        from mpcore import _zygote
+        print(_zygote._may_leave_idle(), _zygote._service[1] if _zygote._service else 0)
+        """, launcher=True, env={
+            "MPCORE_ZYGOTE_PRELOAD": "held_preload", "HOLD_FIFO": str(fifo),
+            "PYTHONPATH": str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    assert r.returncode == 0, r.stderr
+    allowed, zpid = r.stdout.split()
+    if allowed != "True":
+        assert zpid == "0", "a zygote was started before it was needed"
+        return
+    import time
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{zpid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(int(zpid), 9)
+        pytest.fail(f"zygote {zpid}, still warming up, outlived its program")

@@ -2,9 +2,10 @@
 mpcore's 'spawn' and 'forkserver' contexts), and the child's first steps.
 
 NOTE [ Zygote ] in csrc/proc.c says what the zygote is.  Here:
-- The zygote is started by `mpcore run` at launch, or by the program's first
-  zygote child, in the background: its imports (torch) overlap the
-  program's.  A request waits in the socket's backlog until it is ready.
+- The zygote is started by `mpcore run` at launch, at idle priority, or by
+  the program's first zygote child (NOTE [ The zygote costs only programs
+  that use it ]).  A request waits in the socket's backlog until it is
+  ready.
 - A child gets spawn's semantics: the requester's os.environ, cwd, sys.path
   and sys.argv as of the request, __main__ imported as __mp_main__
   (multiprocessing.spawn.prepare does that part), fresh random seeds, and
@@ -97,6 +98,7 @@ def main():
     import gc
     gc.collect()
     gc.freeze()  # children do not copy pages just to touch GC headers
+    _leave_idle()  # warm: its children run at the program's priority
     payload = _core.Zygote(3, 4).serve()
     if payload is None:
         return 0
@@ -115,6 +117,7 @@ def _child_main(payload):
         os.environ.clear()
         os.environ.update(head["env"])
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        _leave_idle()
         _fresh_seeds()
         # The zygote's stdout was /dev/null, so Python made it block-buffered;
         # buffer it as a spawned child would buffer the stdout it now has.
@@ -225,12 +228,100 @@ class _Client:
 _client = None
 _client_lock = threading.Lock()
 _service = None  # (fd to the zygote, pid) when this process started it
+_idle_pid = None  # the zygote this process started idle, until it needs it
+
+# NOTE [ The zygote costs only programs that use it ]
+# The zygote imports torch a second time: seconds of CPU that a program
+# which never starts a spawn child must not pay (a fork-worker DataLoader,
+# a one-process training loop, torchrun's launcher).  Two ways were
+# measured (`mpcore bench --only run-,spawn-first`):
+# - Started on first need (a spawn or forkserver Process, a spawn
+#   DataLoader, spawn()): free for programs that never need it, but the
+#   first spawn always waits for the zygote's own import of torch.
+# - Started at launch under SCHED_IDLE: it runs only on a core the program
+#   leaves idle, so it never takes one from the program.  Once warm it
+#   returns to the normal policy (its children inherit the zygote's); the
+#   program's first request raises it at once, so a program that needs it
+#   before it is warm waits no longer than with the first way; and at the
+#   program's exit a zygote still warming up is killed.
+# Where a core is free, an idle zygote warms up there at full speed, as
+# one at normal priority did, so the first spawn stays ~0.3 s instead of a
+# torch import.  Where every core was busy (2 cores, heavily loaded) both
+# gave the same first spawn (the zygote's import then runs after the
+# program's, not beside it at half the speed of each), and neither cost the
+# program wall time.  So the second is used.  What it
+# still costs is CPU time on cores that would otherwise idle.  Leaving
+# SCHED_IDLE needs CAP_SYS_NICE or an RLIMIT_NICE that allows the
+# program's nice value (without it every child of the zygote would stay
+# idle), so where that is not allowed the zygote starts on first need.
+
+_CAP_SYS_NICE = 23
+
+
+def _may_leave_idle():
+    """Whether a process of this user, at this process's nice value, may go
+    from SCHED_IDLE back to the normal policy (the kernel's can_nice)."""
+    import resource
+    soft = resource.getrlimit(resource.RLIMIT_NICE)[0]
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    if soft == resource.RLIM_INFINITY or 20 - nice <= soft:
+        return True
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> _CAP_SYS_NICE & 1)
+    except OSError:
+        pass
+    return False
+
+
+def _leave_idle(pid=0):
+    """Puts pid (this process when 0) back on the normal policy if it is
+    idle; quietly does nothing where that is not allowed."""
+    try:
+        if os.sched_getscheduler(pid) == os.SCHED_IDLE:
+            os.sched_setscheduler(pid, os.SCHED_OTHER, os.sched_param(0))
+    except OSError:
+        pass
+
+
+def start_early():
+    """At launch: starts the zygote at idle priority, where it may leave it
+    (NOTE [ The zygote costs only programs that use it ])."""
+    global _idle_pid
+    if os.environ.get(ENV) or _service is not None or not _may_leave_idle():
+        return
+    start()
+    try:
+        os.sched_setscheduler(_service[1], os.SCHED_IDLE, os.sched_param(0))
+        _idle_pid = _service[1]
+    except OSError:
+        return
+    atexit.register(_stop_warming)
+
+
+def _stop_warming():
+    """At the program's exit: a zygote that is still warming up (still
+    idle, so it has no child) is killed, not left to finish an import for
+    nothing; it would only notice the program's end once warm."""
+    pid = _idle_pid
+    if pid is not None:
+        try:
+            if os.sched_getscheduler(pid) == os.SCHED_IDLE:
+                os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def start():
-    """Starts this program's zygote if none runs (or connects to it)."""
-    global _service
+    """Starts this program's zygote if none runs (or connects to it); a
+    zygote this process started idle is raised to the normal policy."""
+    global _service, _idle_pid
     with _client_lock:
+        if _idle_pid is not None:
+            _leave_idle(_idle_pid)
+            _idle_pid = None
         if os.environ.get(ENV) or _service is not None:
             return
         argv = [sys.executable, "-c", "import mpcore._zygote as z, sys; sys.exit(z.main())"]
@@ -251,8 +342,9 @@ def _get_client():
 
 
 def _after_fork_child():
-    global _client, _service, _client_lock
+    global _client, _service, _client_lock, _idle_pid
     _client_lock = threading.Lock()
+    _idle_pid = None
     if _client is not None:
         _client.sock.close()
     _client = None
