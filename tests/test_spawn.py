@@ -448,12 +448,35 @@ def test_unpicklable_target_fails_at_start():
     assert run(lambda i: None, nprocs=2, method="fork") is None
 
 
-@pytest.mark.parametrize("nprocs", [0, -1, -5])
-def test_nprocs_must_be_positive(nprocs):
+@pytest.mark.parametrize("nprocs", [-1, -5])
+def test_nprocs_must_not_be_negative(nprocs):
     with pytest.raises(ValueError, match="nprocs"):
         S.start_processes(_success, nprocs=nprocs, start_method="fork")
     with pytest.raises(ValueError, match="nprocs"):
         S.spawn(_success, nprocs=nprocs)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_nprocs_zero_starts_nothing(method):
+    # As torch: nothing starts; joining returns None, else a context whose
+    # join() is True at once (a program sizing its ranks by
+    # torch.cuda.device_count() on a machine without GPUs).
+    import mpcore
+    import torch.multiprocessing as tmp
+    before = sorted(children_of(os.getpid()))
+    started = mpcore.stats().get("processes_started", 0)
+    assert S.start_processes(_success, nprocs=0, start_method=method) is None
+    ctx = S.start_processes(_success, nprocs=0, start_method=method, join=False)
+    assert isinstance(ctx, S.ProcessContext)
+    assert ctx.processes == [] and ctx.pids() == [] and ctx.error_files == []
+    assert ctx.join() is True and ctx.join(timeout=0) is True
+    if method == "spawn":
+        assert S.spawn(_success, nprocs=0) is None
+        theirs = tmp.spawn(_success, nprocs=0, join=False)
+        assert type(theirs).__name__ == "ProcessContext" and theirs.join() is True
+        assert isinstance(S.spawn(_success, nprocs=0, join=False), S.ProcessContext)
+    assert mpcore.stats().get("processes_started", 0) == started
+    assert sorted(children_of(os.getpid())) == before
 
 
 def test_nprocs_must_be_an_int():
