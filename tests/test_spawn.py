@@ -479,6 +479,32 @@ def test_nprocs_zero_starts_nothing(method):
     assert sorted(children_of(os.getpid())) == before
 
 
+DEVICE_COUNT = r"""
+import torch
+import torch.multiprocessing as mp
+
+def rank(i):
+    pass
+
+if __name__ == "__main__":
+    assert getattr(mp, "__mpcore__", False), "not running under mpcore"
+    n = torch.cuda.device_count()   # 0 on a machine without GPUs
+    assert mp.spawn(rank, nprocs=n) is None
+    ctx = mp.spawn(rank, nprocs=n, join=False)
+    assert ctx.join() is True and len(ctx.processes) == n
+    print("RANKS", n, type(ctx).__module__, flush=True)
+"""
+
+
+def test_spawning_device_count_ranks_under_mpcore_run():
+    # A program that sizes its ranks by the GPUs it finds runs to the end
+    # on a machine without any, under `mpcore run` as under torch.
+    r = run_program(DEVICE_COUNT, launcher=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import torch
+    assert f"RANKS {torch.cuda.device_count()} mpcore._spawn" in r.stdout, r.stdout
+
+
 def test_nprocs_must_be_an_int():
     with pytest.raises(TypeError, match="nprocs"):
         S.start_processes(_success, nprocs=2.0, start_method="fork")
