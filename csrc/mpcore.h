@@ -531,6 +531,20 @@ int mpc_zygote_payload_fd(const void *p, uint64_t len, int *fd);
  * zygote's books.  Returns 0 or -errno. */
 int mpc_zygote_child_setup(mpc_zygote *z, mpc_zreq *req, pid_t zygote_pid);
 
+/* Arranges that this process receives `sig` once process `pid` has ended
+ * (NOTE [ Dying with a process ] in proc.c).  When pid is this process's
+ * parent and `thread_lasts` is non-zero (the parent thread that forked
+ * this process lives as long as the parent process), PR_SET_PDEATHSIG does
+ * it; otherwise a detached thread of this process waits on a pidfd of pid
+ * and sends sig to this process when pid exits.  A pid that is not this
+ * process's parent must still name the process the caller means (the
+ * caller rules out its reuse).  Returns 0 once armed; -ESRCH if pid is
+ * already gone (nothing is armed and no signal sent: the caller decides);
+ * -EINVAL for a bad pid or signal; -ENOSYS without pidfds (Linux < 5.3);
+ * another -errno if the pidfd or thread cannot be made.  Nothing is left
+ * armed or open on failure. */
+int mpc_die_with(pid_t pid, int sig, int thread_lasts);
+
 
 /* ------------------------------------------------------------------ */
 /* DataLoader worker pool (pool.c) and collation (collate.c)           */

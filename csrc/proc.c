@@ -1,5 +1,6 @@
 /* proc.c: the zygote's side of process creation: its server loop, the
- * set-up of a child right after fork, and the reaping of children.
+ * set-up of a child right after fork, and the reaping of children; and
+ * how a process dies with another (mpc_die_with).
  *
  * NOTE [ Zygote ]
  * `spawn` is safe because the child is a fresh interpreter, and slow for
@@ -29,6 +30,7 @@
 #include <sys/un.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <string.h>
 #include <sys/prctl.h>
@@ -486,5 +488,111 @@ int mpc_zygote_child_setup(mpc_zygote *z, mpc_zreq *req, pid_t zygote_pid) {
     for (int i = 0; i < req->nfds; i++)
         fcntl(req->targets[i], F_SETFD, 0);
     free(z);
+    return 0;
+}
+
+/* NOTE [ Dying with a process ]
+ * A child started for a program must not outlive it.  The kernel's
+ * PR_SET_PDEATHSIG is the cheapest way, with three limits: it fires when
+ * the parent *thread* that forked the child exits, not the parent process;
+ * it only knows the direct parent (not a requester whose child a fork
+ * server made); and it is never delivered if the parent is gone before it
+ * is set, so getppid() is checked after setting it.  Where it cannot serve
+ * (the parent thread may end first, or the process to follow is not the
+ * parent), a pidfd of that process is watched by a small thread: poll()
+ * reports the pidfd readable once the process has exited (as a zombie
+ * too), and the thread sends the signal to its own process.  The pidfd is
+ * O_CLOEXEC; a process forked from this one holds a copy of it but no
+ * watcher, which is harmless. */
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+#ifndef SYS_pidfd_send_signal
+#define SYS_pidfd_send_signal 424
+#endif
+
+typedef struct {
+    int fd;
+    int sig;
+} mpc__watch;
+
+static void *mpc__watch_main(void *arg) {
+    mpc__watch w = *(mpc__watch *)arg;
+    free(arg);
+    struct pollfd p = {.fd = w.fd, .events = POLLIN};
+    int r;
+    do {
+        r = poll(&p, 1, -1);
+    } while (r < 0 && errno == EINTR);
+    /* Only a readable pidfd means the process ended.  If the program closed
+     * the fd under us (POLLNVAL), or its number now names a file that is not
+     * a pidfd (EBADF from pidfd_send_signal), we no longer know anything:
+     * stop watching rather than kill on a guess. */
+    if (r == 1 && (p.revents & POLLIN) && !(p.revents & POLLNVAL) &&
+        !(syscall(SYS_pidfd_send_signal, w.fd, 0, NULL, 0) < 0 && errno == EBADF))
+        kill(getpid(), w.sig);
+    return NULL;
+}
+
+static int mpc__pidfd_gone(int fd) {
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    int r;
+    do {
+        r = poll(&p, 1, 0);
+    } while (r < 0 && errno == EINTR);
+    return r == 1 && (p.revents & POLLIN);
+}
+
+int mpc_die_with(pid_t pid, int sig, int thread_lasts) {
+    if (pid <= 0 || sig <= 0 || sig >= NSIG)
+        return mpc_fail(EINVAL, "die_with: bad pid %d or signal %d", (int)pid, sig);
+    int parent = pid == getppid();
+    if (parent && thread_lasts) {
+        if (prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) < 0)
+            return mpc_fail(errno, "die_with: PR_SET_PDEATHSIG: %s", strerror(errno));
+        if (getppid() == pid)
+            return 0;
+        prctl(PR_SET_PDEATHSIG, 0, 0, 0, 0);
+        return mpc_fail(ESRCH, "die_with: process %d is gone", (int)pid);
+    }
+    int fd = (int)syscall(SYS_pidfd_open, pid, 0);
+    if (fd < 0) {
+        int e = errno;
+        if (e == ESRCH)
+            return mpc_fail(ESRCH, "die_with: process %d is gone", (int)pid);
+        return mpc_fail(e, "die_with: pidfd_open(%d): %s", (int)pid, strerror(e));
+    }
+    /* A parent that died before pidfd_open may have had its pid reused;
+     * being still its child proves that the fd names it. */
+    if ((parent && getppid() != pid) || mpc__pidfd_gone(fd)) {
+        close(fd);
+        return mpc_fail(ESRCH, "die_with: process %d is gone", (int)pid);
+    }
+    mpc__watch *w = malloc(sizeof *w);
+    if (w == NULL) {
+        close(fd);
+        return mpc_fail(ENOMEM, "die_with: out of memory");
+    }
+    w->fd = fd;
+    w->sig = sig;
+    /* The watcher takes no signal of the program's: they stay with its
+     * other threads. */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&attr, 64 * 1024);
+    pthread_t t;
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    int r = pthread_create(&t, &attr, mpc__watch_main, w);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_attr_destroy(&attr);
+    if (r != 0) {
+        free(w);
+        close(fd);
+        return mpc_fail(r, "die_with: cannot start a watcher thread: %s", strerror(r));
+    }
     return 0;
 }

@@ -1,6 +1,7 @@
 /* py_proc.c: bindings for the zygote (mpcore._core.Zygote) and for starting
  * the program's services.  The fork itself happens here, between
- * PyOS_BeforeFork and PyOS_AfterFork_*, as os.fork does it. */
+ * PyOS_BeforeFork and PyOS_AfterFork_*, as os.fork does it.  Also: dying
+ * with another process (die_with). */
 #include "py_mpcore.h"
 
 #include <signal.h>
@@ -150,9 +151,28 @@ static PyObject *py_zygote_payload_fd(PyObject *m, PyObject *arg) {
     return PyLong_FromLong(fd);
 }
 
+/* die_with(pid, sig, thread_lasts) -> None: this process gets sig once
+ * process pid has ended (NOTE [ Dying with a process ]).  Raises
+ * ProcessLookupError if pid is already gone. */
+static PyObject *py_die_with(PyObject *m, PyObject *args) {
+    int pid, sig, thread_lasts;
+    if (!PyArg_ParseTuple(args, "iip", &pid, &sig, &thread_lasts))
+        return NULL;
+    mpc_clear_error();
+    int r = mpc_die_with((pid_t)pid, sig, thread_lasts);
+    if (r < 0)
+        return mpc_py_raise(mpc_get_state(m), r);
+    Py_RETURN_NONE;
+}
+
 PyMethodDef mpc_py_proc_methods[] = {
     {"zygote_payload_fd", py_zygote_payload_fd, METH_O,
      "zygote_payload_fd(buffer) -> fd: a sealed memfd with a copy of a large zygote payload"},
+    {"die_with", py_die_with, METH_VARARGS,
+     "die_with(pid, sig, thread_lasts) -> None: this process gets sig once process pid has "
+     "ended; PR_SET_PDEATHSIG when pid is the parent and thread_lasts is true (the parent "
+     "thread that started this process lives as long as its process), else a pidfd watched "
+     "by a thread.  ProcessLookupError if pid is already gone."},
     {"spawn_service", py_spawn_service, METH_VARARGS,
      "spawn_service(argv, prefix) -> (address, fd, pid): starts a service of the program"},
     {NULL},

@@ -448,12 +448,61 @@ def test_unpicklable_target_fails_at_start():
     assert run(lambda i: None, nprocs=2, method="fork") is None
 
 
-@pytest.mark.parametrize("nprocs", [0, -1, -5])
-def test_nprocs_must_be_positive(nprocs):
+@pytest.mark.parametrize("nprocs", [-1, -5])
+def test_nprocs_must_not_be_negative(nprocs):
     with pytest.raises(ValueError, match="nprocs"):
         S.start_processes(_success, nprocs=nprocs, start_method="fork")
     with pytest.raises(ValueError, match="nprocs"):
         S.spawn(_success, nprocs=nprocs)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_nprocs_zero_starts_nothing(method):
+    # As torch: nothing starts; joining returns None, else a context whose
+    # join() is True at once (a program sizing its ranks by
+    # torch.cuda.device_count() on a machine without GPUs).
+    import mpcore
+    import torch.multiprocessing as tmp
+    before = sorted(children_of(os.getpid()))
+    started = mpcore.stats().get("processes_started", 0)
+    assert S.start_processes(_success, nprocs=0, start_method=method) is None
+    ctx = S.start_processes(_success, nprocs=0, start_method=method, join=False)
+    assert isinstance(ctx, S.ProcessContext)
+    assert ctx.processes == [] and ctx.pids() == [] and ctx.error_files == []
+    assert ctx.join() is True and ctx.join(timeout=0) is True
+    if method == "spawn":
+        assert S.spawn(_success, nprocs=0) is None
+        theirs = tmp.spawn(_success, nprocs=0, join=False)
+        assert type(theirs).__name__ == "ProcessContext" and theirs.join() is True
+        assert isinstance(S.spawn(_success, nprocs=0, join=False), S.ProcessContext)
+    assert mpcore.stats().get("processes_started", 0) == started
+    assert sorted(children_of(os.getpid())) == before
+
+
+DEVICE_COUNT = r"""
+import torch
+import torch.multiprocessing as mp
+
+def rank(i):
+    pass
+
+if __name__ == "__main__":
+    assert getattr(mp, "__mpcore__", False), "not running under mpcore"
+    n = torch.cuda.device_count()   # 0 on a machine without GPUs
+    assert mp.spawn(rank, nprocs=n) is None
+    ctx = mp.spawn(rank, nprocs=n, join=False)
+    assert ctx.join() is True and len(ctx.processes) == n
+    print("RANKS", n, type(ctx).__module__, flush=True)
+"""
+
+
+def test_spawning_device_count_ranks_under_mpcore_run():
+    # A program that sizes its ranks by the GPUs it finds runs to the end
+    # on a machine without any, under `mpcore run` as under torch.
+    r = run_program(DEVICE_COUNT, launcher=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import torch
+    assert f"RANKS {torch.cuda.device_count()} mpcore._spawn" in r.stdout, r.stdout
 
 
 def test_nprocs_must_be_an_int():

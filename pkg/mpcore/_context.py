@@ -13,7 +13,8 @@ from multiprocessing import context as _mpctx
 
 from . import _queue, _shm, _stats
 
-_SHARING_STRATEGIES = {"file_descriptor", "file_system"}
+# torch's on Linux, and its default.
+_SHARING_STRATEGIES = frozenset({"file_descriptor", "file_system"})
 _sharing_strategy = "file_descriptor"
 
 
@@ -27,7 +28,7 @@ class _ProcessMixin:
         try:
             return super().run()
         finally:
-            _stats._report()
+            _stats.report()
 
 
 def _process_class(base):
@@ -110,16 +111,37 @@ def get_context(method=None):
 
 
 def set_sharing_strategy(new_strategy):
-    """Accepts torch's strategies; mpcore serves both from its own memory."""
+    """Sets the strategy for sharing CPU tensors, as torch's does: one of
+    get_all_sharing_strategies(), else AssertionError.
+
+    NOTE [ Sharing strategies ]
+    The strategy is recorded, and reported by get_sharing_strategy(), but
+    changes nothing: with either one, CPU tensors and storages are moved into
+    mpcore's memory (memfd segments served by the keeper) and pass between
+    processes as handles.  That is by design: torch's "file_system" exists to
+    avoid running out of file descriptors and to survive fd passing limits,
+    and mpcore passes one fd per segment and process pair, never one per
+    tensor, and leaves no file in /dev/shm behind.  torch's own record of the
+    strategy (torch.multiprocessing._sharing_strategy) is kept equal, so that
+    code reading it agrees.
+    """
     global _sharing_strategy
     if new_strategy not in _SHARING_STRATEGIES:
-        raise AssertionError(f"invalid sharing strategy {new_strategy!r}")
+        raise AssertionError(f"invalid sharing strategy {new_strategy!r}, "
+                             f"expected one of {set(_SHARING_STRATEGIES)}")
     _sharing_strategy = new_strategy
+    import sys
+    tmp = sys.modules.get("torch.multiprocessing")
+    if tmp is not None and hasattr(tmp, "_sharing_strategy"):
+        tmp._sharing_strategy = new_strategy
 
 
 def get_sharing_strategy():
+    """The strategy set_sharing_strategy() last set ("file_descriptor" at
+    first, as torch's on Linux); NOTE [ Sharing strategies ]."""
     return _sharing_strategy
 
 
 def get_all_sharing_strategies():
+    """The strategies set_sharing_strategy() accepts: torch's on Linux."""
     return set(_SHARING_STRATEGIES)

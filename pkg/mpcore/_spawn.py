@@ -7,24 +7,17 @@ message texts, and these additions:
     traceback (`child_traceback`, and a note on 3.11+), and its
     __cause__/__context__ chain comes back as far as that pickles.
   * Children die with the process that started them (PR_SET_PDEATHSIG, or a
-    pidfd watch where the kernel's signal cannot be relied on), and a
+    pidfd watched in C where the kernel's signal cannot be relied on), and a
     KeyboardInterrupt in the parent during join stops and reaps them all.
   * Each child finds torchrun's rendezvous variables (MASTER_ADDR,
     MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE) wherever the
     parent's environment leaves them unset.
-  * nprocs must be a positive integer.
+  * nprocs must be an int, and not negative (torch takes a negative count
+    for 0).  nprocs=0 starts nothing, as under torch: spawn returns None
+    when joining, else a ProcessContext whose join() returns True at once.
 
-NOTE [ Error files ]
-As torch does, each child reports an exception through a file of its own
-(a one-shot message that cannot deadlock, unlike a queue).  The files go in
-a private directory (mode 0700, a random name per call) that only a failing
-child creates, so a call whose children all succeed touches nothing on disk,
-even if the parent is killed; the parent removes it once every child is
-reaped, and reads no file from a directory that is not its own and private.
-A file holds a pickled dict: the traceback text, and the exception chain as
-one separately pickled blob per exception, so that one exception that does
-not unpickle costs only itself.  A file holding a str (torch's format) is
-read too.
+Error files: NOTE [ Error files ] in _errfile.py.  Dying with the parent:
+NOTE [ Dying with the parent ] in _parentdeath.py.
 
 This module must not import torch.
 """
@@ -33,19 +26,16 @@ import multiprocessing
 import multiprocessing.connection
 import operator
 import os
-import pickle
 import secrets
-import shutil
 import signal
 import socket
-import stat
 import sys
 import tempfile
-import threading
 import time
-import traceback
 import warnings
 import weakref
+
+from . import _errfile, _parentdeath
 
 __all__ = [
     "ProcessContext", "ProcessException", "ProcessExitedException",
@@ -56,9 +46,7 @@ ENV_VAR_PARALLEL_START = "TORCH_MP_PARALLEL_START"
 
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 _INTERRUPT_GRACE = 3.0   # seconds between SIGTERM and SIGKILL after a KeyboardInterrupt
-_MAX_CHAIN = 64          # exceptions of a child's chain sent back, at most
 
 
 # --- exceptions ----------------------------------------------------------------
@@ -97,178 +85,9 @@ class ProcessExitedException(ProcessException):
 
 # --- the child's side ----------------------------------------------------------
 
-def _stat(pid):
-    """(state, start time in clock ticks since boot) of pid, or None."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return fields[0], int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _starttime(pid):
-    st = _stat(pid)
-    return st and st[1]
-
-
-def _alive(pid, start):
-    """Whether pid still runs (a zombie does not) and is the process that
-    started at `start`."""
-    st = _stat(pid)
-    if st is None and _stat("self") is None:  # no /proc to ask
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except OSError:
-            pass
-        return True
-    return (st is not None and (start is None or st[1] == start)
-            and st[0] not in (b"Z", b"X"))
-
-
-def _set_pdeathsig():
-    try:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
-    except Exception:
-        return False
-
-
-def _die():
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _watch_polling(pid, start):
-    while _alive(pid, start):
-        time.sleep(0.5)
-    _die()
-
-
-def _watch(pidfd, pid, start):
-    import select
-    try:
-        select.select([pidfd], [], [])
-    except Exception:
-        pass
-    # The parent is gone, unless the child's code closed the fd (and it may
-    # have been reused): dies at once in the one case, polls in the other.
-    _watch_polling(pid, start)
-
-
-def _die_with_parent(pid, start, use_pdeathsig):
-    """Arranges that this child dies when the process that started it (pid,
-    started at `start`) does; dies now if it is already gone.
-
-    PR_SET_PDEATHSIG fires when the *thread* that made this process exits,
-    and only for its direct parent, and is never delivered if that parent is
-    gone before it is set; so the parent is checked after setting it, and a
-    watching thread on a pidfd stands in where the signal cannot serve: when
-    the parent started us from a thread other than its main one, or through
-    an intermediary (a fork server)."""
-    if use_pdeathsig and _set_pdeathsig() and os.getppid() == pid:
-        return  # our parent was alive once the signal was armed
-    from . import _zygote
-    if _zygote.forked:
-        # The zygote kills the children of a requester that dies, and they
-        # die with the zygote (NOTE [ Zygote ]): no watcher needed.
-        if not _alive(pid, start):
-            _die()
-        return
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        _die()
-    except (OSError, AttributeError):
-        fd = None
-    if not _alive(pid, start):  # gone, or its pid is another process's now
-        _die()
-    if fd is not None:
-        target, args = _watch, (fd, pid, start)
-    else:
-        target, args = _watch_polling, (pid, start)
-    threading.Thread(target=target, args=args, name="mpcore-parent-watch", daemon=True).start()
-
-
-def _exception_chain(exc):
-    """exc and the exceptions of its __cause__/__context__ chain, in order."""
-    order, index, stack = [], {}, [exc]
-    while stack and len(order) < _MAX_CHAIN:
-        e = stack.pop()
-        if id(e) in index:
-            continue
-        index[id(e)] = len(order)
-        order.append(e)
-        for nxt in (e.__context__, e.__cause__):  # the cause is popped first
-            if nxt is not None and id(nxt) not in index:
-                stack.append(nxt)
-    return order, index
-
-
-def _pickled(e):
-    """e pickled, if it pickles and unpickles here; else None."""
-    try:
-        blob = pickle.dumps(e, protocol=pickle.HIGHEST_PROTOCOL)
-        pickle.loads(blob)
-        return blob
-    except BaseException:
-        return None
-
-
-def _error_payload(exc):
-    order, index = _exception_chain(exc)
-    chain = []
-    for e in order:
-        tb = e.__traceback__
-        chain.append({
-            "blob": _pickled(e),
-            "frames": "".join(traceback.format_tb(tb)) if tb is not None else "",
-            "text": "".join(traceback.format_exception(type(e), e, tb)),
-            "cause": index.get(id(e.__cause__)) if e.__cause__ is not None else None,
-            "context": index.get(id(e.__context__)) if e.__context__ is not None else None,
-            "suppress_context": bool(e.__suppress_context__),
-        })
-    return {"format": "mpcore-1", "traceback": chain[0]["text"], "chain": chain}
-
-
-def _private_dir(path):
-    """Whether path is a directory of ours that nobody else can enter."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    return (stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
-            and not st.st_mode & 0o077)
-
-
-def _write_error(error_file, exc):
-    try:
-        payload = _error_payload(exc)
-    except BaseException:
-        payload = traceback.format_exc()  # torch's format: the text alone
-    tmp = f"{error_file}.{os.getpid()}.tmp"
-    try:
-        folder = os.path.dirname(error_file)
-        try:
-            os.mkdir(folder, 0o700)
-        except FileExistsError:
-            pass
-        if not _private_dir(folder):
-            raise PermissionError(f"{folder} is not a private directory of this user")
-        with open(tmp, "wb") as f:
-            pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, error_file)  # the parent never reads half a file
-    except OSError:
-        # Nowhere to report to (the parent is gone or dropped its context):
-        # stderr is all there is.
-        traceback.print_exception(type(exc), exc, exc.__traceback__)
-
-
 def _wrap(fn, i, args, error_file, parent=None, env=None, ranks=()):
     if parent is not None:
-        _die_with_parent(*parent)
+        _parentdeath.die_with(parent)
     if env:
         os.environ.update(env)
     for name in ranks:
@@ -278,79 +97,8 @@ def _wrap(fn, i, args, error_file, parent=None, env=None, ranks=()):
     except KeyboardInterrupt:
         pass  # SIGINT: stopped from outside, as torch's children are
     except Exception as e:
-        _write_error(error_file, e)
+        _errfile.write_error(error_file, e)
         sys.exit(1)
-
-
-# --- the parent's side: reading an error file ------------------------------------
-
-class _Unpickler(pickle.Unpickler):
-    # A class defined in the main script is `__mp_main__.X` in a spawn child.
-    def find_class(self, module, name):
-        if module == "__mp_main__":
-            module = "__main__"
-        return super().find_class(module, name)
-
-
-def _loads(blob):
-    import io
-    try:
-        return _Unpickler(io.BytesIO(blob)).load()
-    except BaseException:
-        return None
-
-
-def _read_error_file(path, private=False, where="a spawned process"):
-    """(traceback text, the child's exception or None), or None if there is
-    no readable report (or, when private, none in a private directory)."""
-    if private and not _private_dir(os.path.dirname(path)):
-        return None
-    try:
-        with open(path, "rb") as f:
-            payload = pickle.load(f)
-    except FileNotFoundError:
-        return None
-    except Exception:
-        return None
-    if isinstance(payload, str):
-        return payload, None
-    if not isinstance(payload, dict) or "traceback" not in payload:
-        return None
-    return payload["traceback"], _rebuild_chain(payload.get("chain") or (), where)
-
-
-def _rebuild_chain(chain, where):
-    excs = []
-    for node in chain:
-        e = _loads(node["blob"]) if node.get("blob") is not None else None
-        if not isinstance(e, BaseException):
-            e = None
-        excs.append(e)
-    for e, node in zip(excs, chain):
-        if e is None:
-            continue
-        try:
-            e.child_traceback = node["text"]
-        except Exception:
-            pass
-        frames = node.get("frames")
-        if frames and hasattr(e, "add_note"):
-            try:
-                e.add_note(f"[raised in {where}; its traceback there, most recent call "
-                           f"last:]\n{frames.rstrip()}")
-            except Exception:
-                pass
-        for attr, key in (("__cause__", "cause"), ("__context__", "context")):
-            k = node.get(key)
-            if k is not None and excs[k] is not None:
-                setattr(e, attr, excs[k])
-        e.__suppress_context__ = node.get("suppress_context", False)
-    return excs[0] if excs else None
-
-
-def _remove_dir(path, owner):
-    if os.getpid() == owner and _private_dir(path):
-        shutil.rmtree(path, ignore_errors=True)
 
 
 # --- ProcessContext -------------------------------------------------------------------
@@ -376,7 +124,7 @@ class ProcessContext:
         directory, and remove it once its children are reaped (or, failing
         that, when it is collected or the program exits)."""
         self._private = True
-        self._cleanup = weakref.finalize(self, _remove_dir, path, os.getpid())
+        self._cleanup = weakref.finalize(self, _errfile.remove_dir, path, os.getpid())
 
     def _done(self):
         if self._cleanup is not None:
@@ -478,7 +226,7 @@ class ProcessContext:
 
     def _error_for(self, index):
         process = self.processes[index]
-        report = _read_error_file(self.error_files[index], self._private,
+        report = _errfile.read_error_file(self.error_files[index], self._private,
                                   f"process {index} (pid {process.pid})")
         if report is None:
             exitcode = process.exitcode
@@ -558,8 +306,8 @@ def _check_nprocs(nprocs):
         n = operator.index(nprocs)
     except TypeError:
         raise TypeError(f"nprocs must be an int, not {type(nprocs).__name__}") from None
-    if n < 1:
-        raise ValueError(f"nprocs must be a positive number of processes, got nprocs={n}")
+    if n < 0:
+        raise ValueError(f"nprocs must be a non-negative number of processes, got nprocs={n}")
     return n
 
 
@@ -570,14 +318,10 @@ def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method
     nprocs = _check_nprocs(nprocs)
     import mpcore
     ctx = mpcore.get_context(start_method)
-    parallel = (start_method == "forkserver"
+    parallel = (start_method == "forkserver" and nprocs > 1
                 and os.environ.get(ENV_VAR_PARALLEL_START, "0") == "1")
 
     me = os.getpid()
-    # PR_SET_PDEATHSIG follows the thread that starts the child; a thread
-    # other than the main one may end long before the program does.
-    on_main = threading.current_thread() is threading.main_thread()
-    parent = (me, _starttime(me), on_main)
     env, ranks = _rendezvous_env(nprocs)
     # Made only by a child that fails: see NOTE [ Error files ].
     tmpdir = os.path.join(tempfile.gettempdir(), f"mpcore-spawn-{me}-{secrets.token_hex(8)}")
@@ -585,6 +329,9 @@ def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method
     processes = [None] * nprocs
 
     def start_one(i):
+        # Taken on the thread that starts the child (NOTE [ Dying with the
+        # parent ]): with parallel starts, not the main one.
+        parent = _parentdeath.token()
         process = ctx.Process(target=_wrap, args=(fn, i, args, error_files[i], parent, env, ranks),
                               daemon=daemon)
         process.start()
@@ -615,7 +362,7 @@ def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method
         # Failed or interrupted while starting (or between start and join):
         # no child is left running, or unreaped.
         _stop_all([p for p in processes if p is not None], _INTERRUPT_GRACE)
-        _remove_dir(tmpdir, me)
+        _errfile.remove_dir(tmpdir, me)
         if context is None and "pickl" in str(e).lower() and hasattr(e, "add_note"):
             e.add_note(f"start method {start_method!r} pickles fn and args to start each "
                        "process: fn must be a function defined at the top level of a module")
@@ -636,7 +383,7 @@ def spawn(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
             the top level of a module so that it pickles.  It is called as
             ``fn(i, *args)``, ``i`` being the process index.
         args (tuple): Arguments passed to ``fn``.
-        nprocs (int): Number of processes to spawn (at least 1).
+        nprocs (int): Number of processes to spawn (0 starts none).
         join (bool): Perform a blocking join on all processes.
         daemon (bool): The spawned processes' daemon flag.
         start_method (str): (deprecated) this always uses ``spawn``; use

@@ -21,7 +21,10 @@ def snapshot():
     return out
 
 
-def _report():
+def report():
+    """Appends this process's counters to $MPCORE_STATS, if set (at exit,
+    and when a Process's run() ends: a forked child leaves by os._exit,
+    which runs no atexit hook)."""
     path = os.environ.get("MPCORE_STATS")
     if not path:
         return
@@ -35,5 +38,5 @@ def _after_fork_child():
     _counts.clear()
 
 
-atexit.register(_report)
+atexit.register(report)
 os.register_at_fork(after_in_child=_after_fork_child)

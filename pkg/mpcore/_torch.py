@@ -31,7 +31,7 @@ _orig = {}
 # Handles name dtypes and classes by small values: pickling torch.float32
 # or torch.Tensor themselves costs more than the rest of a handle.
 _DTYPES = {str(d).split(".")[1]: d for d in vars(torch).values() if isinstance(d, torch.dtype)}
-_DTYPE_NAME = {d: n for n, d in _DTYPES.items()}
+DTYPE_NAME = {d: n for n, d in _DTYPES.items()}  # dtype -> its name in handles
 # One empty tensor per dtype: .new() of it is the cheapest way to get a
 # fresh tensor to set_() onto a storage.
 _PROTO = {}
@@ -68,16 +68,15 @@ def _lookup(key):
     return torch.UntypedStorage._new_with_weak_ptr(ref)
 
 
-def _storage_over(block, offset, nbytes):
+def storage_over(block, offset, nbytes):
+    """The storage over bytes [offset, offset + nbytes) of a block: one per
+    byte range in a process (NOTE [ Storage identity ])."""
     key = (block.handle, offset, nbytes)
     s = _lookup(key)
     if s is None:
         s = torch.from_numpy(block.array(np.uint8, (nbytes,), None, offset)).untyped_storage()
         _remember(key, s)
     return s
-
-
-storage_over = _storage_over
 
 
 def share_storage_(storage):
@@ -119,7 +118,7 @@ def _is_shared(self):
 # --- pickling -------------------------------------------------------------
 
 def _rebuild_storage(ref, offset, nbytes):
-    return _storage_over(_shm.attach(ref), offset, nbytes)
+    return storage_over(_shm.attach(ref), offset, nbytes)
 
 
 def reduce_storage(storage):
@@ -156,7 +155,7 @@ def _rebuild_tensor(param, ref, offset, nbytes, dtype, storage_offset, size, str
                                f"{block.nbytes}-byte block: out of bounds")
     block.check_view(itemsize, size, stride, offset + storage_offset * itemsize, offset,
                      offset + nbytes, itemsize)
-    t = p.new().set_(_storage_over(block, offset, nbytes), storage_offset, size, stride)
+    t = p.new().set_(storage_over(block, offset, nbytes), storage_offset, size, stride)
     if param:
         return torch.nn.parameter.Parameter(t, requires_grad=requires_grad)
     if requires_grad:
@@ -164,11 +163,40 @@ def _rebuild_tensor(param, ref, offset, nbytes, dtype, storage_offset, size, str
     return t
 
 
+# NOTE [ What the fast path carries ]
+# A handle carries a storage's bytes and one strided view of them (dtype,
+# offset, size, stride, requires_grad, and whether it is a Parameter).  That
+# is exactly a tensor of the base class (or Parameter) whose dispatch keys
+# are those of a plain dense CPU tensor (with or without autograd's keys: an
+# inference tensor is plain too).  Anything else takes torch's own
+# reduction, whatever it is: nested tensors (their strided layout says
+# nothing of their buffer), sparse, quantized, meta, mkldnn, conjugate or
+# negative views (their bit would be lost), zero tensors, and subclasses
+# (DTensor, ...).  Deciding by a positive test, rather than by a list of
+# what to exclude, keeps a kind of tensor torch adds later off the fast path.
+_PLAIN_TYPES = (torch.Tensor, torch.nn.parameter.Parameter)
+_dispatch_keys = torch._C._dispatch_keys
+
+
+def _plain_keys():
+    with torch.inference_mode():
+        inference = torch.empty(0)
+    return (_dispatch_keys(torch.empty(0)), _dispatch_keys(inference))
+
+
+_PLAIN_KEYS = _plain_keys()
+
+
+def fast_path(tensor):
+    """Whether a handle represents this tensor exactly (NOTE [ What the fast
+    path carries ])."""
+    return type(tensor) in _PLAIN_TYPES and _dispatch_keys(tensor) in _PLAIN_KEYS
+
+
 def reduce_tensor(tensor):
-    cls = type(tensor)
-    if (tensor.device.type != "cpu" or tensor.layout != torch.strided
-            or (cls is not torch.Tensor and cls is not torch.nn.parameter.Parameter)):
+    if not fast_path(tensor):
         return _torch_reductions.reduce_tensor(tensor)
+    cls = type(tensor)
     if tensor.requires_grad and not tensor.is_leaf:
         raise RuntimeError(
             "Cowardly refusing to serialize non-leaf tensor which requires_grad, "
@@ -181,7 +209,7 @@ def reduce_tensor(tensor):
         return _torch_reductions.reduce_tensor(tensor)
     return (_rebuild_tensor,
             (cls is not torch.Tensor, _shm.ticket(b), off, storage.nbytes(),
-             _DTYPE_NAME[tensor.dtype], tensor.storage_offset(), tuple(tensor.size()),
+             DTYPE_NAME[tensor.dtype], tensor.storage_offset(), tuple(tensor.size()),
              tuple(tensor.stride()), tensor.requires_grad))
 
 
@@ -216,5 +244,5 @@ def empty(shape, dtype, zero=False):
     if n == 0:
         return torch.empty(shape, dtype=dtype)
     b = _shm.alloc(n, zero=zero)
-    storage = _storage_over(b, 0, n)
+    storage = storage_over(b, 0, n)
     return torch.empty((0,), dtype=dtype).set_(storage, 0, shape)

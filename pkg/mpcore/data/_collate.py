@@ -9,7 +9,8 @@ torch = _compat.torch
 if torch is not None:
     from .. import _torch
 
-    _DTYPE_NAME = _torch._DTYPE_NAME
+    _DTYPE_NAME = _torch.DTYPE_NAME
+    _fast_path = _torch.fast_path
     _proto = _torch.proto
 
     def _storage(block):
@@ -17,7 +18,9 @@ if torch is not None:
         return _torch.storage_over(block, 0, block.nbytes)
 
     def _tensor_info(t):
-        if t.device.type != "cpu" or t.layout != torch.strided or t.is_nested:
+        # Only what a block holds exactly (NOTE [ What the fast path
+        # carries ] in _torch.py); anything else goes to torch's collate.
+        if not _fast_path(t):
             return None
         return (t.nbytes, _DTYPE_NAME[t.dtype], tuple(t.shape))
 

@@ -7,7 +7,6 @@ default_collate, get_worker_info and the exception wrapper are torch's own,
 and a worker seeds torch, `random` and numpy with torch's formulas, so a
 program gets the same batches, seeds and error messages under mpcore.
 """
-import os
 
 try:
     import torch
@@ -57,13 +56,11 @@ def wrap_exception(worker_id):
 
 def parent_token():
     """What a worker needs to die with this process (see die_with_parent)."""
-    import threading
-    from .._spawn import _starttime
-    pid = os.getpid()
-    return (pid, _starttime(pid), threading.current_thread() is threading.main_thread())
+    from .. import _parentdeath
+    return _parentdeath.token()
 
 
 def die_with_parent(token):
     """A worker dies with the main process, even by SIGKILL."""
-    from .._spawn import _die_with_parent
-    _die_with_parent(*token)
+    from .. import _parentdeath
+    _parentdeath.die_with(token)
