@@ -24,7 +24,7 @@ import pytest
 import mpcore
 from mpcore import _core, _zygote
 from conftest import (make_memcg, memory_amounts, program_result, reap, remove_memcg,
-                      run_program, wait_keeper_gone)
+                      run_scenario)
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 MODULE = __name__
@@ -61,29 +61,6 @@ def settle():
             _core.attach((0x5EED0001, 0, 1))  # an unknown segment: the keeper answers
         except mpcore.HandleError:
             pass
-
-
-def run_scenario(name, method, timeout=240):
-    """Runs a module-level scenario: in this process under fork, as a fresh
-    program under spawn (spawning from pytest would leave multiprocessing's
-    resource tracker behind as its child)."""
-    if method == "fork":
-        globals()[name](method)
-        return
-    code = f"""
-    import sys
-    sys.path.insert(0, {TESTS!r})
-    import {MODULE} as T
-    if __name__ == "__main__":
-        T.{name}({method!r})
-        print("SCENARIO-PASSED")
-        print("KEEPER=%d" % (T.mpcore._core.keeper_pid() or 0))
-    """
-    r = run_program(code, timeout=timeout)
-    assert r.returncode == 0 and "SCENARIO-PASSED" in r.stdout, (
-        f"scenario {name}({method!r}) failed, rc={r.returncode}\n"
-        f"--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-5000:]}")
-    wait_keeper_gone(int(re.search(r"KEEPER=(\d+)", r.stdout).group(1)))
 
 
 # --- the ring itself -------------------------------------------------------
@@ -236,7 +213,7 @@ def scenario_loader_spawn(method):
 
 @pytest.mark.timeout(300)
 def test_dataloader_large_batches_under_spawn():
-    run_scenario("scenario_loader_spawn", "spawn")
+    run_scenario(MODULE, "scenario_loader_spawn", "spawn", timeout=240)
 
 
 # --- queues across processes -------------------------------------------------
@@ -299,7 +276,7 @@ def scenario_queues(method):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_queue_messages_larger_than_the_ring_cross_processes(method, leak_check):
-    run_scenario("scenario_queues", method)
+    run_scenario(MODULE, "scenario_queues", method, timeout=240)
 
 
 # --- deaths around a spilled message ---------------------------------------
