@@ -553,6 +553,35 @@ def remove_memcg(path):
             time.sleep(0.05)  # the cgroup empties once its last task is reaped
 
 
+def run_in_memcg(scenario, code, limit, timeout=120):
+    """Runs program `code` in a fresh memory cgroup of `limit` bytes: the
+    program prints "READY <pid>" and waits for a line on stdin, is moved
+    into the cgroup, then goes on.  Returns its RESULT (program_result) and
+    the cgroup's name, once it exited 0; the cgroup is removed."""
+    cg = make_memcg(limit)
+    p = None
+    try:
+        p = scenario.popen(code)
+        ready = p.stdout.readline().split()
+        assert ready[:1] == ["READY"], (ready, p.stderr.read() if p.poll() is not None else "")
+        assert int(ready[1]) == p.pid
+        with open(os.path.join(cg, "cgroup.procs"), "w") as f:
+            f.write(str(p.pid))
+        with open(f"/proc/{p.pid}/cgroup") as f:
+            assert os.path.basename(cg) in f.read(), "the child did not move into the cgroup"
+        out, err = p.communicate("GO\n", timeout=timeout)
+    finally:
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait()
+        remove_memcg(cg)
+    assert p.returncode == 0, (
+        f"the child did not exit normally: {p.returncode} "
+        f"({'killed by ' + signal.Signals(-p.returncode).name if p.returncode < 0 else ''})"
+        f"\nstderr:\n{err[-3000:]}")
+    return program_result(subprocess.CompletedProcess(p.args, 0, out, err)), os.path.basename(cg)
+
+
 # --- programs without torch ---------------------------------------------------
 
 # The first lines of a program that plays a machine where torch is not

@@ -8,23 +8,15 @@ Leaks are counted in the segments themselves: every segment's header says
 how many of its blocks are live, and the keeper holds every segment, so
 the sum over the keeper's memfds is the program's live blocks."""
 import gc
-import hashlib
 import os
-import pickle
-import re
 import signal
 import struct
-import subprocess
-import sys
-import time
-import traceback
 
 import pytest
 
 import mpcore
 from mpcore import _core, _zygote
-from conftest import (make_memcg, memory_amounts, program_result, reap, remove_memcg,
-                      run_scenario)
+from conftest import memory_amounts, program_result, reap, run_in_memcg, run_scenario
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 MODULE = __name__
@@ -373,23 +365,8 @@ print("RESULT " + json.dumps(res), flush=True)
 @pytest.mark.timeout(180)
 def test_no_shared_memory_for_a_spill_is_a_memory_error(scenario, leak_check):
     limit = 64 << 20
-    cg = make_memcg(limit)
-    p = None
-    try:
-        p = scenario.popen(SHORTAGE_CHILD)
-        ready = p.stdout.readline().split()
-        assert ready[:1] == ["READY"], (ready, p.stderr.read() if p.poll() is not None else "")
-        with open(os.path.join(cg, "cgroup.procs"), "w") as f:
-            f.write(ready[1])
-        out, err = p.communicate("GO\n", timeout=120)
-    finally:
-        if p is not None and p.poll() is None:
-            p.kill()
-            p.wait()
-        remove_memcg(cg)
-    assert p.returncode == 0, f"rc {p.returncode}\nstderr:\n{err[-3000:]}"
-    res = program_result(subprocess.CompletedProcess(p.args, 0, out, err))
-    assert os.path.basename(cg) in res["cgroup"]
+    res, cg = run_in_memcg(scenario, SHORTAGE_CHILD, limit)
+    assert cg in res["cgroup"]
     assert res["outcome"] == "MemoryError", res
     msg = res["msg"]
     assert any((128 << 20) <= a <= (129 << 20) for a in memory_amounts(msg)), msg

@@ -12,15 +12,12 @@ events, pipes and queues; the only waiting loops poll for processes to exit.
 The programs keep torch single-threaded: they fork after torch has
 computed, and torch's thread pool does not survive fork.
 """
-import os
 import re
 import signal
-import subprocess
 
 import pytest
 
-from conftest import (TESTS_ON_PATH, make_memcg, memory_amounts, program_result as result,
-                      remove_memcg)
+from conftest import TESTS_ON_PATH, memory_amounts, program_result as result, run_in_memcg
 
 # --------------------------------------------------------------------------
 # 1. Ten thousand tensors held under RLIMIT_NOFILE = 128
@@ -136,29 +133,8 @@ print("RESULT " + json.dumps(res), flush=True)
 @pytest.mark.timeout(180)
 def test_memory_cgroup_shortage_is_a_memory_error(leak_check, scenario):
     limit = 64 << 20
-    cg = make_memcg(limit)
-    p = None
-    try:
-        p = scenario.popen(CGROUP_CHILD)
-        ready = p.stdout.readline().split()
-        assert ready[:1] == ["READY"], (ready, p.stderr.read() if p.poll() is not None else "")
-        assert int(ready[1]) == p.pid
-        with open(os.path.join(cg, "cgroup.procs"), "w") as f:
-            f.write(str(p.pid))
-        with open(f"/proc/{p.pid}/cgroup") as f:
-            assert os.path.basename(cg) in f.read(), "the child did not move into the cgroup"
-        out, err = p.communicate("GO\n", timeout=120)
-    finally:
-        if p is not None and p.poll() is None:
-            p.kill()
-            p.wait()
-        remove_memcg(cg)
-    assert p.returncode == 0, (
-        f"the child did not exit normally: {p.returncode} "
-        f"({'killed by ' + signal.Signals(-p.returncode).name if p.returncode < 0 else ''})"
-        f"\nstderr:\n{err[-3000:]}")
-    res = result(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    assert os.path.basename(cg) in res["cgroup"]
+    res, cg = run_in_memcg(scenario, CGROUP_CHILD, limit)
+    assert cg in res["cgroup"]
     for name in ("numpy", "torch"):
         r = res[name]
         assert r["outcome"] == "MemoryError", f"{name}: {r}"
