@@ -232,19 +232,25 @@ def memory_left():
             "retired_bytes": sum(retired.values()), "stats": mpcore._core.stats()}
 
 
+def drain(it):
+    """Iterates to the end or the first error: (batch numbers got, error
+    text, error type name, monotonic time of the error)."""
+    got = []
+    try:
+        for b in it:
+            got.append(int(b["i"][0]) // BS)
+    except Exception as e:
+        return got, str(e), type(e).__name__, time.monotonic()
+    return got, None, None, None
+
+
 def fatal():
     """A worker dies (segv, exit3) or hangs (hang) at sample BAD."""
     timeout = 1 if MODE == "hang" else 0
     loader = DataLoader(DS(64, MODE), batch_size=BS, num_workers=2, timeout=timeout)
     it = iter(loader)
     pids = worker_pids(loader)
-    got, err, kind, t_raise = [], None, None, None
-    try:
-        for b in it:
-            got.append(int(b["i"][0]) // BS)
-    except Exception as e:
-        t_raise = time.monotonic()
-        err, kind = str(e), type(e).__name__
+    got, err, kind, t_raise = drain(it)
     kids_after_error = kids()
     del it
     kids_after_del = kids()
@@ -277,13 +283,7 @@ def sigkill():
 
     t = threading.Thread(target=killer, daemon=True)
     t.start()
-    got, err, kind, t_raise = [], None, None, None
-    try:
-        for b in it:
-            got.append(int(b["i"][0]) // BS)
-    except Exception as e:
-        t_raise = time.monotonic()
-        err, kind = str(e), type(e).__name__
+    got, err, kind, t_raise = drain(it)
     t.join()
     kids_after_error = kids()
     del it
