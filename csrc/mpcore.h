@@ -511,6 +511,16 @@ void mpc_zygote_started(mpc_zygote *z, mpc_zreq *req, pid_t pid, int err, int64_
 int mpc_spawn_service(char *const tmpl[], const char *prefix, int type, char *name, size_t namelen,
                       int *sock, pid_t *pid);
 
+/* The sockets of a service that the caller starts itself (the zygote forked
+ * from the program: NOTE [ The zygote costs only programs that use it ] in
+ * _zygote.py): binds a fresh abstract address as mpc_spawn_service does and
+ * stores it in name; *mine is this process's end of a connected pair,
+ * *theirs the service's end (fd 3 of a spawned service) and *lsock the
+ * listening socket (its fd 4), both above fd 15; all close-on-exec.
+ * Returns 0 or -errno with nothing left open. */
+int mpc_service_sockets(const char *prefix, int type, char *name, size_t namelen, int *mine,
+                        int *theirs, int *lsock);
+
 /* Frees a request's payload and closes its fds.  Never fails. */
 void mpc_zreq_free(mpc_zreq *req);
 

@@ -50,13 +50,13 @@ extern char **environ;
  * whose other end is the program's first process, so that the service
  * knows when the program ends; posix_spawn, so that nothing of this
  * process but those two fds reaches it. */
-int mpc_spawn_service(char *const tmpl[], const char *prefix, int type, char *name, size_t namelen,
-                      int *sock, pid_t *pidp) {
+int mpc_service_sockets(const char *prefix, int type, char *name, size_t namelen, int *mine,
+                        int *theirs, int *lsockp) {
     snprintf(name, namelen, "%s-%d-%016" PRIx64, prefix, (int)getpid(),
              (uint64_t)((uint64_t)mpc_now_ns() * 0x9E3779B97F4A7C15ULL));
-    /* The address is bound here, before the keeper runs, so that a process
+    /* The address is bound here, before the service runs, so that a process
      * started a moment later can connect at once: its connection waits in
-     * the backlog until the keeper accepts it. */
+     * the backlog until the service accepts it. */
     int lsock = socket(AF_UNIX, type | SOCK_CLOEXEC, 0);
     if (lsock < 0)
         return mpc_fail(errno, "socket: %s", strerror(errno));
@@ -73,8 +73,8 @@ int mpc_spawn_service(char *const tmpl[], const char *prefix, int type, char *na
         close(lsock);
         return mpc_fail(e, "socketpair: %s", strerror(e));
     }
-    /* Both fds move above 4 first: dup2 onto 3 must not clobber the other
-     * when it happens to be fd 3 itself. */
+    /* The service's fds move above 4 first: dup2 onto 3 must not clobber
+     * the other when it happens to be fd 3 itself. */
     int hi_pair = fcntl(sv[1], F_DUPFD_CLOEXEC, 16);
     int hi_listen = fcntl(lsock, F_DUPFD_CLOEXEC, 16);
     close(sv[1]);
@@ -88,8 +88,18 @@ int mpc_spawn_service(char *const tmpl[], const char *prefix, int type, char *na
             close(hi_listen);
         return mpc_fail(e, "cannot start %s: %s", prefix, strerror(e));
     }
-    sv[1] = hi_pair;
-    lsock = hi_listen;
+    *mine = sv[0];
+    *theirs = hi_pair;
+    *lsockp = hi_listen;
+    return 0;
+}
+
+int mpc_spawn_service(char *const tmpl[], const char *prefix, int type, char *name, size_t namelen,
+                      int *sock, pid_t *pidp) {
+    int sv[2], lsock;
+    int r = mpc_service_sockets(prefix, type, name, namelen, &sv[0], &sv[1], &lsock);
+    if (r < 0)
+        return r;
     posix_spawn_file_actions_t fa;
     posix_spawnattr_t at;
     posix_spawn_file_actions_init(&fa);
@@ -111,7 +121,7 @@ int mpc_spawn_service(char *const tmpl[], const char *prefix, int type, char *na
     posix_spawnattr_setsigdefault(&at, &defs);
     posix_spawnattr_setflags(&at, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
     pid_t pid;
-    int r = posix_spawn(&pid, tmpl[0], &fa, &at, tmpl, environ);
+    r = posix_spawn(&pid, tmpl[0], &fa, &at, tmpl, environ);
     posix_spawn_file_actions_destroy(&fa);
     posix_spawnattr_destroy(&at);
     close(sv[1]);

@@ -133,6 +133,21 @@ static PyObject *py_spawn_service(PyObject *m, PyObject *args) {
     return Py_BuildValue("(sii)", name, sock, (int)pid);
 }
 
+/* service_sockets(prefix) -> (address, mine, theirs, listen_fd): the
+ * sockets of a service this process starts by forking (mpc_service_sockets). */
+static PyObject *py_service_sockets(PyObject *m, PyObject *arg) {
+    const char *prefix = PyUnicode_AsUTF8(arg);
+    if (prefix == NULL)
+        return NULL;
+    char name[96];
+    int mine, theirs, lsock;
+    mpc_clear_error();
+    int r = mpc_service_sockets(prefix, SOCK_STREAM, name, sizeof name, &mine, &theirs, &lsock);
+    if (r < 0)
+        return mpc_py_raise(mpc_get_state(m), r);
+    return Py_BuildValue("(siii)", name, mine, theirs, lsock);
+}
+
 /* zygote_payload_fd(buffer) -> fd: a sealed memfd holding a copy of a
  * large request payload (NOTE [ Zygote payloads ]); the caller closes it.
  * MemoryError names the size when shared memory is short. */
@@ -173,6 +188,8 @@ PyMethodDef mpc_py_proc_methods[] = {
      "ended; PR_SET_PDEATHSIG when pid is the parent and thread_lasts is true (the parent "
      "thread that started this process lives as long as its process), else a pidfd watched "
      "by a thread.  ProcessLookupError if pid is already gone."},
+    {"service_sockets", py_service_sockets, METH_O,
+     "service_sockets(prefix) -> (address, mine, theirs, listen_fd): a forked service's sockets"},
     {"spawn_service", py_spawn_service, METH_VARARGS,
      "spawn_service(argv, prefix) -> (address, fd, pid): starts a service of the program"},
     {NULL},

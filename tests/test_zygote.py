@@ -193,79 +193,144 @@ def test_child_output_on_a_terminal_is_line_buffered(tmp_path, leak_check):
     assert b"exit 0" in out
 
 
-def test_zygote_at_launch_costs_a_program_nothing(tmp_path, leak_check):
-    # NOTE [ The zygote costs only programs that use it ]: under `mpcore
-    # run` the zygote warms up at SCHED_IDLE (or, where it could not leave
-    # that policy, is not started before the first request); the first
-    # request raises it at once, and its children run at the normal policy.
-    # Its preload is held on a FIFO here, so the zygote is still warming up
-    # while the program looks.
-    fifo = tmp_path / "hold"
-    os.mkfifo(fifo)
-    (tmp_path / "held_preload.py").write_text(
-        "import os\nwith open(os.environ['HOLD_FIFO']) as f:\n    f.read()\n")
-    r = run_program("""
-        import os
-        import mpcore
-        from mpcore import _zygote
-        def child(q):
-            q.put(os.sched_getscheduler(0))
-        if __name__ == "__main__":
-            allowed = _zygote._may_leave_idle()
-            started = _zygote._service is not None
-            before = os.sched_getscheduler(_zygote._service[1]) if started else None
-            _zygote.start()                 # what the first request does first
-            raised = os.sched_getscheduler(_zygote._service[1])
-            with open(os.environ["HOLD_FIFO"], "w") as f:
-                f.write("go")               # the preload may finish
-            q = mpcore.Queue()
-            p = mpcore.get_context("spawn").Process(target=child, args=(q,))
-            p.start()
-            policy = q.get(timeout=60)
-            p.join()
-            print(allowed, started, before == os.SCHED_IDLE, raised == os.SCHED_OTHER,
-                  policy == os.SCHED_OTHER, p.exitcode)
-        """, launcher=True, env={
-            "MPCORE_ZYGOTE_PRELOAD": "held_preload", "HOLD_FIFO": str(fifo),
-            "PYTHONPATH": str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", "")})
-    assert r.returncode == 0, r.stderr
-    allowed, *rest = r.stdout.split()
-    if allowed == "True":
-        assert rest == ["True", "True", "True", "True", "0"], r.stdout
-    else:   # not started before it was needed
-        assert rest == ["False", "False", "True", "True", "0"], r.stdout
+def _run_in(tmp_path, files, main, timeout=90):
+    """Writes the program's files into tmp_path and runs main.py there under
+    `mpcore run`."""
+    import subprocess
+    import sys
+    import textwrap
+    from conftest import fresh_env
+    for name, text in dict(files, **{"main.py": main}).items():
+        (tmp_path / name).write_text(textwrap.dedent(text))
+    return subprocess.run([sys.executable, "-m", "mpcore", "run", "main.py"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=timeout, env=fresh_env())
 
 
-def test_zygote_never_needed_goes_with_its_program(tmp_path, leak_check):
-    # A program that never asks its zygote for a child exits while the
-    # zygote still warms up (its preload held on a FIFO that nobody
-    # opens): the zygote goes with the program instead of finishing an
-    # import for nothing.
-    fifo = tmp_path / "hold"
-    os.mkfifo(fifo)
-    (tmp_path / "held_preload.py").write_text(
-        "import os\nwith open(os.environ['HOLD_FIFO']) as f:\n    f.read()\n")
-    r = run_program("""
-        from mpcore import _zygote
-        print(_zygote._may_leave_idle(), _zygote._service[1] if _zygote._service else 0)
-        """, launcher=True, env={
-            "MPCORE_ZYGOTE_PRELOAD": "held_preload", "HOLD_FIFO": str(fifo),
-            "PYTHONPATH": str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", "")})
-    assert r.returncode == 0, r.stderr
-    allowed, zpid = r.stdout.split()
-    if allowed != "True":
-        assert zpid == "0", "a zygote was started before it was needed"
-        return
+def _wait_gone(pid):
     import time
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
-            with open(f"/proc/{zpid}/stat") as f:
+            with open(f"/proc/{pid}/stat") as f:
                 if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    break
+                    return
         except FileNotFoundError:
-            break
+            return
         time.sleep(0.05)
-    else:
-        os.kill(int(zpid), 9)
-        pytest.fail(f"zygote {zpid}, still warming up, outlived its program")
+    os.kill(pid, 9)
+    pytest.fail(f"zygote {pid} outlived its program")
+
+
+def test_zygote_forked_at_torch_import_holds_nothing_of_the_program(tmp_path, leak_check):
+    # NOTE [ The zygote costs only programs that use it ]: under `mpcore
+    # run` the zygote is the launcher's process forked once torch is
+    # imported.  Its child must still be a clean spawn child: the program's
+    # own modules (one that imported torch, half imported at the fork) are
+    # imported afresh in the child, and the zygote holds none of the
+    # program's fds, signal handlers or output.
+    r = _run_in(tmp_path, {
+        "early.py": "import os\nloaded_in = os.getpid()\n",
+        "outer.py": "import os\nimport torch\nloaded_in = os.getpid()\nDONE = True\n",
+    }, """
+        import os, signal, sys
+        import early
+        held = open(__file__)                    # an fd of the program's
+        signal.signal(signal.SIGTERM, lambda *a: None)
+        if __name__ == "__main__":
+            print("buffered before the fork", end="|")
+        import outer                             # imports torch: the fork happens inside
+        from mpcore import _zygote
+        import mpcore
+
+        def child(q):
+            q.put((early.loaded_in == os.getpid(), outer.loaded_in == os.getpid(), outer.DONE,
+                   __name__))
+
+        def zygote_view(pid):
+            with open(f"/proc/{pid}/status") as f:
+                caught = int(next(l for l in f if l.startswith("SigCgt:")).split()[1], 16)
+            fds = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+            return (bool(caught >> (signal.SIGTERM - 1) & 1),
+                    sorted(t for t in fds if t != "/dev/null" and not t.startswith("socket:")))
+
+        if __name__ == "__main__":
+            zpid = _zygote._service[1]
+            print(_zygote._forked, os.getppid() != zpid, open(f"/proc/{zpid}/stat").read()
+                  .rsplit(")", 1)[1].split()[1] == str(os.getpid()))
+            q = mpcore.Queue()
+            p = mpcore.get_context("spawn").Process(target=child, args=(q,))
+            p.start()
+            got = q.get(timeout=60)
+            p.join()
+            print(*zygote_view(zpid))            # it has served: its set-up is done
+            print(*got)
+            print(p.exitcode, zpid)
+        """)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.split("\n")
+    assert lines[0] == "buffered before the fork|True True True", r.stdout
+    assert lines[1] == "False []", r.stdout          # no handler of ours, no fd of ours
+    assert lines[2] == "True True True __mp_main__", r.stdout
+    code, zpid = lines[3].split()
+    assert code == "0"
+    assert r.stdout.count("buffered before the fork") == 1, r.stdout
+    _wait_gone(int(zpid))
+
+
+def test_zygote_not_started_for_a_program_that_never_imports_torch(tmp_path, leak_check):
+    # A program without torch never pays for a zygote until it asks for a
+    # spawn child; then one is started by exec and serves it.
+    r = _run_in(tmp_path, {}, """
+        import mpcore, sys
+        from mpcore import _zygote
+        def child(q):
+            q.put("torch" in sys.modules)
+        if __name__ == "__main__":
+            print(_zygote._service is None, "torch" in sys.modules)
+            q = mpcore.Queue()
+            p = mpcore.get_context("spawn").Process(target=child, args=(q,))
+            p.start()
+            print(q.get(timeout=60), _zygote._forked)
+            p.join()
+            print(p.exitcode, _zygote._service[1])
+        """)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.split("\n")
+    assert lines[0] == "True False", r.stdout
+    assert lines[1] == "True False", r.stdout        # the exec'd zygote preloads torch
+    code, zpid = lines[2].split()
+    assert code == "0"
+    _wait_gone(int(zpid))
+
+
+def test_zygote_not_forked_while_the_program_runs_threads(tmp_path, leak_check):
+    # torch imported while another Python thread runs: no fork (the thread
+    # could hold a lock the zygote would need); the first spawn child comes
+    # from a zygote started by exec.
+    r = _run_in(tmp_path, {}, """
+        import threading
+        stop = threading.Event()
+        t = threading.Thread(target=stop.wait)
+        t.start()
+        import torch
+        stop.set()
+        t.join()
+        import os, mpcore
+        from mpcore import _zygote
+        def child(q):
+            q.put(os.getpid())
+        if __name__ == "__main__":
+            print(_zygote._service is None)
+            q = mpcore.Queue()
+            p = mpcore.get_context("spawn").Process(target=child, args=(q,))
+            p.start()
+            print(q.get(timeout=60) == p.pid, _zygote._forked)
+            p.join()
+            print(p.exitcode, _zygote._service[1])
+        """)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.split("\n")
+    assert lines[:2] == ["True", "True False"], r.stdout
+    code, zpid = lines[2].split()
+    assert code == "0"
+    _wait_gone(int(zpid))

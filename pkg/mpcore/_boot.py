@@ -142,7 +142,6 @@ def activate_run(launcher=False):
     import mpcore  # noqa: F401  (registers the tensor hooks)
     serve_torch(patch_multiprocessing=True)
     if launcher:
-        # Started now, at idle priority, the zygote's imports overlap the
-        # program's own (NOTE [ The zygote costs only programs that use it ]).
+        # NOTE [ The zygote costs only programs that use it ]
         from . import _zygote
-        _zygote.start_early()
+        _zygote.fork_at_torch_import()

@@ -2,10 +2,10 @@
 mpcore's 'spawn' and 'forkserver' contexts), and the child's first steps.
 
 NOTE [ Zygote ] in csrc/proc.c says what the zygote is.  Here:
-- The zygote is started by `mpcore run` at launch, at idle priority, or by
-  the program's first zygote child (NOTE [ The zygote costs only programs
-  that use it ]).  A request waits in the socket's backlog until it is
-  ready.
+- Under `mpcore run` the zygote is forked from the program the moment torch
+  has been imported, else started by the program's first zygote child
+  (NOTE [ The zygote costs only programs that use it ]).  A request waits
+  in the socket's backlog until it is ready.
 - A child gets spawn's semantics: the requester's os.environ, cwd, sys.path
   and sys.argv as of the request, __main__ imported as __mp_main__
   (multiprocessing.spawn.prepare does that part), fresh random seeds, and
@@ -14,7 +14,6 @@ NOTE [ Zygote ] in csrc/proc.c says what the zygote is.  Here:
   imported started one), it refuses to fork, and the requester spawns the
   child by exec instead, saying so once.
 """
-import atexit
 import errno
 import io
 import os
@@ -98,8 +97,11 @@ def main():
     import gc
     gc.collect()
     gc.freeze()  # children do not copy pages just to touch GC headers
-    _leave_idle()  # warm: its children run at the program's priority
-    payload = _core.Zygote(3, 4).serve()
+    return _serve(3, 4)
+
+
+def _serve(root, lsock):
+    payload = _core.Zygote(root, lsock).serve()
     if payload is None:
         return 0
     _child_main(payload)  # never returns
@@ -117,7 +119,6 @@ def _child_main(payload):
         os.environ.clear()
         os.environ.update(head["env"])
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        _leave_idle()
         _fresh_seeds()
         # The zygote's stdout was /dev/null, so Python made it block-buffered;
         # buffer it as a spawned child would buffer the stdout it now has.
@@ -228,100 +229,152 @@ class _Client:
 _client = None
 _client_lock = threading.Lock()
 _service = None  # (fd to the zygote, pid) when this process started it
-_idle_pid = None  # the zygote this process started idle, until it needs it
+_forked = False  # ... by forking itself (fork_at_torch_import)
 
 # NOTE [ The zygote costs only programs that use it ]
-# The zygote imports torch a second time: seconds of CPU that a program
-# which never starts a spawn child must not pay (a fork-worker DataLoader,
-# a one-process training loop, torchrun's launcher).  Two ways were
-# measured (`mpcore bench --only run-,spawn-first`):
-# - Started on first need (a spawn or forkserver Process, a spawn
-#   DataLoader, spawn()): free for programs that never need it, but the
-#   first spawn always waits for the zygote's own import of torch.
-# - Started at launch under SCHED_IDLE: it runs only on a core the program
-#   leaves idle, so it never takes one from the program.  Once warm it
-#   returns to the normal policy (its children inherit the zygote's); the
-#   program's first request raises it at once, so a program that needs it
-#   before it is warm waits no longer than with the first way; and at the
-#   program's exit a zygote still warming up is killed.
-# Where a core is free, an idle zygote warms up there at full speed, as
-# one at normal priority did, so the first spawn stays ~0.3 s instead of a
-# torch import.  Where every core was busy (2 cores, heavily loaded) both
-# gave the same first spawn (the zygote's import then runs after the
-# program's, not beside it at half the speed of each), and neither cost the
-# program wall time.  So the second is used.  What it
-# still costs is CPU time on cores that would otherwise idle.  Leaving
-# SCHED_IDLE needs CAP_SYS_NICE or an RLIMIT_NICE that allows the
-# program's nice value (without it every child of the zygote would stay
-# idle), so where that is not allowed the zygote starts on first need.
+# A zygote that imports torch itself costs seconds of CPU, which a program
+# that never starts a spawn child must not pay (a fork-worker DataLoader,
+# a one-process training loop, torchrun's launcher); started on first need
+# instead, it makes the first spawn wait for that import.  Under `mpcore
+# run` neither is needed: the program imports torch anyway, so the moment
+# its import of torch is done the launcher's process forks, and the child
+# becomes the zygote.  That costs a fork (page tables, and later the
+# copies of pages the program writes while the zygote shares them), not an
+# import, and the zygote is warm before the program can ask it for a
+# child.  A spawn child must still see none of the program's state, so the
+# fork is made only where little of it can exist yet, and the zygote drops
+# the rest:
+# - only in the launcher's process, only at torch's first import, and only
+#   while the program has no other Python thread (a native thread pool,
+#   OpenBLAS's, stops itself around a fork; a zygote that still has more
+#   than one thread exits, and the first request starts one by exec);
+# - the zygote forgets the modules the program has imported from its own
+#   directories (the script's and the working directory, outside the
+#   installation) and those still being imported, so that a child imports
+#   them afresh as a spawned child would; __main__ is replaced by
+#   prepare(), as in every zygote child;
+# - every fd of the program becomes /dev/null in the zygote (stdio
+#   included), so that it holds no pipe, file or socket of the program open,
+#   and an object that later closes one closes only a copy of /dev/null;
+# - the program's Python signal handlers and warning filters are put back
+#   to what they were at start-up; its buffered output was flushed before
+#   the fork.
+# Elsewhere (mpcore imported by a plain python program, torch imported
+# while threads run, MPCORE_ZYGOTE_PRELOAD set) the zygote is started by
+# exec on first need and imports what it preloads itself.
 
-_CAP_SYS_NICE = 23
-
-
-def _may_leave_idle():
-    """Whether a process of this user, at this process's nice value, may go
-    from SCHED_IDLE back to the normal policy (the kernel's can_nice)."""
-    import resource
-    soft = resource.getrlimit(resource.RLIMIT_NICE)[0]
-    nice = os.getpriority(os.PRIO_PROCESS, 0)
-    if soft == resource.RLIM_INFINITY or 20 - nice <= soft:
-        return True
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) >> _CAP_SYS_NICE & 1)
-    except OSError:
-        pass
-    return False
+_launch = None  # (pid, warning filters at start-up) of the launcher
 
 
-def _leave_idle(pid=0):
-    """Puts pid (this process when 0) back on the normal policy if it is
-    idle; quietly does nothing where that is not allowed."""
-    try:
-        if os.sched_getscheduler(pid) == os.SCHED_IDLE:
-            os.sched_setscheduler(pid, os.SCHED_OTHER, os.sched_param(0))
-    except OSError:
-        pass
-
-
-def start_early():
-    """At launch: starts the zygote at idle priority, where it may leave it
-    (NOTE [ The zygote costs only programs that use it ])."""
-    global _idle_pid
-    if os.environ.get(ENV) or _service is not None or not _may_leave_idle():
+def fork_at_torch_import():
+    """At launch: forks the zygote from this process once torch has been
+    imported, where that is safe (NOTE [ The zygote costs only programs
+    that use it ])."""
+    global _launch
+    if os.environ.get(ENV) or os.environ.get(PRELOAD_ENV) is not None:
         return
-    start()
-    try:
-        os.sched_setscheduler(_service[1], os.SCHED_IDLE, os.sched_param(0))
-        _idle_pid = _service[1]
-    except OSError:
+    import warnings as _w
+    _launch = (os.getpid(), list(_w.filters))
+    from ._boot import when_imported
+    when_imported("torch", _fork_now)
+
+
+def _fork_now(torch):
+    global _service, _forked
+    if (_launch is None or os.getpid() != _launch[0] or _service is not None
+            or os.environ.get(ENV) or threading.active_count() != 1):
         return
-    atexit.register(_stop_warming)
-
-
-def _stop_warming():
-    """At the program's exit: a zygote that is still warming up (still
-    idle, so it has no child) is killed, not left to finish an import for
-    nothing; it would only notice the program's end once warm."""
-    pid = _idle_pid
-    if pid is not None:
+    address, mine, theirs, lsock = _core.service_sockets("mpcore-zygote")
+    util._flush_std_streams()
+    pid = os.fork()
+    if pid == 0:
         try:
-            if os.sched_getscheduler(pid) == os.SCHED_IDLE:
-                os.kill(pid, signal.SIGKILL)
-        except OSError:
+            _become_zygote(mine, theirs, lsock)
+        finally:
+            os._exit(1)
+    os.close(theirs)
+    os.close(lsock)
+    _service = (mine, pid)
+    _forked = True
+    os.environ[ENV] = address
+
+
+def _program_modules():
+    """The modules a spawned child would not have: those still being
+    imported, and those found through the program's own directories (the
+    script's, the working directory) rather than the installation."""
+    own = {os.path.realpath(d) for d in (sys.path[0] or os.getcwd(), os.getcwd())}
+    roots = sorted({os.path.realpath(p or os.getcwd()) for p in sys.path if isinstance(p, str)},
+                   key=len, reverse=True)
+    names = []
+    for name, module in list(sys.modules.items()):
+        if (getattr(getattr(module, "__spec__", None), "_initializing", False)
+                and name != "torch"):  # torch's own import is done: this runs after it
+            names.append(name)
+            continue
+        path = getattr(module, "__file__", None)
+        if not isinstance(path, str):
+            continue
+        path = os.path.realpath(path)
+        root = next((r for r in roots if path.startswith(r.rstrip(os.sep) + os.sep)), None)
+        if root in own:
+            names.append(name)
+    return names
+
+
+def _become_zygote(mine, root, lsock):
+    """In the child of _fork_now: drops what it has of the program and
+    serves as the zygote; never returns."""
+    import warnings as _w
+    if len(os.listdir("/proc/self/task")) != 1:
+        os._exit(0)  # a thread survived the fork: the first request starts one by exec
+    os.close(mine)
+    null = os.open(os.devnull, os.O_RDWR)
+    keep = {root, lsock, null}
+    if os.environ.get("MPCORE_DEBUG"):
+        keep.add(2)
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd not in keep:
+            try:
+                os.dup2(null, fd, inheritable=False)
+            except OSError:
+                pass  # the listing's own fd, closed by now
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in signal.valid_signals():
+        try:
+            if callable(signal.getsignal(sig)) and sig != signal.SIGINT:
+                signal.signal(sig, signal.SIG_DFL)
+        except (OSError, ValueError):
             pass
+    _w.filters[:] = _launch[1]
+    _w._filters_mutated()
+    for name in _program_modules():
+        sys.modules.pop(name, None)
+    import types
+    sys.modules["__main__"] = types.ModuleType("__main__")  # as `python -c` has
+    os.environ.pop("MPCORE_STATS", None)
+    import gc
+    gc.freeze()
+    os._exit(_serve(root, lsock))
+
+
+def _gone(pid):
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] != 0
+    except ChildProcessError:
+        return True
 
 
 def start():
-    """Starts this program's zygote if none runs (or connects to it); a
-    zygote this process started idle is raised to the normal policy."""
-    global _service, _idle_pid
+    """Starts this program's zygote if none runs (or connects to it)."""
+    global _service, _forked
     with _client_lock:
-        if _idle_pid is not None:
-            _leave_idle(_idle_pid)
-            _idle_pid = None
+        if _forked and _gone(_service[1]):
+            # the forked zygote found a thread it could not lose and left
+            os.close(_service[0])
+            _service, _forked = None, False
+            os.environ.pop(ENV, None)
         if os.environ.get(ENV) or _service is not None:
             return
         argv = [sys.executable, "-c", "import mpcore._zygote as z, sys; sys.exit(z.main())"]
@@ -342,9 +395,9 @@ def _get_client():
 
 
 def _after_fork_child():
-    global _client, _service, _client_lock, _idle_pid
+    global _client, _service, _client_lock, _forked
     _client_lock = threading.Lock()
-    _idle_pid = None
+    _forked = False
     if _client is not None:
         _client.sock.close()
     _client = None
@@ -359,7 +412,8 @@ def _close_client():
 
 
 os.register_at_fork(after_in_child=_after_fork_child)
-atexit.register(_close_client)
+# After multiprocessing's own exit handler, which may still poll children.
+util.Finalize(None, _close_client, exitpriority=-100)
 _warned = False
 
 
