@@ -9,15 +9,15 @@ activate_run() when MPCORE_RUN is set and costs nothing otherwise.
 Hooks run right after a watched module finishes executing, so the
 program's own `import torch.multiprocessing as mp` already sees mpcore's.
 """
-import importlib.abc
-import importlib.machinery
 import os
 import sys
 
 _callbacks = {}  # module name -> [fn(module)]
 
 
-class _PostImportFinder(importlib.abc.MetaPathFinder):
+class _PostImportFinder:
+    # a meta path finder (importlib.abc.MetaPathFinder's protocol; that module
+    # costs an empty program's start-up more than the rest of this file)
     def find_spec(self, name, path=None, target=None):
         if name not in _callbacks:
             return None

@@ -302,10 +302,14 @@ def _fork_now(torch):
 def _program_modules():
     """The modules a spawned child would not have: those still being
     imported, and those found through the program's own directories (the
-    script's, the working directory) rather than the installation."""
-    own = {os.path.realpath(d) for d in (sys.path[0] or os.getcwd(), os.getcwd())}
-    roots = sorted({os.path.realpath(p or os.getcwd()) for p in sys.path if isinstance(p, str)},
+    script's, the working directory) rather than the installation.  A
+    module's __file__ is the sys.path entry it was found through joined
+    with its name, so comparing the strings suffices (no syscalls)."""
+    cwd = os.getcwd()
+    own = {sys.path[0] or cwd, cwd}
+    roots = sorted({(p or cwd).rstrip(os.sep) + os.sep for p in sys.path if isinstance(p, str)},
                    key=len, reverse=True)
+    own = {d.rstrip(os.sep) + os.sep for d in own}
     names = []
     for name, module in list(sys.modules.items()):
         if (getattr(getattr(module, "__spec__", None), "_initializing", False)
@@ -313,11 +317,9 @@ def _program_modules():
             names.append(name)
             continue
         path = getattr(module, "__file__", None)
-        if not isinstance(path, str):
-            continue
-        path = os.path.realpath(path)
-        root = next((r for r in roots if path.startswith(r.rstrip(os.sep) + os.sep)), None)
-        if root in own:
+        if not isinstance(path, str) or not os.path.isabs(path):
+            continue  # built in, frozen, or a namespace object (torch.ops)
+        if next((r for r in roots if path.startswith(r)), None) in own:
             names.append(name)
     return names
 
