@@ -27,14 +27,15 @@ NOTE [ What the core cannot serve ]
   send, a wrong call) would hang in connect instead of failing.  Whether
   there is a region depends only on the hosts the ranks published in the
   store, so every rank makes the same choice.
-- A reduction the core lacks for a dtype (float8, complex32, an integer
-  AVG, a dtype the core does not know): on one machine this is not sent to
+- A reduction the core lacks for a dtype (float8, complex, a dtype the
+  core does not know): on one machine this is not sent to
   gloo, which lacks the same dtypes, but done by the core's all-gather of
   the raw bytes followed by a reduction in torch, in rank order, the same
   code on every rank, so every rank gets the same bits.  The choice depends
   only on the dtype and op, which the ranks share (ranks that disagree are
   told so by the core, which compares what each asked for).
-- PREMUL_SUM (an NCCL-only op) is refused with a clear error, as gloo does.
+- PREMUL_SUM (an NCCL-only op) is refused with a clear error, as gloo
+  does, and so is AVG of integers (as the core: no rounding rule to pick).
 """
 import datetime
 import functools
@@ -104,6 +105,21 @@ def _done(tensors):
     w = Work(tensors)
     w._done.set()
     return w
+
+
+def _checked(what, red, tensors, async_op):
+    """None when the op suits the tensors; else, for async_op, a Work that
+    reports the error (as the group's thread reports the core's), and
+    otherwise the error is raised."""
+    try:
+        _check_op(what, red, tensors)
+    except ValueError as e:
+        if not async_op:
+            raise
+        w = Work(tensors)
+        w._finish(e)
+        return w
+    return None
 
 
 # --- helpers ------------------------------------------------------------------------
@@ -350,7 +366,9 @@ class ProcessGroupMpcore(dist.ProcessGroup):
                 n.all_reduce(t, _NCCL_DTYPES[t.dtype], OPS[red])
             return _done(tensors)
         _check_cpu("all_reduce", tensors)
-        _check_op("all_reduce", red, tensors)
+        failed = _checked("all_reduce", red, tensors, async_op)
+        if failed is not None:
+            return failed
         dense = [_Dense(t) for t in tensors]
         calls = []
         for d in dense:
@@ -374,7 +392,6 @@ class ProcessGroupMpcore(dist.ProcessGroup):
     def _gathered_reduce(self, t, red, timeout):
         """t becomes the reduction over the ranks, for a dtype or op the
         core does not reduce (NOTE [ What the core cannot serve ])."""
-        _reduce_stack(torch.empty(0, dtype=t.dtype), red, 1)  # refuses before anyone waits
         stack = torch.empty((self._world,) + tuple(t.shape), dtype=t.dtype)
         self.shm.core.all_gather(stack.data_ptr(), t.data_ptr(), _nbytes(t), timeout)
         t.copy_(_reduce_stack(stack, red, self._world))
@@ -574,7 +591,9 @@ class ProcessGroupMpcore(dist.ProcessGroup):
     reduce_scatter_single = _reduce_scatter_base
 
     def _reduce_scatter_flat(self, output, flat, red, async_op, result):
-        _check_op("reduce_scatter", red, [output])
+        failed = _checked("reduce_scatter", red, [output], async_op)
+        if failed is not None:
+            return failed
         dst = _Dense(output, read=False)
         out = dst.t
         dt, code = DTYPES.get(out.dtype), OPS.get(red)
@@ -750,6 +769,7 @@ class ProcessGroupMpcore(dist.ProcessGroup):
             off = int(table[i, :r].sum().item())
             out[at:at + recv[i]] = every[i, off:off + recv[i]] if recv[i] else out[at:at]
             at += recv[i]
+        dst.back()
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else dist.AllToAllOptions()
