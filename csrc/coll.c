@@ -1,13 +1,20 @@
 /* coll.c: collectives over shared memory for the ranks of one machine:
- * all-reduce, broadcast, barrier, all-gather and reduce-scatter, with the
+ * all-reduce, broadcast, barrier, all-gather, reduce-scatter, reduce,
+ * gather, scatter, all-to-all, and point-to-point send and recv, with the
  * reductions vectorised for the CPU found at run time.
  *
  * NOTE [ Shared-memory collectives ]
  * A group is one memfd that rank 0 makes and every rank maps (the Python
- * side hands its fd around at rendezvous).  It holds a header (one line per
- * rank: its pid, how many barriers it has entered, and what it asked for)
- * and, twice over, a staging area of `chunk` bytes per rank plus one result
- * area.  A collective moves its data in pieces that fit the staging areas:
+ * side hands its fd around at rendezvous).  It holds, in this order:
+ *   - a header: one line per rank (its pid, how many barriers it has
+ *     entered, and what it asked for);
+ *   - the all-to-all sizes: per call parity, each rank's `world` send and
+ *     `world` recv sizes (2 * world * 2 * world words);
+ *   - the mailboxes: two counter lines per ordered pair of ranks, a
+ *     doorbell per rank, and a ring per ordered pair (NOTE [ Mailboxes ]);
+ *   - twice over, a staging area of `chunk` bytes per rank plus one result
+ *     area.
+ * A collective moves its data in pieces that fit the staging areas:
  *   - small all-reduce pieces (<= MPC_COLL_ONESHOT bytes) are one-shot:
  *     each rank copies its piece in, all meet at a barrier, and each rank
  *     reduces all the pieces into its own buffer;
@@ -15,7 +22,23 @@
  *     the r-th slice of every rank's piece (its own from its own buffer)
  *     into the result area, all meet, and each rank copies out the slices
  *     the others reduced;
- *   - broadcast, all-gather and reduce-scatter take one barrier a piece.
+ *   - broadcast, all-gather and reduce-scatter take one barrier a piece;
+ *   - reduce is all-reduce's scheme with only the root keeping the result:
+ *     small pieces the root reduces alone, larger ones rank r reduces slice
+ *     r (the root's straight into its buffer, the others' into the result
+ *     area, which the root copies out after a second barrier);
+ *   - gather and scatter take one barrier a piece: the ranks stage their
+ *     pieces and the root copies them out, or the root stages rank q's
+ *     piece in rank q's area and each rank copies out its own;
+ *   - all-to-all posts each rank's send and recv sizes beside its call, and
+ *     after the first barrier every rank checks every pair (rank i's send
+ *     size to j against j's recv size from i), so a mismatch fails
+ *     everywhere alike, naming i, j and both sizes.  Each rank's staging
+ *     area is cut into a slot per peer (chunk / (world - 1) bytes, whole
+ *     64-byte lines); round k moves bytes k*slot.. of every pair, one
+ *     barrier a round, until the largest pair is done.  A rank's piece for
+ *     itself is copied directly.  Every rank knows every size, so all agree
+ *     on the number of rounds without another word.
  * Pieces alternate between the two copies of the areas, so a rank may
  * write the next piece while a slower one still reads this one: the
  * barrier of the piece in between keeps them from meeting.  Every rank
@@ -31,6 +54,34 @@
  * with a message naming it instead of waiting forever.  What each rank
  * asked for is compared at the first barrier of each call, so calls that
  * differ in kind, size, dtype, op or root fail on every rank alike.
+ *
+ * NOTE [ Mailboxes ]
+ * send and recv involve two ranks only, so they cannot use the barriers.
+ * Each ordered pair (src, dst) has a ring of bytes in the region, written
+ * only by src and read only by dst, and two counters: head (bytes src ever
+ * put in, written by src) and tail (bytes dst ever took out, written by
+ * dst).  A message is a 64-byte line (magic, tag, size) and its bytes,
+ * padded to whole lines, so a header never wraps around the ring.  A
+ * message larger than the ring streams through it: the sender puts in
+ * what fits (waiting for at least a quarter of the ring, or the rest, so
+ * that neither side wakes for crumbs), the receiver takes out what is
+ * there, each publishing its counter with release order and ringing the
+ * other's doorbell.  A rank sleeps on its own doorbell (a futex word that
+ * every change it may wait for bumps, and break_group too) with the same
+ * spin, sleep and peer watch as a barrier.  The rings take about
+ * MPC_COLL_BOXES bytes in all: 1 MB a pair for 2 ranks, down to 4 KB a
+ * pair (16 MB in all) for 64.
+ * Matching is simpler than gloo's: messages from one rank to another are
+ * taken in the order they were sent, and a recv must match the next one,
+ * tag and size; else it fails (-EINVAL naming both) and leaves the message
+ * for a recv that matches.  (gloo lets a recv for tag t take a later
+ * message with tag t past earlier ones with other tags; here that is the
+ * error, never a message put where another was wanted.)  A recv from any
+ * rank takes the next message of the first rank, in turn from the one
+ * after the last it took from, whose next message has its tag.
+ * A timeout or a peer's exit during send or recv breaks the group, as in a
+ * collective: a message may be half in the ring.  Calls on one Group (a
+ * collective, send or recv) must not run at once from several threads.
  *
  * NOTE [ Group buffers ]
  * Staging costs a large all-reduce about four and a half times its size in
