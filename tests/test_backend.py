@@ -47,6 +47,9 @@ from mpcore import _backend
 
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 torch.set_num_threads(1)
+if os.environ.get("FAKE_HOSTS"):        # every rank on a machine of its own, as far as mpcore sees
+    from mpcore import _dist
+    _dist._host_id = lambda: f"host-{RANK}"
 md.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 R = dist.ReduceOp
 
@@ -189,13 +192,14 @@ def on_gloo(fn):
         return None
 
 
-def job_all_reduce(kind, op, noncontig=False, async_op=False, shape=(3, 5), coalesced=False):
+def job_all_reduce(kind, op, noncontig=False, async_op=False, shape=(3, 5), coalesced=False,
+                   dtypes=DT):
     if GROUPS[kind] is None:
         return "skip"
     m, g, members = GROUPS[kind]
     r, W = members.index(RANK), len(members)
     st, check = checker()
-    for name in DT:
+    for name in dtypes:
         if not applies(op, name):
             continue
         ins = [make(name, shape, q, "ar" + op) for q in range(W)]
@@ -269,14 +273,14 @@ def job_reduce_scatter(kind, op, form):
     return st
 
 
-def job_movers(kind, what, noncontig=False):
+def job_movers(kind, what, noncontig=False, dtypes=DT):
     """Collectives that move bytes: every dtype, every root."""
     if GROUPS[kind] is None:
         return "skip"
     m, g, members = GROUPS[kind]
     r, W = members.index(RANK), len(members)
     st, check = checker()
-    for name in DT:
+    for name in dtypes:
         dt = getattr(torch, name)
         ins = [make(name, (2, 3), q, what) for q in range(W)]
         mine = lambda: strided(ins[r]) if noncontig else ins[r].clone()
@@ -568,7 +572,7 @@ def _free_port():
 class Pool:
     """`world` rank processes of the worker program, with the world group up."""
 
-    def __init__(self, world, tmp, groups=True):
+    def __init__(self, world, tmp, groups=True, extra=None):
         self.world = world
         path = tmp / "worker.py"
         path.write_text(textwrap.dedent(WORKER))
@@ -578,6 +582,7 @@ class Pool:
             env = {k: v for k, v in fresh_env().items() if not k.startswith("MPCORE_")}
             env.update(RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
+            env.update(extra or {})
             self.procs.append(subprocess.Popen(
                 [sys.executable, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=open(tmp / f"rank{r}.err", "w"), text=True, env=env,
@@ -781,6 +786,33 @@ def test_backend_names():
     assert md.translate("cpu:gloo,cuda:nccl") == "cpu:mpcore,cuda:nccl"
     assert md.translate("mpcore") == "mpcore" and md.translate(None) is None
     assert md.translate("cuda:nccl") == "cuda:nccl"
+
+
+GLOO_DTYPES = ["float32", "float64", "int32", "int64", "uint8"]
+
+
+@pytest.fixture(scope="module")
+def pool_hosts(tmp_path_factory):
+    """Two ranks that mpcore sees on two machines: the backend's gloo serves."""
+    require(_have_gloo(), "torch.distributed with gloo is not available")
+    pool = Pool(2, tmp_path_factory.mktemp("hosts"), extra={"FAKE_HOSTS": "1"})
+    yield pool
+    assert pool.close() == [0, 0], [pool.stderr(r) for r in range(2)]
+
+
+def test_ranks_on_several_machines_get_gloo_inside(pool_hosts):
+    for kinds in pool_hosts.kinds:
+        for kind, (mine, theirs, shm) in kinds.items():
+            assert mine == "ProcessGroupMpcore" and shm is False, kind
+    for op in ("SUM", "MAX"):
+        _assert_all(pool_hosts.run("all_reduce", kind="world", op=op, dtypes=GLOO_DTYPES),
+                    min_gloo=("float32",))
+    for what in ("broadcast", "all_gather", "all_gather_into_tensor", "gather", "scatter",
+                 "all_to_all_single", "send_recv"):
+        _assert_all(pool_hosts.run("movers", kind="new_subgroups", what=what,
+                                   dtypes=GLOO_DTYPES))
+    for res in pool_hosts.run("objects", kind="world"):
+        assert res["mpcore"] == res["gloo"]
 
 
 def test_work_surface(pool2):
