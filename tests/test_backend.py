@@ -89,6 +89,10 @@ def make_groups():
     with real_gloo():
         g, _ = dist.new_subgroups(2, backend="gloo")
     GROUPS["new_subgroups"] = (m, g, dist.get_process_group_ranks(m))
+    asked = dist.new_group(backend="gloo")          # served by mpcore all the same
+    with real_gloo():
+        g = dist.new_group(backend="gloo")
+    GROUPS["asked_for_gloo"] = (asked, g, list(range(WORLD)))
     kinds = {}
     for k, v in GROUPS.items():
         if v is not None:
@@ -687,11 +691,14 @@ def _assert_all(results, min_gloo=()):
             (key, ran[0]["gloo"])
 
 
-KINDS = ["world", "new_group", "new_subgroups"]
+KINDS = ["world", "new_group", "new_subgroups", "asked_for_gloo"]
 
 
 def test_groups_are_mpcore_and_gloo(pool):
+    """Every group of mpcore's, asked for with "gloo" or with no backend, and
+    its twin of torch's gloo."""
     for kinds in pool.kinds:
+        assert set(kinds) >= {"world", "new_subgroups", "asked_for_gloo"}, kinds
         for kind, (mine, theirs, shm) in kinds.items():
             assert mine == "ProcessGroupMpcore" and shm is True, kind
             assert theirs == "ProcessGroup", kind
