@@ -593,8 +593,6 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         if self.shm is None:
             return works[-1]
         # the group's thread runs them in order: a last, empty call finishes after all
-        errors = []
-
         def check(timeout):
             for w in works:
                 if w.exception() is not None:
@@ -756,7 +754,6 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         if output.dtype != input.dtype:
             raise ValueError(f"mpcore: all_to_all_single: output is {output.dtype} but input is "
                              f"{input.dtype}")
-        w = self._world
         send = self._splits("input", input, input_split_sizes)
         recv = self._splits("output", output, output_split_sizes)
         src, dst = _Dense(input), _Dense(output, read=False)
