@@ -220,7 +220,10 @@ def job_all_reduce(kind, op, noncontig=False, async_op=False, shape=(3, 5), coal
         if name in COMPLEX or op == "AVG":
             theirs = None
         else:
-            theirs = on_gloo(lambda: (lambda x: (dist.all_reduce(x, op=getattr(R, op), group=g), x)[1])(ins[r].clone()))
+            def theirs_call(x=ins[r].clone()):
+                dist.all_reduce(x, op=getattr(R, op), group=g)
+                return x
+            theirs = on_gloo(theirs_call)
         check(name, t, want, theirs)
     return st
 
@@ -267,7 +270,8 @@ def job_reduce_scatter(kind, op, form):
             if form == "tensor":
                 dist.reduce_scatter_tensor(o, ins[r].clone(), op=getattr(R, op), group=group)
             else:
-                dist.reduce_scatter(o, list(ins[r].clone().split(3)), op=getattr(R, op), group=group)
+                dist.reduce_scatter(o, list(ins[r].clone().split(3)), op=getattr(R, op),
+                                    group=group)
             return o
         call(m, out)
         theirs = None
@@ -369,6 +373,16 @@ def job_movers(kind, what, noncontig=False, dtypes=DT):
                     s.wait()
                     return out
                 check(f"{name} any={anysrc}", call(m), ins[(r - 1) % W], on_gloo(lambda: call(g)))
+        elif what == "batch_isend_irecv":
+            nxt, prv = members[(r + 1) % W], members[(r - 1) % W]
+            def call(group):
+                out = torch.zeros(2, 3, dtype=dt)
+                ops = [dist.P2POp(dist.isend, mine(), nxt, group),
+                       dist.P2POp(dist.irecv, out, prv, group)]
+                for w in dist.batch_isend_irecv(ops):
+                    w.wait()
+                return out
+            check(name, call(m), ins[(r - 1) % W], on_gloo(lambda: call(g)))
     return st
 
 
@@ -429,8 +443,7 @@ def job_destroy():
         used = "no error"
     except Exception as e:
         used = f"{type(e).__name__}: {e}"
-    return {"before": before, "made": made, "after": after, "sum": t.tolist(), "used": used,
-            "shm": md.shm_group_active(sub) if False else None}
+    return {"before": before, "made": made, "after": after, "sum": t.tolist(), "used": used}
 
 
 def job_work(stage):
@@ -536,8 +549,10 @@ def job_functional(kind):
     x = torch.arange(4.0) + r
     out = {"all_reduce": fc.all_reduce(x, "sum", m).tolist(),
            "all_gather": fc.all_gather_tensor(x, 0, m).tolist(),
-           "reduce_scatter": fc.reduce_scatter_tensor(torch.arange(2.0 * W) + r, "sum", 0, m).tolist(),
-           "all_to_all": fc.all_to_all_single(torch.arange(2.0 * W) + 10 * r, None, None, m).tolist()}
+           "reduce_scatter": fc.reduce_scatter_tensor(torch.arange(2.0 * W) + r, "sum", 0,
+                                                      m).tolist(),
+           "all_to_all": fc.all_to_all_single(torch.arange(2.0 * W) + 10 * r, None, None,
+                                              m).tolist()}
     @torch.compile(fullgraph=True, backend="eager")
     def f(y):
         return fc.all_reduce(y * 2, "max", m) + 1
@@ -731,14 +746,14 @@ def test_reduce_scatter(pool, kind, form, op):
 
 
 MOVERS = ["broadcast", "all_gather", "all_gather_into_tensor", "gather", "scatter",
-          "all_to_all_single", "all_to_all", "send_recv"]
+          "all_to_all_single", "all_to_all", "send_recv", "batch_isend_irecv"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("what", MOVERS)
 def test_movers(pool, kind, what):
     _assert_all(pool.run("movers", kind=kind, what=what), min_gloo=("float32",) if what not in (
-        "send_recv", "all_to_all") else ())   # gloo has no list all_to_all
+        "send_recv", "batch_isend_irecv", "all_to_all") else ())   # gloo: no list all_to_all
 
 
 @pytest.mark.parametrize("what", ["broadcast", "all_gather_into_tensor", "scatter"])

@@ -864,6 +864,16 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         o.asyncOp = False
         self.barrier(o).wait()
 
+    # -- coalescing (torch's _coalescing_manager, batch_isend_irecv) ---------------------------
+    def _start_coalescing(self, device):
+        """Calls made inside run as they come, in order (nothing to batch)."""
+
+    def _end_coalescing(self, device):
+        """A Work that completes once every call made so far has."""
+        if self._gloo is not None or self.shm is None:
+            return _Done([])
+        return self.shm.run(True, [], lambda timeout: None)
+
     # -- point to point --------------------------------------------------------------------------
     def send(self, tensors, dst, tag):
         if self._gloo is not None:
