@@ -76,6 +76,12 @@ DTYPES, OPS = _tables()
 _CORE = {(dt, red): (dc, oc) for dt, dc in DTYPES.items() for red, oc in OPS.items()
          if (red != _RED.AVG or dt.is_floating_point)
          and (red not in (_RED.BAND, _RED.BOR, _RED.BXOR) or not dt.is_floating_point)}
+# the same by dtype, then by the op's value (hashing a pybind enum costs more than indexing)
+_CORE_ROWS = {dt: tuple(_CORE.get((dt, r)) for r in sorted(_RED.__members__.values(),
+                                                        key=lambda r: r.value))
+              for dt in DTYPES}
+assert all(r.value == i for i, r in enumerate(sorted(_RED.__members__.values(),
+                                                     key=lambda r: r.value)))
 _FLOATS = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
 _BITWISE = (_RED.BAND, _RED.BOR, _RED.BXOR)
 _NO_TIMEOUT = datetime.timedelta(0)
@@ -383,7 +389,8 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         shm = self.shm
         if len(tensors) == 1 and shm is not None:
             t = tensors[0]
-            codes = _CORE.get((t.dtype, red))
+            row = _CORE_ROWS.get(t.dtype)
+            codes = row[red.value] if row is not None else None
             if codes is not None and t.is_cpu and t.is_contiguous():
                 if opts.asyncOp:
                     return shm.run(True, tensors, shm.core.all_reduce, t.data_ptr(), t.numel(),
