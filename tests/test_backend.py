@@ -438,11 +438,14 @@ def job_destroy():
     made = _region_maps()
     dist.destroy_process_group(sub)
     after = _region_maps()
-    try:
-        dist.all_reduce(torch.ones(2), group=sub)
-        used = "no error"
-    except Exception as e:
-        used = f"{type(e).__name__}: {e}"
+    used = []
+    for call in (lambda: dist.all_reduce(torch.ones(2), group=sub),    # torch refuses it
+                 lambda: sub.allreduce([torch.ones(2)])):                # the group itself
+        try:
+            call()
+            used.append("no error")
+        except Exception as e:
+            used.append(f"{type(e).__name__}: {e}")
     return {"before": before, "made": made, "after": after, "sum": t.tolist(), "used": used}
 
 
@@ -782,7 +785,8 @@ def test_destroy_frees_the_region(pool):
     for res in pool.run("destroy"):
         assert res["made"] == res["before"] + 1 and res["after"] == res["before"], res
         assert res["sum"] == [float(pool.world)] * 2
-        assert res["used"] != "no error"
+        assert "not initialized" in res["used"][0], res
+        assert res["used"][1] == "RuntimeError: mpcore: this process group has been destroyed", res
 
 
 def test_timeout_names_the_missing_ranks(pool):
