@@ -520,6 +520,50 @@ def job_dead_rank(victim):
     return {"errors": errors, "at": at}
 
 
+def job_timeout():
+    """Only rank 0 comes to a barrier of a fresh group: a timeout naming the others."""
+    sub = dist.new_group(list(range(WORLD)))
+    res = None
+    if RANK == 0:
+        t0 = time.monotonic()
+        try:
+            dist.barrier(group=sub, timeout=datetime.timedelta(seconds=0.5))
+            res = "no error"
+        except Exception as e:
+            res = f"{type(e).__name__}: {e}"
+        res = [res, time.monotonic() - t0]
+    dist.barrier()
+    dist.destroy_process_group(sub)
+    return res
+
+
+def job_functional(kind):
+    """Functional collectives (the C++ dispatcher's way in), eager and compiled."""
+    import torch.distributed._functional_collectives as fc
+    if GROUPS[kind] is None:
+        return "skip"
+    m, g, members = GROUPS[kind]
+    r, W = members.index(RANK), len(members)
+    x = torch.arange(4.0) + r
+    out = {"all_reduce": fc.all_reduce(x, "sum", m).tolist(),
+           "all_gather": fc.all_gather_tensor(x, 0, m).tolist(),
+           "reduce_scatter": fc.reduce_scatter_tensor(torch.arange(2.0 * W) + r, "sum", 0,
+                                                      m).tolist(),
+           "all_to_all": fc.all_to_all_single(torch.arange(2.0 * W) + 10 * r, None, None,
+                                              m).tolist()}
+    @torch.compile(fullgraph=True, backend="eager")
+    def f(y):
+        return fc.all_reduce(y * 2, "max", m) + 1
+    out["compiled"] = f(x).tolist()
+    want = {"all_reduce": (torch.arange(4.0) * W + sum(range(W))).tolist(),
+            "all_gather": torch.cat([torch.arange(4.0) + q for q in range(W)]).tolist(),
+            "reduce_scatter": (torch.arange(2.0 * W)[2 * r:2 * r + 2] * W + sum(range(W))).tolist(),
+            "all_to_all": torch.cat([(torch.arange(2.0 * W) + 10 * q)[2 * r:2 * r + 2]
+                                     for q in range(W)]).tolist(),
+            "compiled": ((torch.arange(4.0) + W - 1) * 2 + 1).tolist()}
+    return {"got": out, "want": want, "pg": type(m).__name__}
+
+
 JOBS = {k[4:]: v for k, v in globals().items() if k.startswith("job_")}
 JOBS["make_groups"] = make_groups
 print("UP", flush=True)
