@@ -383,6 +383,23 @@ def job_movers(kind, what, noncontig=False, dtypes=DT):
                     w.wait()
                 return out
             check(name, call(m), ins[(r - 1) % W], on_gloo(lambda: call(g)))
+        elif what == "irecv_first_large" and name == "float32":
+            # every rank posts its receive before its send, each larger than a
+            # mailbox, so a send must not wait behind the receive (NOTE [ Lanes ])
+            nxt, prv = members[(r + 1) % W], members[(r - 1) % W]
+            big = lambda q: torch.arange(1 << 21, dtype=dt) * (q + 1)
+            def call(group):
+                outs = [torch.zeros(1 << 21, dtype=dt) for _ in range(2)]
+                ops = [dist.P2POp(dist.irecv, outs[0], prv, group),
+                       dist.P2POp(dist.isend, big(r), nxt, group)]
+                for w in dist.batch_isend_irecv(ops):
+                    w.wait()
+                rw = dist.irecv(outs[1], prv, group=group)
+                sw = dist.isend(big(r), nxt, group=group)
+                rw.wait()
+                sw.wait()
+                return torch.stack(outs)
+            check(name, call(m), torch.stack([big((r - 1) % W)] * 2), on_gloo(lambda: call(g)))
     return st
 
 
@@ -744,7 +761,7 @@ def test_reduce_scatter(pool, kind, form, op):
 
 
 MOVERS = ["broadcast", "all_gather", "all_gather_into_tensor", "gather", "scatter",
-          "all_to_all_single", "all_to_all", "send_recv", "batch_isend_irecv"]
+          "all_to_all_single", "all_to_all", "send_recv", "batch_isend_irecv", "irecv_first_large"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -56,19 +56,13 @@ from torch.distributed import ReduceOp
 from . import _core, _dist
 
 _RED = ReduceOp.RedOpType
-_OP_NAMES = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
-_LEGACY_DTYPES = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3, "int32": 4,
-                  "int64": 5, "uint8": 6}
-_LEGACY_OPS = {"SUM": 0, "AVG": 1, "PRODUCT": 2, "MIN": 3, "MAX": 4}
 
 
 def _tables():
     """(torch dtype -> core code, RedOpType -> core code) of what this core
     reduces (NOTE [ What the core cannot serve ])."""
-    names = getattr(_core, "COLL_DTYPES", _LEGACY_DTYPES)
-    ops = getattr(_core, "COLL_OPS", _LEGACY_OPS)
-    dtypes = {getattr(torch, n): c for n, c in names.items() if hasattr(torch, n)}
-    return dtypes, {getattr(_RED, n): c for n, c in ops.items()}
+    dtypes = {getattr(torch, n): c for n, c in _core.COLL_DTYPES.items() if hasattr(torch, n)}
+    return dtypes, {getattr(_RED, n): c for n, c in _core.COLL_OPS.items()}
 
 
 DTYPES, OPS = _tables()
@@ -175,6 +169,39 @@ def _nbytes(t):
     return t.numel() * t.element_size()
 
 
+
+class _AllOf(dist.Work):
+    """The Work of a coalescing block: done when all of its calls are."""
+
+    def __init__(self, works):
+        dist.Work.__init__(self)
+        self._works = works
+
+    def wait(self, timeout=_NO_TIMEOUT):
+        for w in self._works:
+            w.wait(timeout)
+        return True
+
+    def is_completed(self):
+        return all(w.is_completed() for w in self._works)
+
+    def is_success(self):
+        return all(w.is_success() for w in self._works)
+
+    def exception(self):
+        return next((e for e in (w.exception() for w in self._works) if e is not None), None)
+
+    def result(self):
+        return [t for w in self._works for t in w.result()]
+
+    def get_future(self):
+        return torch.futures.collect_all([w.get_future() for w in self._works]).then(
+            lambda fut: [t for f in fut.value() for t in f.value()])
+
+    def synchronize(self):
+        self.wait()
+
+
 class _Dense:
     """A contiguous CPU stand-in for a tensor: the tensor itself when it is
     one, else a contiguous copy (copied in when `read`) that back() copies
@@ -279,6 +306,7 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         self._nccl = None
         self._name = ""
         self._desc = ""
+        self._batch = None  # the point-to-point Works of a coalescing block
         if shm is not None:
             shm.work_type = Work
 
@@ -882,14 +910,17 @@ class ProcessGroupMpcore(dist.ProcessGroup):
 
     # -- coalescing (torch's _coalescing_manager, batch_isend_irecv) ---------------------------
     def _start_coalescing(self, device):
-        """Calls made inside run as they come, in order (nothing to batch)."""
+        """Calls made inside run as they come, in order (nothing to batch);
+        the point-to-point ones are remembered for _end_coalescing."""
+        self._batch = []
 
     def _end_coalescing(self, device):
         """A Work that completes once every call made so far has."""
+        batch, self._batch = self._batch or [], None
         if self._gloo is not None:
             return _Done([])
         self._core()
-        return self.shm.run(True, [], lambda timeout: None)
+        return _AllOf(batch + [self.shm.run(True, [], lambda timeout: None)])
 
     # -- point to point --------------------------------------------------------------------------
     def send(self, tensors, dst, tag):
@@ -897,7 +928,6 @@ class ProcessGroupMpcore(dist.ProcessGroup):
             return self._gloo.send(tensors, dst, tag)
         self._no_cuda("send", tensors)
         _check_cpu("send", tensors)
-        self._p2p_core("send")
         self._check_peer("send to", dst)
         src = [_Dense(t).t for t in tensors]
         core = self._core()
@@ -905,7 +935,8 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         def run(timeout):
             for t in src:
                 core.send(t.data_ptr(), _nbytes(t), dst, tag, timeout)
-        return self.shm.run(True, tensors, run, keep=src)
+        # NOTE [ Lanes ] in _dist.py
+        return self._p2p(self.shm.run(True, tensors, run, keep=src, lane=f"mpcore-send-{dst}"))
 
     def recv(self, tensors, src, tag):
         return self._recv(tensors, src, tag)
@@ -920,7 +951,6 @@ class ProcessGroupMpcore(dist.ProcessGroup):
             return self._gloo.recv(tensors, src, tag)
         self._no_cuda("recv", tensors)
         _check_cpu("recv", tensors)
-        self._p2p_core("recv")
         if src >= 0:
             self._check_peer("receive from", src)
         dense = [_Dense(t, read=False) for t in tensors]
@@ -931,12 +961,13 @@ class ProcessGroupMpcore(dist.ProcessGroup):
             for d in dense:
                 work._source = core.recv(d.t.data_ptr(), _nbytes(d.t), src, tag, timeout)
                 d.back()
-        return self.shm.run(True, tensors, run, keep=dense, work=work)
+        return self._p2p(self.shm.run(True, tensors, run, keep=dense, work=work,
+                                      lane="mpcore-recv"))
 
-    def _p2p_core(self, what):
-        if not hasattr(self._core(), "send"):
-            raise RuntimeError(f"mpcore: {what}: this build of mpcore's core has no "
-                               "point-to-point calls")
+    def _p2p(self, work):
+        if self._batch is not None:
+            self._batch.append(work)
+        return work
 
     def _check_peer(self, what, peer):
         if not 0 <= peer < self._world or peer == self._rank:

@@ -201,55 +201,37 @@ class Work:
             return self._future
 
 
-class ShmGroup:
-    """This rank's shared-memory group, and the thread that runs its
-    asynchronous collectives in the order they were asked for."""
+class _Lane:
+    """A thread that runs calls in the order they were queued."""
 
-    work_type = Work  # what run() returns for async_op (the backend's has torch's base)
+    def __init__(self, name, timeout):
+        self.name = name
+        self.timeout = timeout
+        self.queue = collections.deque()
+        self.cond = threading.Condition()
+        self.thread = None
+        self.queued = 0
 
-    def __init__(self, core, rank, world, timeout_s):
-        self.core = core
-        self.rank = rank
-        self.world = world
-        self.timeout = timeout_s
-        self._queue = collections.deque()
-        self._cond = threading.Condition()
-        self._thread = None
-        self._queued = 0
-
-    def run(self, async_op, tensors, fn, *args, keep=(), work=None):
-        """fn(*args, timeout) now (after what is queued), or on the
-        group's thread when async_op; returns a Work for async_op (`work`,
-        or a new one), which holds `tensors` (its result) and `keep` (what
-        fn reads: the caller may drop them) until fn is done."""
-        if not async_op:
-            if self._queued:
-                self.drain()
-            fn(*args, self.timeout)
-            return None
-        if work is None:
-            work = self.work_type(tensors)
-        with self._cond:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="mpcore-collectives",
-                                                daemon=True)
-                self._thread.start()
-            self._queued += 1
-            self._queue.append((work, fn, args, keep))
-            self._cond.notify()
-        return work
+    def put(self, item):
+        with self.cond:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                self.thread.start()
+            self.queued += 1
+            self.queue.append(item)
+            self.cond.notify()
 
     def drain(self):
-        with self._cond:
-            while self._queued:
-                self._cond.wait()
+        with self.cond:
+            while self.queued:
+                self.cond.wait()
 
     def _loop(self):
         while True:
-            with self._cond:
-                while not self._queue:
-                    self._cond.wait()
-                item = self._queue.popleft()
+            with self.cond:
+                while not self.queue:
+                    self.cond.wait()
+                item = self.queue.popleft()
             if item is None:
                 return
             work, fn, args, keep = item
@@ -261,20 +243,88 @@ class ShmGroup:
             finally:
                 # nothing of a finished call is held until the next one
                 del work, fn, args, keep, item
-                with self._cond:
-                    self._queued -= 1
-                    self._cond.notify_all()
+                with self.cond:
+                    self.queued -= 1
+                    self.cond.notify_all()
+
+    def stop(self):
+        """Stops the thread after what is queued."""
+        with self.cond:
+            if self.thread is None:
+                return
+            self.queue.append(None)
+            self.cond.notify()
+        self.thread.join()
+        self.thread = None
+
+
+class ShmGroup:
+    """This rank's shared-memory group, and the threads that run its
+    asynchronous calls.
+
+    NOTE [ Lanes ]
+    Collectives asked for with async_op run on one thread, in the order
+    asked for, as every rank must call them.  Point-to-point calls have
+    lanes of their own: receives one thread, sends one thread per
+    destination.  A send larger than the mailbox waits for the peer's
+    receive, so a rank that posts irecv before isend (batch_isend_irecv,
+    a pipeline's exchange) would otherwise wait for its own send behind
+    its receive while the peer does the same.  Messages to one rank stay in
+    order, and so do receives; the core lets one collective, one receive
+    and sends to different ranks wait at once (NOTE [ Mailboxes ] in
+    coll.c)."""
+
+    work_type = Work  # what run() returns for async_op (the backend's has torch's base)
+    COLLECTIVES = "mpcore-collectives"
+
+    def __init__(self, core, rank, world, timeout_s):
+        self.core = core
+        self.rank = rank
+        self.world = world
+        self.timeout = timeout_s
+        self._lanes = {}
+        self._lanes_lock = threading.Lock()
+
+    def _lane(self, name):
+        lane = self._lanes.get(name)
+        if lane is None:
+            with self._lanes_lock:
+                lane = self._lanes.setdefault(name, _Lane(name, self.timeout))
+        return lane
+
+    @property
+    def _queued(self):
+        lane = self._lanes.get(self.COLLECTIVES)
+        return lane.queued if lane is not None else 0
+
+    def run(self, async_op, tensors, fn, *args, keep=(), work=None, lane=COLLECTIVES):
+        """fn(*args, timeout) now (after the collectives queued), or on the
+        thread of `lane` when async_op; returns a Work for async_op (`work`,
+        or a new one), which holds `tensors` (its result) and `keep` (what
+        fn reads: the caller may drop them) until fn is done."""
+        if not async_op:
+            if self._queued:
+                self.drain()
+            fn(*args, self.timeout)
+            return None
+        if work is None:
+            work = self.work_type(tensors)
+        self._lane(lane).put((work, fn, args, keep))
+        return work
+
+    def drain(self):
+        """Waits for the collectives queued so far."""
+        lane = self._lanes.get(self.COLLECTIVES)
+        if lane is not None:
+            lane.drain()
 
     def close(self):
-        """Stops the group's thread (after what is queued) and unmaps the
+        """Stops the group's threads (after what is queued) and unmaps the
         region."""
-        with self._cond:
-            if self._thread is not None:
-                self._queue.append(None)
-                self._cond.notify()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        with self._lanes_lock:
+            lanes, self._lanes = list(self._lanes.values()), {}
+        for lane in lanes:
+            lane.stop()
         self.core.close()
 
 
