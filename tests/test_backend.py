@@ -554,6 +554,24 @@ def job_timeout():
     return res
 
 
+def job_monitored():
+    """torch's monitored_barrier on mpcore groups (asked for as gloo): every
+    rank comes; then only rank 0, which is told who did not."""
+    sub = dist.new_group(list(range(WORLD)))
+    dist.monitored_barrier()
+    dist.monitored_barrier(group=sub, wait_all_ranks=True)
+    res = "all came"
+    if RANK == 0:
+        try:
+            dist.monitored_barrier(group=sub, timeout=datetime.timedelta(seconds=0.5))
+            res = "no error"
+        except Exception as e:
+            res = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    dist.destroy_process_group(sub)
+    return res
+
+
 def job_functional(kind):
     """Functional collectives (the C++ dispatcher's way in), eager and compiled."""
     import torch.distributed._functional_collectives as fc
@@ -808,6 +826,14 @@ def test_timeout_names_the_missing_ranks(pool):
     assert all(str(q) in msg for q in range(1, pool.world)), res
 
 
+def test_monitored_barrier(pool):
+    # NOTE [ monitored_barrier ] in distributed.py
+    res = pool.run("monitored")
+    assert res[1:] == ["all came"] * (pool.world - 1), res
+    assert res[0].startswith("TimeoutError"), res
+    assert all(str(q) in res[0] for q in range(1, pool.world)), res
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_functional_collectives_eager_and_compiled(pool, kind):
     for res in pool.run("functional", kind=kind, timeout=150):
@@ -820,7 +846,7 @@ def test_backend_names():
     require(_have_gloo(), "torch.distributed with gloo is not available")
     import mpcore.distributed as md
     assert md.translate("gloo") == "mpcore" and md.translate("GLOO") == "mpcore"
-    assert md.translate("nccl") == "cpu:mpcore,cuda:nccl"
+    assert md.translate("nccl") == "nccl"     # torch's own NCCL group, unchanged
     assert md.translate("cpu:gloo,cuda:nccl") == "cpu:mpcore,cuda:nccl"
     assert md.translate("mpcore") == "mpcore" and md.translate(None) is None
     assert md.translate("cuda:nccl") == "cuda:nccl"

@@ -304,6 +304,7 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         self.shm = shm
         self._gloo = gloo
         self._nccl = None
+        self._torch_nccl = None  # torch's ProcessGroupNCCL, where torch has one
         self._name = ""
         self._desc = ""
         self._batch = None  # the point-to-point Works of a coalescing block
@@ -353,6 +354,9 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         shm, self.shm = self.shm, None
         if shm is not None:
             shm.close()
+        t, self._torch_nccl = self._torch_nccl, None
+        if t is not None:
+            t.shutdown()
         n, self._nccl = self._nccl, None
         if n is not None:
             n.close()
@@ -396,6 +400,16 @@ class ProcessGroupMpcore(dist.ProcessGroup):
             self._nccl = _nccl.NcclGroup.create(self._store, self._rank, self._world,
                                                 "mpcore-nccl/")
         return self._nccl
+
+    def _torch_nccl_pg(self):
+        """torch's ProcessGroupNCCL for this group (NOTE [ CUDA tensors in an
+        mpcore group ])."""
+        if self._torch_nccl is None:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = datetime.timedelta(seconds=self._timeout_s)
+            self._torch_nccl = dist.ProcessGroupNCCL(dist.PrefixStore("torch-nccl/", self._store),
+                                                     self._rank, self._world, opts)
+        return self._torch_nccl
 
     def _cuda_call(self, what, tensors):
         if all(t.device.type == "cuda" for t in tensors):
@@ -973,6 +987,49 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         if not 0 <= peer < self._world or peer == self._rank:
             raise ValueError(f"mpcore: cannot {what} rank {peer}: not another rank of this "
                              f"group of {self._world}")
+
+
+def _device_of(args):
+    """The device type of the first tensor among a call's arguments (a
+    tensor, a list of them, or a list of lists), or None."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device.type
+        if isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    return b.device.type
+                if isinstance(b, (list, tuple)) and b and isinstance(b[0], torch.Tensor):
+                    return b[0].device.type
+    return None
+
+
+def _cuda_to_torch_nccl(name, method):
+    """NOTE [ CUDA tensors in an mpcore group ]
+    torch takes the ProcessGroupMpcore as the whole group, so CUDA tensors
+    of a "cpu:mpcore,cuda:nccl" group reach it too.  Where torch has NCCL,
+    every call on CUDA tensors goes to torch's own ProcessGroupNCCL for the
+    group (made at the first such call, which every rank reaches alike;
+    it connects lazily itself), so that CUDA gets every operation, torch's
+    streams and its Work; elsewhere mpcore's own NCCL communicator serves
+    all-reduce, broadcast and all-gather."""
+    @functools.wraps(method)
+    def call(self, *args):
+        if _HAVE_TORCH_NCCL and _device_of(args) == "cuda":
+            return getattr(self._torch_nccl_pg(), name)(*args)
+        return method(self, *args)
+    return call
+
+
+_HAVE_TORCH_NCCL = dist.is_nccl_available()
+for _name in ("allreduce", "allreduce_coalesced", "reduce", "broadcast", "allgather",
+              "_allgather_base", "allgather_coalesced", "allgather_into_tensor_coalesced",
+              "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor_coalesced",
+              "gather", "scatter", "alltoall_base", "alltoall", "send", "recv",
+              "recv_anysource"):
+    setattr(ProcessGroupMpcore, _name,
+            _cuda_to_torch_nccl(_name, getattr(ProcessGroupMpcore, _name)))
+del _name
 
 
 _NCCL_DTYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3,

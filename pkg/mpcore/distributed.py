@@ -13,14 +13,16 @@ collectives, DTensor, FSDP and DDP.
 NOTE [ Which backend a group gets ]
 Through init_process_group here, and everywhere under `mpcore run`, a
 group asked for with "gloo" or with no backend on a machine without an
-accelerator gets "mpcore", and "nccl" gets "cpu:mpcore,cuda:nccl" (the
-mpcore group then serves CUDA tensors too, through mpcore's NCCL
-communicator: _backend.py).  The one place that decides is torch's
+accelerator gets "mpcore" ("cpu:gloo" in a device map too); "nccl" stays
+torch's own.  "cpu:mpcore,cuda:nccl" is one group for both (NOTE [ CUDA
+tensors in an mpcore group ] in _backend.py).  The one place that decides is torch's
 BackendConfig, which every group's creation (init_process_group,
 new_group, new_subgroups, DeviceMesh, torch's internals asking for gloo)
 goes through: install() makes it translate the name first, and makes
 "mpcore" the default backend of the CPU.
 """
+import datetime
+
 import torch.distributed as _td
 from torch.distributed import distributed_c10d as _c10d
 
@@ -33,7 +35,7 @@ _backend.register()
 _TORCH_NAMES = (
     "destroy_process_group", "is_initialized", "is_available", "get_rank", "get_world_size",
     "get_backend", "new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group",
-    "all_reduce", "all_reduce_coalesced", "broadcast", "barrier", "monitored_barrier",
+    "all_reduce", "all_reduce_coalesced", "broadcast", "barrier",
     "all_gather", "all_gather_into_tensor", "all_gather_coalesced", "reduce_scatter",
     "reduce_scatter_tensor", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single",
     "send", "recv", "isend", "irecv", "batch_isend_irecv", "P2POp", "all_gather_object",
@@ -55,8 +57,6 @@ def translate(backend):
     name = str(backend).lower()
     if name == "gloo":
         return "mpcore"
-    if name == "nccl":
-        return "cpu:mpcore,cuda:nccl"
     if ":" in name:
         pairs = [p.split(":", 1) for p in name.split(",")]
         if all(len(p) == 2 for p in pairs):
@@ -75,13 +75,36 @@ class _BackendConfig(_c10d.BackendConfig):
             raise RuntimeError("Distributed package doesn't have NCCL built in")
 
 
+_torch_monitored_barrier = _c10d.monitored_barrier
+
+
+def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
+    """torch.distributed.monitored_barrier, for mpcore's groups too.
+
+    NOTE [ monitored_barrier ]
+    torch's function refuses every group whose backend is not named "gloo"
+    before it calls the group, so a program that asked for gloo and got
+    mpcore would lose it.  For an mpcore group this calls the group's own
+    monitored_barrier (a barrier whose timeout names the ranks that did not
+    come); every other group gets torch's function.  It is the one torch
+    function mpcore replaces."""
+    pg = _c10d._get_default_group() if group is None else group
+    if not isinstance(pg, _backend.ProcessGroupMpcore):
+        return _torch_monitored_barrier(group, timeout, wait_all_ranks)
+    if isinstance(timeout, (int, float)):
+        timeout = datetime.timedelta(seconds=timeout)
+    return pg.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+
+
 def install():
     """Makes every group torch creates from now on get mpcore's backend
-    for the CPU (NOTE [ Which backend a group gets ]).  Idempotent."""
+    for the CPU (NOTE [ Which backend a group gets ]), and torch's
+    monitored_barrier serve it (NOTE [ monitored_barrier ]).  Idempotent."""
     _backend.register()
     if _c10d.BackendConfig is not _BackendConfig:
         _c10d.BackendConfig = _BackendConfig
     _td.Backend.default_device_backend_map["cpu"] = "mpcore"
+    _c10d.monitored_barrier = _td.monitored_barrier = monitored_barrier
 
 
 def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1,
