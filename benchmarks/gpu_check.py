@@ -86,6 +86,45 @@ def ranks_main(rank, world, port, out):
             f.write("\n".join(lines) + "\n")
 
 
+def _served_by(pg, dev):
+    """The class of the backend that serves device `dev` in group pg."""
+    import torch.distributed as dist
+    try:
+        b = pg._get_backend(torch.device(dev))
+    except Exception as e:    # a Python ProcessGroup subclass serves every device itself
+        if isinstance(pg, dist.ProcessGroup) and type(pg) is not dist.ProcessGroup:
+            return f"{type(pg).__module__}.{type(pg).__qualname__}"
+        return f"unknown ({type(e).__name__}: {e})"
+    return f"{type(b).__module__}.{type(b).__qualname__}"
+
+
+def mixed_main(rank, world, port, out):
+    """One rank of a group made by torch's own
+    init_process_group("cpu:mpcore,cuda:nccl"): an all-reduce of a CPU and
+    of a CUDA tensor on it, checked, and the backend that served each."""
+    import torch.distributed as dist
+    import mpcore.distributed  # noqa: F401  (registers the "mpcore" backend)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("cpu:mpcore,cuda:nccl", rank=rank, world_size=world)
+    pg = dist.group.WORLD
+    want = world * (world + 1) / 2
+    lines = []
+    for dev, must in (("cpu", "mpcore"), (f"cuda:{rank}", None)):
+        t = torch.full((4097,), float(rank + 1), device=dev)
+        dist.all_reduce(t)
+        ok = bool((t == want).all())
+        served = _served_by(pg, dev)
+        if must and must not in served.lower():
+            ok = False
+        lines.append(f"group cpu:mpcore,cuda:nccl: all_reduce of a {dev.split(':')[0]} tensor "
+                     f"{'PASS' if ok else 'FAIL'} (served by {served})")
+    dist.destroy_process_group()
+    if rank == 0:
+        with open(out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
 def main():
     n = torch.cuda.device_count()
     if n == 0:
@@ -95,6 +134,15 @@ def main():
     out = f"/tmp/mpcore-gpu-check-{os.getpid()}.txt"
     tmp.spawn(ranks_main, args=(world, free_port(), out), nprocs=world)
     lines = open(out).read().split("\n")
+    # torch's own init_process_group with a backend per device: mpcore for
+    # CPU tensors, NCCL for CUDA ones.
+    print(f"checking init_process_group(\"cpu:mpcore,cuda:nccl\") on {world} rank(s): "
+          "all_reduce of a CPU tensor (must be served by mpcore) and of a CUDA tensor")
+    try:
+        tmp.spawn(mixed_main, args=(world, free_port(), out), nprocs=world)
+        lines += open(out).read().split("\n")
+    except Exception as e:
+        lines.append(f"group cpu:mpcore,cuda:nccl FAIL ({type(e).__name__}: {e})")
     fails = [l for l in lines if "FAIL" in l]
     for l in lines:
         if l and not l.startswith("time"):
