@@ -97,8 +97,14 @@ def _timed(torch, dist, call, target_s, probe):
 
 
 def _expect(ok, what):
-    if not bool(ok):
-        raise AssertionError(f"wrong result: {what}")
+    """Every rank calls this at the same point: a wrong result on any rank
+    fails the job on all of them (and the ranks stay in step for the next
+    job)."""
+    import torch
+    import torch.distributed as dist
+    ok = bool(ok)
+    if _c._max_over_ranks(torch, dist, 0.0 if ok else 1.0):
+        raise AssertionError(f"wrong result {'on another rank' if ok else ''}: {what}")
 
 
 def _op(torch, dist, op, nbytes, g, rank, world):
@@ -142,17 +148,15 @@ def _op(torch, dist, op, nbytes, g, rank, world):
     if op == "reduce":
         t = full(numel, rank + 1)
         dist.reduce(t, dst=0, group=g)
-        if rank == 0:
-            _expect((t == want_sum).all(), f"reduce gave {t[:2].tolist()} on the root")
+        _expect(rank != 0 or (t == want_sum).all(), f"reduce gave {t[:2].tolist()} on the root")
         t.zero_()
         return lambda: dist.reduce(t, dst=0, group=g)
     if op == "gather":
         inp = full(piece, rank + 1)
         outs = [torch.empty(piece) for _ in range(world)] if rank == 0 else None
         dist.gather(inp, outs, dst=0, group=g)
-        if rank == 0:
-            _expect(all((o == k + 1).all() for k, o in enumerate(outs)),
-                    "gather: pieces out of place on the root")
+        _expect(rank != 0 or all((o == k + 1).all() for k, o in enumerate(outs)),
+                "gather: pieces out of place on the root")
         return lambda: dist.gather(inp, outs, dst=0, group=g)
     if op == "scatter":
         ins = [full(piece, k + 1) for k in range(world)] if rank == 0 else None
@@ -176,8 +180,7 @@ def _op(torch, dist, op, nbytes, g, rank, world):
                 dist.recv(t, 0, group=g)
                 dist.send(t, 0, group=g)
         call()
-        if rank == 0:
-            _expect((t == 7).all(), f"ping-pong came back as {t[:2].tolist()}")
+        _expect((t == 7).all(), f"ping-pong gave {t[:2].tolist()} on rank {rank}")
         return call
     raise ValueError(f"unknown op {op!r}")
 
@@ -288,6 +291,21 @@ def _fsdp2_job(torch, dist, rank, world, target_s):
     return out
 
 
+def _run_job(torch, dist, impl, groups, rank, world, target_s, job):
+    kind = job[0]
+    if kind == "op":
+        return _op_job(torch, dist, groups, rank, world, target_s, *job[1:])
+    if kind == "funcol":
+        return _funcol_job(torch, dist, rank, world, target_s, job[1])
+    if kind == "layer":
+        return _layer_job(torch, dist, impl, rank, world, target_s, job[1])
+    if kind == "fsdp2":
+        return _fsdp2_job(torch, dist, rank, world, target_s)
+    if kind == "ddp":
+        return _c._ddp_job(torch, dist, impl, rank, target_s, torch_ddp=True)
+    raise ValueError(f"unknown job {job!r}")
+
+
 def _rank_main(rank, impl, world, jobs, target_s, path):
     """One rank: the side's backend, then every job of `jobs` (a sorted list
     of job keys) in order; rank 0 writes the figures to path."""
@@ -301,19 +319,12 @@ def _rank_main(rank, impl, world, jobs, target_s, path):
         if any(j[0] == "op" and j[3] == "sub" for j in jobs):
             groups["sub"] = dist.new_group(list(range(world)))
         for job in jobs:
-            kind = job[0]
-            if kind == "op":
-                r = _op_job(torch, dist, groups, rank, world, target_s, *job[1:])
-            elif kind == "funcol":
-                r = _funcol_job(torch, dist, rank, world, target_s, job[1])
-            elif kind == "layer":
-                r = _layer_job(torch, dist, impl, rank, world, target_s, job[1])
-            elif kind == "fsdp2":
-                r = _fsdp2_job(torch, dist, rank, world, target_s)
-            elif kind == "ddp":
-                r = _c._ddp_job(torch, dist, impl, rank, target_s, torch_ddp=True)
-            else:
-                raise ValueError(f"unknown job {job!r}")
+            try:
+                r = _run_job(torch, dist, impl, groups, rank, world, target_s, job)
+            except Exception as e:
+                # The job's row fails; the others go on (an error that every
+                # rank raises, as _expect's, leaves the ranks in step).
+                r = {"error": f"{type(e).__name__}: {e}"}
             out["jobs_out"][_key(job)] = r
         if rank == 0:
             _c._write_result(path, out)
@@ -330,7 +341,8 @@ def _key(job):
 def _result(env, target_s, job):
     """This child's ranks' figures for `job`: the ranks start with the first
     row that needs them and run the jobs of every row of this module in the
-    child's batch; a failure fails them all, once."""
+    child's batch.  Ranks that fail fail every row, once; a job that fails
+    (on every rank) fails its own row."""
     if env.impl not in _results:
         jobs = set()
         for name in _c._batch:
@@ -345,7 +357,10 @@ def _result(env, target_s, job):
     r = _results[env.impl]
     if isinstance(r, Exception):
         raise RuntimeError(f"the ranks failed (see this child's first error): {r}")
-    return r, r["jobs_out"][_key(job)]
+    s = r["jobs_out"][_key(job)]
+    if "error" in s:
+        raise RuntimeError(f"rank 0: {s['error']}")
+    return r, s
 
 
 def _extra(r):
@@ -412,8 +427,12 @@ def ddp_row(env, target_s, jobs):
 
 # --- notes under the table ----------------------------------------------------
 
+def _num(x):
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
 def _us(x):
-    return f"{x:,.0f} us" if x >= 100 else f"{x:.3g} us"
+    return f"{_num(x)} us"
 
 
 def _met(ok):
@@ -443,7 +462,7 @@ def _step_notes(row):
     for impl in ("torch", "mpcore"):
         e = _c._best_row_extra(row, impl)
         if e:
-            out.append(f"{impl} ({e['backend']}): {e['step_ms']:.3g} ms per step")
+            out.append(f"{impl} ({e['backend']}): {_num(e['step_ms'])} ms per step")
     if row["ratio"] is not None:
         out.append(f"target >= {STEP_TARGET:g}x: {_met(row['ratio'] >= STEP_TARGET)}")
     return out
