@@ -20,6 +20,23 @@ def free_port():
     return port
 
 
+def torch_nccl_all_reduce(rank, world):
+    """All-reduce (SUM) through torch's own ProcessGroupNCCL on the default
+    group's store.  Made directly: every group created through
+    torch.distributed after mpcore.distributed.init_process_group("nccl")
+    is "cpu:mpcore,cuda:nccl", which mpcore's group serves on both devices."""
+    import torch.distributed as td
+    from torch.distributed import distributed_c10d as c10d
+    store = td.PrefixStore("gpu-check-torch-nccl/", c10d._get_default_store())
+    pg = td.ProcessGroupNCCL(store, rank, world)
+
+    def all_reduce(t):
+        o = td.AllreduceOptions()
+        o.reduceOp = td.ReduceOp.SUM
+        pg.allreduce([t], o).wait()
+    return all_reduce
+
+
 def ranks_main(rank, world, port, out):
     """One rank: the same collectives through torch's NCCL and mpcore's."""
     import torch.distributed as td
@@ -29,12 +46,13 @@ def ranks_main(rank, world, port, out):
     md.init_process_group("nccl", rank=rank, world_size=world)
     dev = torch.device("cuda", rank)
     lines = []
+    torch_all_reduce = torch_nccl_all_reduce(rank, world)
     torch.manual_seed(rank)
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int64):
         x = (torch.rand(1_000_003, device=dev) * 100).to(dtype)
         a, b = x.clone(), x.clone()
-        md._torch("all_reduce")(a)      # torch's own NCCL
-        md.all_reduce(b)                # mpcore's NCCL
+        torch_all_reduce(a)             # torch's own NCCL
+        md.all_reduce(b)                # mpcore's group (its NCCL communicator)
         torch.cuda.synchronize()
         lines.append(f"all_reduce {dtype} {'PASS' if torch.equal(a, b) else 'FAIL'}")
     t = torch.full((4097,), float(rank), device=dev)
@@ -69,7 +87,7 @@ def ranks_main(rank, world, port, out):
     # Timing: all-reduce of float32 at several sizes, both paths.
     for nbytes in (4 << 10, 1 << 20, 16 << 20, 256 << 20):
         x = torch.ones(nbytes // 4, device=dev)
-        for name, fn in (("torch", md._torch("all_reduce")), ("mpcore", md.all_reduce)):
+        for name, fn in (("torch", torch_all_reduce), ("mpcore", md.all_reduce)):
             for _ in range(5):
                 fn(x)
             torch.cuda.synchronize()
