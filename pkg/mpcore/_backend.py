@@ -64,16 +64,7 @@ _LEGACY_OPS = {"SUM": 0, "AVG": 1, "PRODUCT": 2, "MIN": 3, "MAX": 4}
 
 def _tables():
     """(torch dtype -> core code, RedOpType -> core code) of what this core
-    reduces (NOTE [ The backend's cost per call ]
-A small all-reduce is a few microseconds in the core, so the layer above
-counts.  torch's dist.all_reduce spends about as much as the core before it
-calls the group (its checks, options, logging wrapper); the backend adds
-the reading of opts.reduceOp (a new pybind object each time), one dict
-lookup for what the core reduces (_CORE), and a completed Work without an
-event (_Done) for a synchronous call.  There is no fast path around torch's
-functions: the dispatcher is the one way in.
-
-NOTE [ What the core cannot serve ])."""
+    reduces (NOTE [ What the core cannot serve ])."""
     names = getattr(_core, "COLL_DTYPES", _LEGACY_DTYPES)
     ops = getattr(_core, "COLL_OPS", _LEGACY_OPS)
     dtypes = {getattr(torch, n): c for n, c in names.items() if hasattr(torch, n)}
@@ -233,16 +224,7 @@ def _check_op(what, red, tensors):
 def _reduce_stack(stack, red, world):
     """The reduction over dim 0 of stack (world, ...) by `red` (RedOpType),
     in rank order, as the same code on every rank
-    (NOTE [ The backend's cost per call ]
-A small all-reduce is a few microseconds in the core, so the layer above
-counts.  torch's dist.all_reduce spends about as much as the core before it
-calls the group (its checks, options, logging wrapper); the backend adds
-the reading of opts.reduceOp (a new pybind object each time), one dict
-lookup for what the core reduces (_CORE), and a completed Work without an
-event (_Done) for a synchronous call.  There is no fast path around torch's
-functions: the dispatcher is the one way in.
-
-NOTE [ What the core cannot serve ])."""
+    (NOTE [ What the core cannot serve ])."""
     dt = stack.dtype
     if dt == torch.bool:
         x = stack.to(torch.uint8)
@@ -452,16 +434,7 @@ class ProcessGroupMpcore(dist.ProcessGroup):
 
     def _gathered_reduce(self, t, red, timeout):
         """t becomes the reduction over the ranks, for a dtype or op the
-        core does not reduce (NOTE [ The backend's cost per call ]
-A small all-reduce is a few microseconds in the core, so the layer above
-counts.  torch's dist.all_reduce spends about as much as the core before it
-calls the group (its checks, options, logging wrapper); the backend adds
-the reading of opts.reduceOp (a new pybind object each time), one dict
-lookup for what the core reduces (_CORE), and a completed Work without an
-event (_Done) for a synchronous call.  There is no fast path around torch's
-functions: the dispatcher is the one way in.
-
-NOTE [ What the core cannot serve ])."""
+        core does not reduce (NOTE [ What the core cannot serve ])."""
         stack = torch.empty((self._world,) + tuple(t.shape), dtype=t.dtype)
         self.shm.core.all_gather(stack.data_ptr(), t.data_ptr(), _nbytes(t), timeout)
         t.copy_(_reduce_stack(stack, red, self._world))
@@ -957,16 +930,7 @@ def create(store, rank, world, timeout):
     timeout_s = _dist._seconds(timeout)
     shm = _dist.join(store, "mpcore/", rank, world, timeout_s)
     gloo = None
-    if shm is None:  # NOTE [ The backend's cost per call ]
-A small all-reduce is a few microseconds in the core, so the layer above
-counts.  torch's dist.all_reduce spends about as much as the core before it
-calls the group (its checks, options, logging wrapper); the backend adds
-the reading of opts.reduceOp (a new pybind object each time), one dict
-lookup for what the core reduces (_CORE), and a completed Work without an
-event (_Done) for a synchronous call.  There is no fast path around torch's
-functions: the dispatcher is the one way in.
-
-NOTE [ What the core cannot serve ]
+    if shm is None:  # NOTE [ What the core cannot serve ]
         gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world, timeout)
     return ProcessGroupMpcore(store, rank, world, timeout_s, shm, gloo)
 
