@@ -23,7 +23,8 @@ One start of the ranks serves every row of this module that the child runs
 A job times one thing the way cases._allreduce_size does: a check of the
 result with known values, warm-up calls, then calibrate() over runs of
 "barrier, n calls", each rank's elapsed time all-reduced with MAX (the
-slowest rank counts, and every rank picks the same n).
+slowest rank counts, and every rank picks the same n), then ROUNDS more
+runs of that n: the figure is the best run.
 
 Sizes follow nccl-tests: the figure is the largest buffer of the call, so
 all_gather_into_tensor's output, reduce_scatter_tensor's input, gather's
@@ -31,8 +32,9 @@ and scatter's whole (world x piece) buffer on the root, the tensor itself
 for the others.  send/recv is a ping-pong: the figure is one round trip.
 
 A "-sub" row runs the same op on `new_group(all ranks)`; its job also
-times the world group's op in the same ranks, so the note can compare the
-two from the same minute (target: the subgroup within 1.2x of the world).
+times the world group's op, with the same n, in runs that alternate with
+the subgroup's, so the note compares the two from the same seconds
+(target: the subgroup within 1.2x of the world group).
 """
 import time
 
@@ -44,7 +46,7 @@ TARGETS = {4 * KB: 30.0, 16 * MB: 3.0}   # mpcore's target ratio per size (every
 SUB_TARGET = 1.2          # a subgroup's time over the world group's, at most
 STEP_TARGET = 1.5         # FSDP2 and torch-DDP steps
 LAYER_TARGET_US = 10.0    # what the backend layer may add to the core's all_reduce
-LAYER_ROUNDS = 3          # alternating timed runs of dist.all_reduce and the core call
+ROUNDS = 2                # timed runs after calibrate's last (alternating with others)
 US_BELOW = 1 * MB         # sizes below: us per call; from 1 MB on: ms
 
 # op name in rows -> (torch.distributed call, title)
@@ -84,16 +86,28 @@ def _setup(rank, impl, world):
     return torch, dist, init_s
 
 
-def _timed(torch, dist, call, target_s, probe):
-    """calibrate() over runs of barrier + n calls; the slowest rank's time."""
-    def run(n):
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            call()
-        return _c._max_over_ranks(torch, dist, time.perf_counter() - t0)
-    n, el = _c.calibrate(run, target_s, probe, lo=2)
-    return {"n": n, "elapsed_s": el, "per_call_s": el / n}
+def _run(torch, dist, call, n):
+    """Barrier, n calls: the slowest rank's time (every rank gets it)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        call()
+    return _c._max_over_ranks(torch, dist, time.perf_counter() - t0)
+
+
+def _timed(torch, dist, call, target_s, probe, others=None):
+    """calibrate() over _run, then ROUNDS more runs of the same n; the best
+    run.  `others` ({name: call}): calls timed with the same n in the same
+    rounds, alternating with `call` (their best runs: extra "<name>_s")."""
+    n, el = _c.calibrate(lambda k: _run(torch, dist, call, k), target_s, probe, lo=2)
+    best = {name: float("inf") for name in others or {}}
+    for _ in range(ROUNDS):
+        for name, other in (others or {}).items():
+            best[name] = min(best[name], _run(torch, dist, other, n))
+        el = min(el, _run(torch, dist, call, n))
+    out = {"n": n, "elapsed_s": el, "per_call_s": el / n}
+    out.update({f"{name}_s": b for name, b in best.items()})
+    return out
 
 
 def _expect(ok, what):
@@ -186,10 +200,19 @@ def _op(torch, dist, op, nbytes, g, rank, world):
 
 
 def _op_job(torch, dist, groups, rank, world, target_s, op, nbytes, group):
-    call = _op(torch, dist, op, nbytes, groups[group], rank, world)
-    for _ in range(max(2, min(50, (8 << 20) // max(nbytes, 1)))):
-        call()
-    return _timed(torch, dist, call, target_s, max(2, min(50, (1 << 20) // max(nbytes, 1))))
+    """One op on one group; on the subgroup, the world group's op is timed
+    in the same rounds, alternating with it."""
+    calls = {g: _op(torch, dist, op, nbytes, groups[g], rank, world)
+             for g in dict.fromkeys(("world", group))}
+    for call in calls.values():
+        for _ in range(max(2, min(50, (8 << 20) // max(nbytes, 1)))):
+            call()
+    others = {"world": calls["world"]} if group != "world" else None
+    out = _timed(torch, dist, calls[group], target_s,
+                 max(2, min(50, (1 << 20) // max(nbytes, 1))), others)
+    if others:
+        out["world_per_call_s"] = out.pop("world_s") / out["n"]
+    return out
 
 
 def _funcol_job(torch, dist, rank, world, target_s, nbytes):
@@ -221,9 +244,8 @@ def _layer_job(torch, dist, impl, rank, world, target_s, nbytes):
     call_dist = lambda: dist.all_reduce(t)   # noqa: E731
     for _ in range(50):
         call_dist()
-    out = _timed(torch, dist, call_dist, target_s, 50)
     if impl != "mpcore":
-        return out
+        return _timed(torch, dist, call_dist, target_s, 50)
     from mpcore import _core
     core = dist.group.WORLD.shm.core
     f32 = getattr(_core, "COLL_DTYPES", {}).get("float32", 0)
@@ -236,20 +258,8 @@ def _layer_job(torch, dist, impl, rank, world, target_s, nbytes):
     t.zero_()
     for _ in range(50):
         call_core()
-    n = out["n"]
-
-    def run(call):
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            call()
-        return _c._max_over_ranks(torch, dist, time.perf_counter() - t0)
-    best = {"dist": out["elapsed_s"], "core": float("inf")}
-    for _ in range(LAYER_ROUNDS):
-        best["core"] = min(best["core"], run(call_core))
-        best["dist"] = min(best["dist"], run(call_dist))
-    out.update(elapsed_s=best["dist"], per_call_s=best["dist"] / n,
-               core_per_call_s=best["core"] / n)
+    out = _timed(torch, dist, call_dist, target_s, 50, {"core": call_core})
+    out["core_per_call_s"] = out.pop("core_s") / out["n"]
     return out
 
 
@@ -375,15 +385,14 @@ def _scale(nbytes):
 
 
 def op_row(env, target_s, jobs, nbytes):
-    """An op on the world group (jobs: [it]) or on a subgroup (jobs: [the
-    world group's, the subgroup's]): the figure is the last job's."""
-    r, s = _result(env, target_s, tuple(jobs[-1]))
+    """An op on the world group or on a subgroup (with the world group's
+    figure from the same rounds)."""
+    r, s = _result(env, target_s, tuple(jobs[0]))
     extra = _extra(r)
     extra.update(bytes=nbytes, us_per_call=s["per_call_s"] * 1e6)
-    if len(jobs) > 1:
-        _, w = _result(env, target_s, tuple(jobs[0]))
-        extra.update(world_us_per_call=w["per_call_s"] * 1e6,
-                     sub_over_world=s["per_call_s"] / w["per_call_s"])
+    if "world_per_call_s" in s:
+        extra.update(world_us_per_call=s["world_per_call_s"] * 1e6,
+                     sub_over_world=s["per_call_s"] / s["world_per_call_s"])
     return _c.Measurement(s["per_call_s"] * _scale(nbytes), s["n"], s["elapsed_s"], extra)
 
 
@@ -495,9 +504,7 @@ def register(cases):
             for group in ("world", "sub"):
                 name = f"c10d-{op}" + (f"-{tag}" if tag else "") + \
                     ("-sub" if group == "sub" else "")
-                jobs = [("op", op, nbytes, "world")]
-                if group == "sub":
-                    jobs.append(("op", op, nbytes, "sub"))
+                jobs = [("op", op, nbytes, group)]
                 title = f"c10d {call}{' ' + label if label else ''}, " + \
                     ("world group" if group == "world" else "subgroup")
                 goal = TARGETS.get(nbytes)
