@@ -76,6 +76,12 @@ DTYPES, OPS = _tables()
 _CORE = {(dt, red): (dc, oc) for dt, dc in DTYPES.items() for red, oc in OPS.items()
          if (red != _RED.AVG or dt.is_floating_point)
          and (red not in (_RED.BAND, _RED.BOR, _RED.BXOR) or not dt.is_floating_point)}
+# the same by dtype, then by the op's value (hashing a pybind enum costs more than indexing)
+_CORE_ROWS = {dt: tuple(_CORE.get((dt, r)) for r in sorted(_RED.__members__.values(),
+                                                        key=lambda r: r.value))
+              for dt in DTYPES}
+assert all(r.value == i for i, r in enumerate(sorted(_RED.__members__.values(),
+                                                     key=lambda r: r.value)))
 _FLOATS = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
 _BITWISE = (_RED.BAND, _RED.BOR, _RED.BXOR)
 _NO_TIMEOUT = datetime.timedelta(0)
@@ -383,7 +389,8 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         shm = self.shm
         if len(tensors) == 1 and shm is not None:
             t = tensors[0]
-            codes = _CORE.get((t.dtype, red))
+            row = _CORE_ROWS.get(t.dtype)
+            codes = row[red.value] if row is not None else None
             if codes is not None and t.is_cpu and t.is_contiguous():
                 if opts.asyncOp:
                     return shm.run(True, tensors, shm.core.all_reduce, t.data_ptr(), t.numel(),
@@ -593,8 +600,6 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         if self.shm is None:
             return works[-1]
         # the group's thread runs them in order: a last, empty call finishes after all
-        errors = []
-
         def check(timeout):
             for w in works:
                 if w.exception() is not None:
@@ -756,7 +761,6 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         if output.dtype != input.dtype:
             raise ValueError(f"mpcore: all_to_all_single: output is {output.dtype} but input is "
                              f"{input.dtype}")
-        w = self._world
         send = self._splits("input", input, input_split_sizes)
         recv = self._splits("output", output, output_split_sizes)
         src, dst = _Dense(input), _Dense(output, read=False)
@@ -866,6 +870,16 @@ class ProcessGroupMpcore(dist.ProcessGroup):
             o.timeout = timeout
         o.asyncOp = False
         self.barrier(o).wait()
+
+    # -- coalescing (torch's _coalescing_manager, batch_isend_irecv) ---------------------------
+    def _start_coalescing(self, device):
+        """Calls made inside run as they come, in order (nothing to batch)."""
+
+    def _end_coalescing(self, device):
+        """A Work that completes once every call made so far has."""
+        if self._gloo is not None or self.shm is None:
+            return _Done([])
+        return self.shm.run(True, [], lambda timeout: None)
 
     # -- point to point --------------------------------------------------------------------------
     def send(self, tensors, dst, tag):
