@@ -63,6 +63,8 @@ class Case:
     # row_notes(row) -> [str]: lines the table prints under the row (figures
     # from `extra` that the two columns cannot show).  Row as runner.summarize.
     row_notes: object = None
+    # False: --quick leaves the row out unless --only names it.
+    in_quick: bool = True
 
     def impl(self, which):
         return self.torch if which == "torch" else self.mpcore
@@ -1037,19 +1039,26 @@ def _dist_rank(rank, impl, world, jobs, target_s, path):
         dist.destroy_process_group()
 
 
-def _ddp_job(torch, dist, impl, rank, target_s):
-    if impl == "mpcore":
-        from mpcore.parallel import DistributedDataParallel as DDP
-    else:
-        from torch.nn.parallel import DistributedDataParallel as DDP
+def _ddp_model(torch):
+    """The MLP of the DDP rows (DDP_LAYERS, ReLU between), seeded."""
     nn = torch.nn
     torch.manual_seed(0)
     layers = []
     for a, b in zip(DDP_LAYERS, DDP_LAYERS[1:]):
         layers += [nn.Linear(a, b), nn.ReLU()]
-    model = nn.Sequential(*layers[:-1])
+    return nn.Sequential(*layers[:-1])
+
+
+def _ddp_job(torch, dist, impl, rank, target_s, torch_ddp=False):
+    """torch_ddp: torch's own DistributedDataParallel on both sides."""
+    if impl == "mpcore" and not torch_ddp:
+        from mpcore.parallel import DistributedDataParallel as DDP
+    else:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+    nn = torch.nn
+    model = _ddp_model(torch)
     ddp = DDP(model)
-    if impl == "mpcore" and getattr(ddp, "_mpcore_hooks", None) is None:
+    if impl == "mpcore" and not torch_ddp and getattr(ddp, "_mpcore_hooks", None) is None:
         raise RuntimeError("mpcore.parallel.DistributedDataParallel did not take the "
                            "shared-memory path")
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
@@ -1109,9 +1118,9 @@ def _ddp_job(torch, dist, impl, rank, target_s):
             "ddp": f"{type(ddp).__module__}.{type(ddp).__qualname__}"}
 
 
-def _run_ranks(env, world, jobs, target_s):
-    """Starts `world` ranks running _dist_rank with the side's spawn, joins
-    them, returns what rank 0 wrote."""
+def _run_ranks(env, world, jobs, target_s, rank_fn=None):
+    """Starts `world` ranks running rank_fn (default _dist_rank) with the
+    side's spawn, joins them, returns what rank 0 wrote."""
     import tempfile
     fd, path = tempfile.mkstemp(prefix="mpcore-bench-dist-", suffix=".json")
     os.close(fd)
@@ -1120,8 +1129,8 @@ def _run_ranks(env, world, jobs, target_s):
     spawn = env.mpcore.spawn if env.mpcore is not None else env.torch.multiprocessing.spawn
     t0 = time.perf_counter()
     try:
-        spawn(_dist_rank, args=(env.impl, world, jobs, target_s, path), nprocs=world,
-              join=True)
+        spawn(rank_fn or _dist_rank, args=(env.impl, world, jobs, target_s, path),
+              nprocs=world, join=True)
         with open(path) as f:
             r = json.load(f)
     finally:
@@ -1482,6 +1491,14 @@ add_case("ddp-mlp", f"DDP step, 10M-param MLP, {DDP_WORLD} ranks", "steps/s", Tr
               "(Linear 1024-2048-2048-1024-1024-512, ReLU), batch 32, 2 spawned ranks. torch: "
               "torch's DistributedDataParallel over gloo; mpcore: "
               f"mpcore.parallel.DistributedDataParallel. Target >= {DDP_TARGET:g}x.")
+
+
+# The torch.distributed backend rows (dist_cases.py), after the rows above.
+if __package__:
+    from . import dist_cases as _dist_cases
+else:
+    import dist_cases as _dist_cases
+_dist_cases.register(sys.modules[__name__])
 
 
 # --- command line -----------------------------------------------------------

@@ -20,6 +20,23 @@ def free_port():
     return port
 
 
+def torch_nccl_all_reduce(rank, world):
+    """All-reduce (SUM) through torch's own ProcessGroupNCCL on the default
+    group's store.  Made directly: every group created through
+    torch.distributed after mpcore.distributed.init_process_group("nccl")
+    is "cpu:mpcore,cuda:nccl", which mpcore's group serves on both devices."""
+    import torch.distributed as td
+    from torch.distributed import distributed_c10d as c10d
+    store = td.PrefixStore("gpu-check-torch-nccl/", c10d._get_default_store())
+    pg = td.ProcessGroupNCCL(store, rank, world)
+
+    def all_reduce(t):
+        o = td.AllreduceOptions()
+        o.reduceOp = td.ReduceOp.SUM
+        pg.allreduce([t], o).wait()
+    return all_reduce
+
+
 def ranks_main(rank, world, port, out):
     """One rank: the same collectives through torch's NCCL and mpcore's."""
     import torch.distributed as td
@@ -29,12 +46,13 @@ def ranks_main(rank, world, port, out):
     md.init_process_group("nccl", rank=rank, world_size=world)
     dev = torch.device("cuda", rank)
     lines = []
+    torch_all_reduce = torch_nccl_all_reduce(rank, world)
     torch.manual_seed(rank)
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int64):
         x = (torch.rand(1_000_003, device=dev) * 100).to(dtype)
         a, b = x.clone(), x.clone()
-        md._torch("all_reduce")(a)      # torch's own NCCL
-        md.all_reduce(b)                # mpcore's NCCL
+        torch_all_reduce(a)             # torch's own NCCL
+        md.all_reduce(b)                # mpcore's group (its NCCL communicator)
         torch.cuda.synchronize()
         lines.append(f"all_reduce {dtype} {'PASS' if torch.equal(a, b) else 'FAIL'}")
     t = torch.full((4097,), float(rank), device=dev)
@@ -69,7 +87,7 @@ def ranks_main(rank, world, port, out):
     # Timing: all-reduce of float32 at several sizes, both paths.
     for nbytes in (4 << 10, 1 << 20, 16 << 20, 256 << 20):
         x = torch.ones(nbytes // 4, device=dev)
-        for name, fn in (("torch", md._torch("all_reduce")), ("mpcore", md.all_reduce)):
+        for name, fn in (("torch", torch_all_reduce), ("mpcore", md.all_reduce)):
             for _ in range(5):
                 fn(x)
             torch.cuda.synchronize()
@@ -86,6 +104,45 @@ def ranks_main(rank, world, port, out):
             f.write("\n".join(lines) + "\n")
 
 
+def _served_by(pg, dev):
+    """The class of the backend that serves device `dev` in group pg."""
+    import torch.distributed as dist
+    try:
+        b = pg._get_backend(torch.device(dev))
+    except Exception as e:    # a Python ProcessGroup subclass serves every device itself
+        if isinstance(pg, dist.ProcessGroup) and type(pg) is not dist.ProcessGroup:
+            return f"{type(pg).__module__}.{type(pg).__qualname__}"
+        return f"unknown ({type(e).__name__}: {e})"
+    return f"{type(b).__module__}.{type(b).__qualname__}"
+
+
+def mixed_main(rank, world, port, out):
+    """One rank of a group made by torch's own
+    init_process_group("cpu:mpcore,cuda:nccl"): an all-reduce of a CPU and
+    of a CUDA tensor on it, checked, and the backend that served each."""
+    import torch.distributed as dist
+    import mpcore.distributed  # noqa: F401  (registers the "mpcore" backend)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("cpu:mpcore,cuda:nccl", rank=rank, world_size=world)
+    pg = dist.group.WORLD
+    want = world * (world + 1) / 2
+    lines = []
+    for dev, must in (("cpu", "mpcore"), (f"cuda:{rank}", None)):
+        t = torch.full((4097,), float(rank + 1), device=dev)
+        dist.all_reduce(t)
+        ok = bool((t == want).all())
+        served = _served_by(pg, dev)
+        if must and must not in served.lower():
+            ok = False
+        lines.append(f"group cpu:mpcore,cuda:nccl: all_reduce of a {dev.split(':')[0]} tensor "
+                     f"{'PASS' if ok else 'FAIL'} (served by {served})")
+    dist.destroy_process_group()
+    if rank == 0:
+        with open(out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
 def main():
     n = torch.cuda.device_count()
     if n == 0:
@@ -95,6 +152,15 @@ def main():
     out = f"/tmp/mpcore-gpu-check-{os.getpid()}.txt"
     tmp.spawn(ranks_main, args=(world, free_port(), out), nprocs=world)
     lines = open(out).read().split("\n")
+    # torch's own init_process_group with a backend per device: mpcore for
+    # CPU tensors, NCCL for CUDA ones.
+    print(f"checking init_process_group(\"cpu:mpcore,cuda:nccl\") on {world} rank(s): "
+          "all_reduce of a CPU tensor (must be served by mpcore) and of a CUDA tensor")
+    try:
+        tmp.spawn(mixed_main, args=(world, free_port(), out), nprocs=world)
+        lines += open(out).read().split("\n")
+    except Exception as e:
+        lines.append(f"group cpu:mpcore,cuda:nccl FAIL ({type(e).__name__}: {e})")
     fails = [l for l in lines if "FAIL" in l]
     for l in lines:
         if l and not l.startswith("time"):

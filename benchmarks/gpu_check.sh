@@ -5,7 +5,9 @@
 # It uses the python3 (and torch with CUDA) already there, builds the
 # extension in place, then runs benchmarks/gpu_check.py, which checks
 # mpcore's NCCL all-reduce, broadcast and all-gather against torch's own
-# NCCL, runs DDP on CUDA tensors, times the all-reduce, runs the article's
+# NCCL, runs DDP on CUDA tensors, checks a group made by torch's own
+# init_process_group("cpu:mpcore,cuda:nccl") (a CPU all-reduce served by
+# mpcore, a CUDA one by NCCL), times the all-reduce, runs the article's
 # ddp.py when there are 4 GPUs or more, and prints a short table last.
 set -u
 cd "$(dirname "$0")/.."

@@ -424,6 +424,8 @@ def main(argv=None):
             print(f"{c.name:14s} {c.title}  [{c.unit}]")
         return 0
     selected = select(args.only)
+    if args.quick and not args.only:
+        selected = [c for c in selected if c.in_quick]
     if not selected:
         print(f"mpcore bench: no case matches --only {args.only!r}; "
               f"cases: {', '.join(CASES)}", file=sys.stderr)
