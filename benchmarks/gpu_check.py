@@ -20,50 +20,53 @@ def free_port():
     return port
 
 
-def torch_nccl_all_reduce(rank, world):
-    """All-reduce (SUM) through torch's own ProcessGroupNCCL on the default
-    group's store.  Made directly: every group created through
-    torch.distributed after mpcore.distributed.init_process_group("nccl")
-    is "cpu:mpcore,cuda:nccl", which mpcore's group serves on both devices."""
-    import torch.distributed as td
-    from torch.distributed import distributed_c10d as c10d
-    store = td.PrefixStore("gpu-check-torch-nccl/", c10d._get_default_store())
-    pg = td.ProcessGroupNCCL(store, rank, world)
-
-    def all_reduce(t):
-        o = td.AllreduceOptions()
-        o.reduceOp = td.ReduceOp.SUM
-        pg.allreduce([t], o).wait()
-    return all_reduce
-
-
 def ranks_main(rank, world, port, out):
-    """One rank: the same collectives through torch's NCCL and mpcore's."""
+    """One rank: the same collectives through torch's NCCL and through
+    mpcore's own NCCL communicator (the one mpcore loads at run time) of a
+    "cpu:mpcore,cuda:nccl" group."""
     import torch.distributed as td
     import mpcore.distributed as md
+    from mpcore import _backend
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
-    md.init_process_group("nccl", rank=rank, world_size=world)
+    md.init_process_group("cpu:mpcore,cuda:nccl", rank=rank, world_size=world)
+    pg = td.group.WORLD
     dev = torch.device("cuda", rank)
     lines = []
-    torch_all_reduce = torch_nccl_all_reduce(rank, world)
+    mine = pg._cuda("gpu_check")        # mpcore's NCCL communicator
+    theirs = pg._torch_nccl_pg()        # torch's ProcessGroupNCCL of the same group
+    codes = _backend._NCCL_DTYPES
+
+    def torch_all_reduce(t):
+        o = td.AllreduceOptions()
+        o.reduceOp = td.ReduceOp.SUM
+        theirs.allreduce([t], o).wait()
+
+    def mpcore_all_reduce(t):
+        mine.all_reduce(t, codes[t.dtype], 0)
+
     torch.manual_seed(rank)
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int64):
         x = (torch.rand(1_000_003, device=dev) * 100).to(dtype)
         a, b = x.clone(), x.clone()
-        torch_all_reduce(a)             # torch's own NCCL
-        md.all_reduce(b)                # mpcore's group (its NCCL communicator)
+        torch_all_reduce(a)
+        mpcore_all_reduce(b)
         torch.cuda.synchronize()
         lines.append(f"all_reduce {dtype} {'PASS' if torch.equal(a, b) else 'FAIL'}")
     t = torch.full((4097,), float(rank), device=dev)
-    md.broadcast(t, 0)
+    mine.broadcast(t, 0)
     torch.cuda.synchronize()
     lines.append(f"broadcast {'PASS' if bool((t == 0).all()) else 'FAIL'}")
     out_t = torch.empty(world * 5, device=dev)
-    md.all_gather_into_tensor(out_t, torch.full((5,), float(rank), device=dev))
+    mine.all_gather(out_t, torch.full((5,), float(rank), device=dev))
     torch.cuda.synchronize()
     want = torch.arange(world, device=dev).repeat_interleave(5).float()
     lines.append(f"all_gather {'PASS' if torch.equal(out_t, want) else 'FAIL'}")
+    # every other operation on CUDA tensors of the group: torch's NCCL
+    rs = torch.empty(5, device=dev)
+    td.reduce_scatter_tensor(rs, torch.ones(world * 5, device=dev))
+    torch.cuda.synchronize()
+    lines.append(f"reduce_scatter via the group {'PASS' if bool((rs == world).all()) else 'FAIL'}")
     # DDP on CUDA tensors: mpcore's hook against torch's reducer.
     from mpcore.parallel import DistributedDataParallel as MDDP
     from torch.nn.parallel import DistributedDataParallel as TDDP
@@ -87,7 +90,7 @@ def ranks_main(rank, world, port, out):
     # Timing: all-reduce of float32 at several sizes, both paths.
     for nbytes in (4 << 10, 1 << 20, 16 << 20, 256 << 20):
         x = torch.ones(nbytes // 4, device=dev)
-        for name, fn in (("torch", torch_all_reduce), ("mpcore", md.all_reduce)):
+        for name, fn in (("torch", torch_all_reduce), ("mpcore", mpcore_all_reduce)):
             for _ in range(5):
                 fn(x)
             torch.cuda.synchronize()
