@@ -122,6 +122,7 @@
 #define MPC_COLL_CHECK_NS 100000000LL        /* 100 ms between looks at peers */
 #define MPC_COLL_ALIGN 64
 #define MPC_COLL_YIELDS 16                    /* see barrier() */
+#define MPC_COLL_SPIN_NS 30000LL              /* see barrier() */
 #define MPC_COLL_BOXES (8u << 20)             /* mailbox bytes of a group, about */
 #define MPC_COLL_BOX_MIN 4096u                /* mailbox bytes of a pair, at least */
 #define MPC_COLL_BOX_MAX (1u << 20)           /* and at most */
@@ -206,6 +207,7 @@ struct mpc_coll {
     int (*interrupted)(void *);
     void *arg;
     int yields;         /* sched_yield()s before sleeping in a barrier */
+    int64_t spin_ns;    /* how long a wait spins before it sleeps */
     uint64_t maps_used; /* lookups in maps, for least-recently-used */
     mpc_coll_map maps[MPC_COLL_MAPS];
 };
@@ -369,6 +371,8 @@ int mpc_coll_attach(int fd, int rank, int world, mpc_coll **out) {
     cpu_set_t cpus;
     if (sched_getaffinity(0, sizeof cpus, &cpus) == 0 && world > CPU_COUNT(&cpus))
         c->yields = MPC_COLL_YIELDS;
+    else
+        c->spin_ns = MPC_COLL_SPIN_NS;
     c->h->ranks[rank].pid = getpid();
     *out = c;
     return 0;
@@ -488,7 +492,10 @@ static int barrier(mpc_coll *c, const char *what, int64_t deadline) {
          * round trip of a futex wake-up. */
         for (int y = 0; y < c->yields && atomic_load(&h->gen) == g; y++)
             sched_yield();
-        int r = mpc_wait_change(&h->gen, g, until);
+        /* As many ranks as CPUs: a rank spins up to MPC_COLL_SPIN_NS first,
+         * since a peer a few microseconds behind (a Python caller's
+         * overhead) would otherwise cost a futex sleep and wake-up. */
+        int r = mpc_wait_change_spin(&h->gen, g, c->spin_ns, until);
         if (r == -EINTR && c->interrupted != NULL && c->interrupted(c->arg)) {
             break_group(c, c->rank, "rank %d was interrupted during %s", c->rank, what);
             return -EINTR;
@@ -1235,7 +1242,7 @@ static int p2p_wait(mpc_coll *c, uint32_t g, const char *what, int peer, int64_t
         until = deadline;
     for (int y = 0; y < c->yields && atomic_load(b) == g; y++)
         sched_yield();
-    int r = mpc_wait_change(b, g, until);
+    int r = mpc_wait_change_spin(b, g, c->spin_ns, until);
     if (r == 0 || (r == -EINTR && (c->interrupted == NULL || !c->interrupted(c->arg))))
         return 0;
     if (r == -EINTR || (r == -ETIMEDOUT && c->interrupted != NULL && c->interrupted(c->arg))) {

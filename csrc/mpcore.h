@@ -97,6 +97,12 @@ void mpc_futex_wake(_Atomic uint32_t *addr, int n);
  * Same returns as mpc_futex_wait. */
 int mpc_wait_change(_Atomic uint32_t *addr, uint32_t expected, int64_t deadline_ns);
 
+/* As mpc_wait_change, but looks at the word for up to spin_ns more before
+ * it sleeps: for waiters that have a core of their own, where a futex
+ * wake-up costs more than the wait.  Same returns. */
+int mpc_wait_change_spin(_Atomic uint32_t *addr, uint32_t expected, int64_t spin_ns,
+                         int64_t deadline_ns);
+
 /* ------------------------------------------------------------------ */
 /* Memory availability and memfd segments (shm.c)                      */
 /* ------------------------------------------------------------------ */

@@ -85,10 +85,27 @@ void mpc_futex_wake(_Atomic uint32_t *addr, int n) {
  * the word differs; -ETIMEDOUT, -EINTR or another -errno exactly as
  * mpc_futex_wait, in which case the word may still equal expected. */
 int mpc_wait_change(_Atomic uint32_t *addr, uint32_t expected, int64_t deadline_ns) {
+    return mpc_wait_change_spin(addr, expected, 0, deadline_ns);
+}
+
+int mpc_wait_change_spin(_Atomic uint32_t *addr, uint32_t expected, int64_t spin_ns,
+                         int64_t deadline_ns) {
     for (int i = 0; i < MPC_SPIN_ITERATIONS; i++) {
         if (atomic_load_explicit(addr, memory_order_acquire) != expected)
             return 0;
         mpc__cpu_relax();
+    }
+    if (spin_ns > 0) {
+        int64_t until = mpc_now_ns() + spin_ns;
+        if (deadline_ns >= 0 && deadline_ns < until)
+            until = deadline_ns;
+        do {
+            for (int i = 0; i < MPC_SPIN_ITERATIONS; i++) {
+                if (atomic_load_explicit(addr, memory_order_acquire) != expected)
+                    return 0;
+                mpc__cpu_relax();
+            }
+        } while (mpc_now_ns() < until);
     }
     for (;;) {
         int rc = mpc_futex_wait(addr, expected, deadline_ns);
