@@ -109,11 +109,11 @@ def _patch_torch_data(tud):
 
 
 def _patch_torch_distributed(td):
-    """Makes torch.distributed's process group and collectives mpcore's
-    (NOTE [ Two groups in one ] in _dist.py)."""
+    """Registers mpcore's backend and makes it what CPU groups get
+    (NOTE [ Which backend a group gets ] in distributed.py)."""
     if td.is_available():
         from . import distributed
-        distributed._serve_torch()
+        distributed.install()
 
 
 def _patch_torch_ddp(tnp):

@@ -1,15 +1,13 @@
 """The process group's machinery: rendezvous, the shared-memory group of
-the ranks on this machine (_core.Group, csrc/coll.c), and the queue that
-runs collectives asked for with async_op=True.
+a process group's ranks on this machine (_core.Group, csrc/coll.c), and
+the queue that runs collectives asked for with async_op=True.
 
-NOTE [ Two groups in one ]
-init_process_group sets up torch's own process group (gloo, nccl, ...) and,
-when every rank runs on this machine, mpcore's shared-memory group beside
-it, through the same store.  Collectives on the default group whose
-tensors the shared-memory path can take (CPU, contiguous, a dtype and op
-coll.c knows) go through it; everything else, and every group across
-machines, is torch's own.  Both groups see the same calls in the same
-order, so mixing them is safe.
+NOTE [ One region per group ]
+Every process group served by mpcore's backend (_backend.py) has a region
+of its own: the backend's creator calls join() with the group's own
+prefix store, which torch makes for each group, so groups made in any
+order (subgroups, DeviceMesh dimensions) never share one.  Destroying the
+group closes its ShmGroup, which unmaps the region at once.
 
 NOTE [ Rendezvous ]
 For env:// and tcp:// the store is made here, as torch's handlers make it,
@@ -207,6 +205,8 @@ class ShmGroup:
     """This rank's shared-memory group, and the thread that runs its
     asynchronous collectives in the order they were asked for."""
 
+    work_type = Work  # what run() returns for async_op (the backend's has torch's base)
+
     def __init__(self, core, rank, world, timeout_s):
         self.core = core
         self.rank = rank
@@ -217,17 +217,18 @@ class ShmGroup:
         self._thread = None
         self._queued = 0
 
-    def run(self, async_op, tensors, fn, *args, keep=()):
+    def run(self, async_op, tensors, fn, *args, keep=(), work=None):
         """fn(*args, timeout) now (after what is queued), or on the
-        group's thread when async_op; returns a Work for async_op, which
-        holds `tensors` (its result) and `keep` (what fn reads: the caller
-        may drop them) until fn is done."""
+        group's thread when async_op; returns a Work for async_op (`work`,
+        or a new one), which holds `tensors` (its result) and `keep` (what
+        fn reads: the caller may drop them) until fn is done."""
         if not async_op:
             if self._queued:
                 self.drain()
             fn(*args, self.timeout)
             return None
-        work = Work(tensors)
+        if work is None:
+            work = self.work_type(tensors)
         with self._cond:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="mpcore-collectives",
@@ -265,6 +266,8 @@ class ShmGroup:
                     self._cond.notify_all()
 
     def close(self):
+        """Stops the group's thread (after what is queued) and unmaps the
+        region."""
         with self._cond:
             if self._thread is not None:
                 self._queue.append(None)

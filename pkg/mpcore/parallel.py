@@ -18,11 +18,13 @@ straight from each other's buckets (NOTE [ Group buffers ] in coll.c); the
 reducer, its views of the bucket and the gradients that are views of it
 (gradient_as_bucket_view) follow the storage.  Buckets the reducer rebuilds
 are moved when first seen; without the memory for a buffer, a bucket goes
-through the group's staging areas instead (with one RuntimeWarning).  A module on the CPU must
-use the default group of mpcore.distributed; otherwise DDP is torch's
-alone.  A module on CUDA devices whose group has mpcore's NCCL
-communicator (backend "nccl") gets the same hook, with the sum enqueued
-through NCCL on the current stream.  A hook the program registers itself
+through the group's staging areas instead (with one RuntimeWarning).  The
+hook serves a module whose process group is mpcore's
+(_backend.ProcessGroupMpcore): on the CPU through the group's
+shared-memory region, when it has one; on CUDA devices through the
+group's NCCL communicator, with the sum enqueued on the current stream.
+Otherwise DDP is torch's alone (and on an mpcore group torch's reducer
+reaches the backend anyway).  A hook the program registers itself
 (register_comm_hook) takes the place of mpcore's.
 """
 import warnings
@@ -31,8 +33,7 @@ import weakref
 import torch
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
-from . import _core
-from . import distributed as _mdist
+from . import _backend, _core
 
 __all__ = ["DistributedDataParallel"]
 
@@ -78,7 +79,7 @@ def _hook(hooks, bucket):
         return hook(state, bucket)
     group = hooks.group
     t = bucket.buffer()
-    code = _mdist._DTYPES.get(t.dtype)
+    code = (_backend._NCCL_DTYPES if t.device.type == "cuda" else _backend.DTYPES).get(t.dtype)
     if code is None or not t.is_contiguous():
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         return default_hooks.allreduce_hook(None, bucket)
@@ -108,11 +109,12 @@ class DistributedDataParallel(_TorchDDP):
         super().__init__(module, *args, **kwargs)
         self._mpcore_hooks = None
         devices = {p.device.type for p in self.module.parameters()}
-        group = None
-        if devices == {"cpu"}:
-            group = _mdist._fast(self.process_group)
-        elif devices == {"cuda"}:
-            group = _mdist._cuda(self.process_group)
+        pg, group = self.process_group, None
+        if isinstance(pg, _backend.ProcessGroupMpcore):
+            if devices == {"cpu"}:
+                group = pg.shm
+            elif devices == {"cuda"}:
+                group = pg._cuda("DistributedDataParallel")
         if group is not None:
             self._mpcore_hooks = _Hooks(group)
             super().register_comm_hook(self._mpcore_hooks, _hook)

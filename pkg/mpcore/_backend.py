@@ -1,0 +1,878 @@
+"""mpcore as a torch.distributed backend: ProcessGroupMpcore, registered
+under the name "mpcore", serves every collective of every group that torch
+routes to it (dist.*, functional collectives, DTensor, FSDP, DDP, ...).
+
+NOTE [ The backend is a ProcessGroup ]
+A C++ c10d Backend cannot be made from Python (it has no constructor
+there); a Python subclass of torch.distributed.ProcessGroup can, and torch
+takes what the backend's creator returns as the group itself.  torch's
+Python functions call the group's methods by name (group.allreduce(...),
+group.gather(...)); the C++ dispatcher (functional collectives, compiled
+graphs) reaches the same methods through the ProcessGroup's pybind
+trampoline.  Each method takes CPU tensors to the group's shared-memory
+region (mpcore._dist.ShmGroup over the C core, csrc/coll.c), CUDA tensors
+to mpcore's NCCL communicator of the group (made on first CUDA use, which
+every rank reaches at the same call), and returns a Work with torch's
+surface.  A call with asyncOp false runs at once on the caller's thread
+(after what the group has queued); one with asyncOp true runs on the
+group's thread, in the order asked for.  Point-to-point calls always run
+on the group's thread, since torch gives them no asyncOp.
+
+NOTE [ What the core cannot serve ]
+- Ranks on several machines: the group has no region (ShmGroup is None),
+  and a gloo ProcessGroup on the same store serves every call.  It is
+  made eagerly, in the creator, because it is then the group's only
+  transport, and because gloo's connect is collective over all ranks of
+  the group: made on first need, a need that only some ranks reach (a
+  send, a wrong call) would hang in connect instead of failing.  Whether
+  there is a region depends only on the hosts the ranks published in the
+  store, so every rank makes the same choice.
+- A reduction the core lacks for a dtype (float8, complex32, an integer
+  AVG, a dtype the core does not know): on one machine this is not sent to
+  gloo, which lacks the same dtypes, but done by the core's all-gather of
+  the raw bytes followed by a reduction in torch, in rank order, the same
+  code on every rank, so every rank gets the same bits.  The choice depends
+  only on the dtype and op, which the ranks share (ranks that disagree are
+  told so by the core, which compares what each asked for).
+- PREMUL_SUM (an NCCL-only op) is refused with a clear error, as gloo does.
+"""
+import datetime
+import functools
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from . import _core, _dist
+
+_RED = ReduceOp.RedOpType
+_OP_NAMES = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
+_LEGACY_DTYPES = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3, "int32": 4,
+                  "int64": 5, "uint8": 6}
+_LEGACY_OPS = {"SUM": 0, "AVG": 1, "PRODUCT": 2, "MIN": 3, "MAX": 4}
+
+
+def _tables():
+    """(torch dtype -> core code, RedOpType -> core code) of what this core
+    reduces (NOTE [ What the core cannot serve ])."""
+    names = getattr(_core, "COLL_DTYPES", _LEGACY_DTYPES)
+    ops = getattr(_core, "COLL_OPS", _LEGACY_OPS)
+    dtypes = {getattr(torch, n): c for n, c in names.items() if hasattr(torch, n)}
+    return dtypes, {getattr(_RED, n): c for n, c in ops.items()}
+
+
+DTYPES, OPS = _tables()
+_FLOATS = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
+_BITWISE = (_RED.BAND, _RED.BOR, _RED.BXOR)
+_NO_TIMEOUT = datetime.timedelta(0)
+
+
+# --- Work ------------------------------------------------------------------------
+
+class Work(_dist.Work, dist.Work):
+    """torch's Work for a call of the group (NOTE [ The backend is a
+    ProcessGroup ]): wait(timeout), is_completed, exception, get_future,
+    result; _source_rank for a receive from any rank."""
+
+    def __init__(self, tensors):
+        dist.Work.__init__(self)
+        _dist.Work.__init__(self, tensors)
+        self._source = -1
+
+    def wait(self, timeout=_NO_TIMEOUT):
+        s = _dist._seconds(timeout)
+        if not self._done.wait(s if s and s > 0 else None):
+            raise TimeoutError(f"Work.wait: the collective did not complete within {s:g} s "
+                               "(it goes on; wait again or look at the group's timeout)")
+        if self._exc is not None:
+            raise self._exc
+        return True
+
+    def _source_rank(self):
+        self.wait()
+        return self._source
+
+    def source_rank(self):
+        return self._source_rank()
+
+    def synchronize(self):
+        self.wait()
+
+
+def _done(tensors):
+    """The Work of a call that has completed."""
+    w = Work(tensors)
+    w._done.set()
+    return w
+
+
+# --- helpers ------------------------------------------------------------------------
+
+def _nbytes(t):
+    return t.numel() * t.element_size()
+
+
+class _Dense:
+    """A contiguous CPU stand-in for a tensor: the tensor itself when it is
+    one, else a contiguous copy (copied in when `read`) that back() copies
+    out into the tensor."""
+    __slots__ = ("orig", "t")
+
+    def __init__(self, t, read=True):
+        if t.is_contiguous() and t.layout == torch.strided:
+            self.orig, self.t = None, t
+        else:
+            self.orig = t
+            self.t = t.contiguous() if read else torch.empty(t.shape, dtype=t.dtype)
+
+    def back(self):
+        if self.orig is not None:
+            self.orig.copy_(self.t)
+
+
+def _check_cpu(what, tensors):
+    for t in tensors:
+        if t.device.type != "cpu":
+            raise ValueError(f"mpcore: {what} got a tensor on {t.device}; a call takes tensors "
+                             "all on the CPU or all on CUDA devices")
+        if t.layout != torch.strided:
+            raise ValueError(f"mpcore: {what} takes dense tensors, not {t.layout}")
+
+
+def _same_shapes(what, tensors, like):
+    for t in tensors:
+        if t.dtype != like.dtype or t.shape != like.shape:
+            raise ValueError(f"mpcore: {what}: every tensor must have the input's dtype and "
+                             f"shape ({like.dtype}, {tuple(like.shape)}), not ({t.dtype}, "
+                             f"{tuple(t.shape)})")
+
+
+def _op_name(op):
+    return getattr(op, "name", str(op))
+
+
+def _check_op(what, red, tensors):
+    """A clear error, before anyone waits, for an op no path serves."""
+    if red == _RED.PREMUL_SUM:
+        raise ValueError(f"mpcore: {what} with PREMUL_SUM is not supported (an NCCL op); "
+                         "scale the tensor and use SUM")
+    for t in tensors:
+        if red == _RED.AVG and not (t.is_floating_point() or t.is_complex()):
+            raise ValueError(f"mpcore: {what}: avg needs a floating-point dtype, not {t.dtype}")
+        if red in _BITWISE and (t.is_floating_point() or t.is_complex()):
+            raise ValueError(f"mpcore: {what}: {_op_name(red)} needs an integer or bool dtype, "
+                             f"not {t.dtype}")
+
+
+def _reduce_stack(stack, red, world):
+    """The reduction over dim 0 of stack (world, ...) by `red` (RedOpType),
+    in rank order, as the same code on every rank
+    (NOTE [ What the core cannot serve ])."""
+    dt = stack.dtype
+    if dt == torch.bool:
+        x = stack.to(torch.uint8)
+        fns = {_RED.SUM: torch.bitwise_or, _RED.MAX: torch.bitwise_or, _RED.BOR: torch.bitwise_or,
+               _RED.PRODUCT: torch.bitwise_and, _RED.MIN: torch.bitwise_and,
+               _RED.BAND: torch.bitwise_and, _RED.BXOR: torch.bitwise_xor}
+    else:
+        if dt.is_floating_point:
+            cd = torch.float64 if dt == torch.float64 else torch.float32
+        elif dt.is_complex:
+            cd = torch.complex128 if dt == torch.complex128 else torch.complex64
+        else:
+            cd = torch.int64
+        x = stack.to(cd) if dt != torch.uint64 else stack.view(torch.int64)
+        fns = {_RED.SUM: torch.add, _RED.AVG: torch.add, _RED.PRODUCT: torch.mul,
+               _RED.MIN: torch.minimum, _RED.MAX: torch.maximum}
+        if not (dt.is_floating_point or dt.is_complex):
+            fns.update({_RED.BAND: torch.bitwise_and, _RED.BOR: torch.bitwise_or,
+                        _RED.BXOR: torch.bitwise_xor})
+    fn = fns.get(red)
+    if fn is None:
+        raise ValueError(f"mpcore: reduction {_op_name(red)} is not defined for {dt}")
+    acc = functools.reduce(fn, x.unbind(0))
+    if red == _RED.AVG:
+        acc = acc / world
+    if dt == torch.uint64:
+        return acc.view(torch.uint64)
+    return acc.to(dt)
+
+
+# --- the group ------------------------------------------------------------------------
+
+class ProcessGroupMpcore(dist.ProcessGroup):
+    """One rank's handle on a process group served by mpcore
+    (NOTE [ The backend is a ProcessGroup ]).  `.shm` is the group's
+    ShmGroup, None when the ranks are not all on one machine."""
+
+    def __init__(self, store, rank, world, timeout_s, shm, gloo):
+        super().__init__(rank, world)
+        self._store = store
+        self._rank = rank
+        self._world = world
+        self._timeout_s = timeout_s
+        self.shm = shm
+        self._gloo = gloo
+        self._nccl = None
+        self._name = ""
+        self._desc = ""
+        if shm is not None:
+            shm.work_type = Work
+
+    # -- identity ---------------------------------------------------------------
+    def getBackendName(self):
+        return "mpcore"
+
+    def name(self):
+        return "mpcore"
+
+    def _get_backend_name(self):
+        return "mpcore"
+
+    def size(self):
+        return self._world
+
+    def rank(self):
+        return self._rank
+
+    @property
+    def group_name(self):
+        return self._name
+
+    def _set_group_name(self, name):
+        self._name = name
+
+    @property
+    def group_desc(self):
+        return self._desc
+
+    def _set_group_desc(self, desc):
+        self._desc = desc
+
+    def get_group_store(self):
+        return self._store
+
+    def __repr__(self):
+        where = "shared memory" if self.shm is not None else "gloo"
+        return f"ProcessGroupMpcore(rank={self._rank}, world={self._world}, {where})"
+
+    def shutdown(self):
+        """Frees the group's region (and its NCCL communicator) at once."""
+        shm, self.shm = self.shm, None
+        if shm is not None:
+            shm.close()
+        n, self._nccl = self._nccl, None
+        if n is not None:
+            n.close()
+        if self._gloo is not None:
+            self._gloo = None
+
+    def abort(self):
+        self.shutdown()
+
+    # -- plumbing ---------------------------------------------------------------
+    def _run(self, async_op, result, fn, *args, keep=(), after=None):
+        """fn(*args, timeout) on the region, now or on the group's thread;
+        then after() (copies out); returns the call's Work."""
+        shm = self.shm
+        if shm is None:
+            raise RuntimeError("mpcore: this process group has been destroyed")
+        if after is not None:
+            inner = fn
+
+            def fn(*a):
+                inner(*a)
+                after()
+        if not async_op:
+            shm.run(False, result, fn, *args)
+            return _done(result)
+        return shm.run(True, result, fn, *args, keep=keep)
+
+    def _cuda(self, what):
+        """This group's NCCL communicator (made on first use: every rank
+        reaches its first CUDA collective at the same call)."""
+        if self._nccl is None:
+            from . import _nccl
+            self._nccl = _nccl.NcclGroup.create(self._store, self._rank, self._world,
+                                                "mpcore-nccl/")
+        return self._nccl
+
+    def _cuda_call(self, what, tensors):
+        if all(t.device.type == "cuda" for t in tensors):
+            for t in tensors:
+                if t.dtype not in _NCCL_DTYPES or not t.is_contiguous():
+                    raise ValueError(f"mpcore: {what} on CUDA takes contiguous tensors of "
+                                     f"{sorted(str(d) for d in _NCCL_DTYPES)}, not {t.dtype}")
+            return self._cuda(what)
+        if any(t.device.type == "cuda" for t in tensors):
+            raise ValueError(f"mpcore: {what} got tensors on several devices "
+                             f"({sorted({str(t.device) for t in tensors})})")
+        return None
+
+    def _no_cuda(self, what, tensors):
+        if any(t.device.type != "cpu" for t in tensors):
+            raise ValueError(f"mpcore: {what} serves CPU tensors; on CUDA mpcore serves "
+                             "all_reduce, broadcast and all_gather (through NCCL), not this")
+
+    def _timeout(self, opts):
+        t = opts.timeout
+        return self._timeout_s if t.total_seconds() < 0 else t.total_seconds()
+
+    # -- all-reduce ---------------------------------------------------------------
+    def allreduce(self, tensors, opts=None):
+        opts = opts if opts is not None else dist.AllreduceOptions()
+        if len(tensors) == 1:
+            t = tensors[0]
+            red = opts.reduceOp.op
+            code = OPS.get(red)
+            dt = DTYPES.get(t.dtype)
+            if (self.shm is not None and t.device.type == "cpu" and dt is not None
+                    and code is not None and t.is_contiguous() and t.layout == torch.strided
+                    and (red != _RED.AVG or t.dtype in _FLOATS)
+                    and (red not in _BITWISE or not t.is_floating_point())):
+                core = self.shm.core
+                return self._run(opts.asyncOp, tensors, core.all_reduce, t.data_ptr(),
+                                 t.numel(), dt, code, keep=(t,))
+        return self._allreduce(tensors, opts.reduceOp.op, opts.asyncOp)
+
+    def _allreduce(self, tensors, red, async_op):
+        if self._gloo is not None:
+            o = dist.AllreduceOptions()
+            o.reduceOp = ReduceOp(red)
+            o.asyncOp = async_op
+            return self._gloo.allreduce(tensors, o)
+        n = self._cuda_call("all_reduce", tensors)
+        if n is not None:
+            if red not in OPS or OPS[red] > 4:
+                raise ValueError(f"mpcore: all_reduce on CUDA takes SUM, AVG, PRODUCT, MIN "
+                                 f"or MAX, not {_op_name(red)}")
+            for t in tensors:
+                n.all_reduce(t, _NCCL_DTYPES[t.dtype], OPS[red])
+            return _done(tensors)
+        _check_cpu("all_reduce", tensors)
+        _check_op("all_reduce", red, tensors)
+        dense = [_Dense(t) for t in tensors]
+        calls = []
+        for d in dense:
+            t = d.t
+            dt, code = DTYPES.get(t.dtype), OPS.get(red)
+            if (dt is not None and code is not None
+                    and (red != _RED.AVG or t.dtype in _FLOATS)
+                    and (red not in _BITWISE or not t.is_floating_point())):
+                calls.append(functools.partial(self.shm.core.all_reduce, t.data_ptr(),
+                                               t.numel(), dt, code))
+            else:
+                calls.append(functools.partial(self._gathered_reduce, t, red))
+
+        def run(timeout):
+            for c in calls:
+                c(timeout)
+            for d in dense:
+                d.back()
+        return self._run(async_op, tensors, run, keep=dense)
+
+    def _gathered_reduce(self, t, red, timeout):
+        """t becomes the reduction over the ranks, for a dtype or op the
+        core does not reduce (NOTE [ What the core cannot serve ])."""
+        _reduce_stack(torch.empty(0, dtype=t.dtype), red, 1)  # refuses before anyone waits
+        stack = torch.empty((self._world,) + tuple(t.shape), dtype=t.dtype)
+        self.shm.core.all_gather(stack.data_ptr(), t.data_ptr(), _nbytes(t), timeout)
+        t.copy_(_reduce_stack(stack, red, self._world))
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
+        return self._allreduce(list(tensors), opts.reduceOp.op, opts.asyncOp)
+
+    # -- reduce -----------------------------------------------------------------------
+    def reduce(self, tensors, opts=None):
+        opts = opts if opts is not None else dist.ReduceOptions()
+        if self._gloo is not None:
+            return self._gloo.reduce(tensors, opts)
+        self._no_cuda("reduce", tensors)
+        _check_cpu("reduce", tensors)
+        red, root = opts.reduceOp.op, opts.rootRank
+        _check_op("reduce", red, tensors)
+        self._check_root("reduce", root)
+        dense = [_Dense(t) for t in tensors]
+        core = self.shm.core
+        calls = []
+        for d in dense:
+            t = d.t
+            dt, code = DTYPES.get(t.dtype), OPS.get(red)
+            if (hasattr(core, "reduce") and dt is not None and code is not None
+                    and (red != _RED.AVG or t.dtype in _FLOATS)
+                    and (red not in _BITWISE or not t.is_floating_point())):
+                calls.append(functools.partial(core.reduce, t.data_ptr(), t.numel(), dt, code,
+                                               root))
+            else:
+                calls.append(functools.partial(self._gathered_root_reduce, t, red, root))
+
+        def run(timeout):
+            for c in calls:
+                c(timeout)
+            if self._rank == root:
+                for d in dense:
+                    d.back()
+        return self._run(opts.asyncOp, tensors, run, keep=dense)
+
+    def _gathered_root_reduce(self, t, red, root, timeout):
+        tmp = t.clone()
+        self._gathered_reduce(tmp, red, timeout)
+        if self._rank == root:
+            t.copy_(tmp)
+
+    def _check_root(self, what, root):
+        if not 0 <= root < self._world:
+            raise ValueError(f"mpcore: {what}: root rank {root} is not a rank of this group "
+                             f"of {self._world}")
+
+    # -- broadcast -----------------------------------------------------------------------
+    def broadcast(self, tensors, opts=None):
+        opts = opts if opts is not None else dist.BroadcastOptions()
+        if self._gloo is not None:
+            return self._gloo.broadcast(tensors, opts)
+        root = opts.rootRank
+        self._check_root("broadcast", root)
+        n = self._cuda_call("broadcast", tensors)
+        if n is not None:
+            for t in tensors:
+                n.broadcast(t, root)
+            return _done(tensors)
+        _check_cpu("broadcast", tensors)
+        dense = [_Dense(t) for t in tensors]
+        core = self.shm.core
+        if len(dense) == 1 and dense[0].orig is None:
+            t = dense[0].t
+            return self._run(opts.asyncOp, tensors, core.broadcast, t.data_ptr(), _nbytes(t),
+                             root, keep=(t,))
+
+        def run(timeout):
+            for d in dense:
+                core.broadcast(d.t.data_ptr(), _nbytes(d.t), root, timeout)
+                d.back()
+        return self._run(opts.asyncOp, tensors, run, keep=dense)
+
+    # -- all-gather -------------------------------------------------------------------------
+    def allgather(self, output_lists, inputs, opts=None):
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        if self._gloo is not None:
+            return self._gloo.allgather(output_lists, inputs, opts)
+        if len(inputs) != 1 or len(output_lists) != 1:
+            raise ValueError("mpcore: all_gather takes one input tensor and one list of outputs")
+        inp, outs = inputs[0], output_lists[0]
+        if len(outs) != self._world:
+            raise ValueError(f"mpcore: all_gather needs {self._world} output tensors (one per "
+                             f"rank), not {len(outs)}")
+        _same_shapes("all_gather", outs, inp)
+        n = self._cuda_call("all_gather", [inp] + list(outs))
+        if n is not None:
+            flat = torch.empty((self._world,) + tuple(inp.shape), dtype=inp.dtype,
+                               device=inp.device)
+            n.all_gather(flat, inp)
+            for i, t in enumerate(outs):
+                t.copy_(flat[i])
+            return _done(output_lists)
+        _check_cpu("all_gather", [inp] + list(outs))
+        src = _Dense(inp).t
+        flat = torch.empty((self._world,) + tuple(inp.shape), dtype=inp.dtype)
+        core = self.shm.core
+
+        def run(timeout):
+            core.all_gather(flat.data_ptr(), src.data_ptr(), _nbytes(src), timeout)
+            for i, t in enumerate(outs):
+                t.copy_(flat[i])
+        return self._run(opts.asyncOp, output_lists, run, keep=(src, flat))
+
+    def _allgather_base(self, output, input, opts=None):
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        if self._gloo is not None:
+            return self._gloo._allgather_base(output, input, opts)
+        if output.dtype != input.dtype or output.numel() != input.numel() * self._world:
+            raise ValueError(f"mpcore: all_gather_into_tensor: the output must hold {self._world} "
+                             f"times the input ({input.numel()} x {input.dtype}), not "
+                             f"{output.numel()} x {output.dtype}")
+        n = self._cuda_call("all_gather_into_tensor", [output, input])
+        if n is not None:
+            n.all_gather(output, input)
+            return _done([output])
+        _check_cpu("all_gather_into_tensor", [output, input])
+        src, dst = _Dense(input), _Dense(output, read=False)
+        core = self.shm.core
+        if dst.orig is None:
+            return self._run(opts.asyncOp, [output], core.all_gather, dst.t.data_ptr(),
+                             src.t.data_ptr(), _nbytes(src.t), keep=(src, dst))
+        return self._run(opts.asyncOp, [output], core.all_gather, dst.t.data_ptr(),
+                         src.t.data_ptr(), _nbytes(src.t), keep=(src, dst), after=dst.back)
+
+    all_gather_single = _allgather_base
+
+    def allgather_coalesced(self, output_lists, inputs, opts=None):
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        return self._chain([functools.partial(self.allgather, [o], [i])
+                            for o, i in zip(output_lists, inputs)], opts.asyncOp, output_lists)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        return self._chain([functools.partial(self._allgather_base, o, i)
+                            for o, i in zip(outputs, inputs)], opts.asyncOp, outputs)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def _chain(self, calls, async_op, result):
+        """Several calls as one: each queued in order (asynchronously when
+        async_op); the last one's completion is the whole's."""
+        o = dist.AllreduceOptions()
+        o.asyncOp = async_op
+        works = [c(o) for c in calls]
+        if not works:
+            return _done(result)
+        if not async_op:
+            for w in works:
+                w.wait()
+            return _done(result)
+        if self.shm is None:
+            return works[-1]
+        # the group's thread runs them in order: a last, empty call finishes after all
+        errors = []
+
+        def check(timeout):
+            for w in works:
+                if w.exception() is not None:
+                    raise w.exception()
+        return self.shm.run(True, result, check)
+
+    # -- reduce-scatter -----------------------------------------------------------------------
+    def reduce_scatter(self, outputs, input_lists, opts=None):
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        if self._gloo is not None:
+            return self._gloo.reduce_scatter(outputs, input_lists, opts)
+        if len(outputs) != 1 or len(input_lists) != 1:
+            raise ValueError("mpcore: reduce_scatter takes one output and one list of inputs")
+        out, ins = outputs[0], input_lists[0]
+        if len(ins) != self._world:
+            raise ValueError(f"mpcore: reduce_scatter needs {self._world} input tensors (one "
+                             f"per rank), not {len(ins)}")
+        _same_shapes("reduce_scatter", ins, out)
+        self._no_cuda("reduce_scatter", [out] + list(ins))
+        _check_cpu("reduce_scatter", [out] + list(ins))
+        flat = torch.stack([t.contiguous() for t in ins]) if ins else None
+        return self._reduce_scatter_flat(out, flat, opts.reduceOp.op, opts.asyncOp, outputs)
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        if self._gloo is not None:
+            return self._gloo._reduce_scatter_base(output, input, opts)
+        if output.dtype != input.dtype or input.numel() != output.numel() * self._world:
+            raise ValueError(f"mpcore: reduce_scatter_tensor: the input must hold {self._world} "
+                             f"times the output ({output.numel()} x {output.dtype}), not "
+                             f"{input.numel()} x {input.dtype}")
+        self._no_cuda("reduce_scatter_tensor", [output, input])
+        _check_cpu("reduce_scatter_tensor", [output, input])
+        return self._reduce_scatter_flat(output, _Dense(input).t, opts.reduceOp.op,
+                                         opts.asyncOp, [output])
+
+    reduce_scatter_single = _reduce_scatter_base
+
+    def _reduce_scatter_flat(self, output, flat, red, async_op, result):
+        _check_op("reduce_scatter", red, [output])
+        dst = _Dense(output, read=False)
+        out = dst.t
+        dt, code = DTYPES.get(out.dtype), OPS.get(red)
+        core = self.shm.core
+        if (dt is not None and code is not None
+                and (red != _RED.AVG or out.dtype in _FLOATS)
+                and (red not in _BITWISE or not out.is_floating_point())):
+            return self._run(async_op, result, core.reduce_scatter, out.data_ptr(),
+                             flat.data_ptr(), out.numel(), dt, code, keep=(flat, dst),
+                             after=dst.back if dst.orig is not None else None)
+
+        def run(timeout):
+            whole = flat.clone()
+            self._gathered_reduce(whole, red, timeout)
+            out.copy_(whole.view(self._world, -1)[self._rank].view(out.shape))
+            dst.back()
+        return self._run(async_op, result, run, keep=(flat, dst))
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        red = opts.reduceOp
+
+        def one(o, i, op):
+            r = dist.ReduceScatterOptions()
+            r.reduceOp = red
+            r.asyncOp = op.asyncOp
+            return self._reduce_scatter_base(o, i, r)
+        return self._chain([functools.partial(one, o, i) for o, i in zip(outputs, inputs)],
+                           opts.asyncOp, outputs)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    # -- gather, scatter ---------------------------------------------------------------------
+    def gather(self, output_lists, inputs, opts=None):
+        opts = opts if opts is not None else dist.GatherOptions()
+        if self._gloo is not None:
+            return self._gloo.gather(output_lists, inputs, opts)
+        root = opts.rootRank
+        self._check_root("gather", root)
+        if len(inputs) != 1:
+            raise ValueError("mpcore: gather takes one input tensor")
+        inp = inputs[0]
+        outs = output_lists[0] if output_lists else []
+        if self._rank == root:
+            if len(output_lists) != 1 or len(outs) != self._world:
+                raise ValueError(f"mpcore: gather needs {self._world} output tensors on the "
+                                 f"root, not {len(outs)}")
+            _same_shapes("gather", outs, inp)
+        elif output_lists and output_lists[0]:
+            raise ValueError("mpcore: gather takes output tensors on the root rank only")
+        self._no_cuda("gather", [inp] + list(outs))
+        _check_cpu("gather", [inp] + list(outs))
+        src = _Dense(inp).t
+        core = self.shm.core
+        mine = self._rank == root
+        flat = torch.empty((self._world,) + tuple(inp.shape), dtype=inp.dtype) \
+            if (mine or not hasattr(core, "gather")) else None
+
+        def run(timeout):
+            if hasattr(core, "gather"):
+                core.gather(flat.data_ptr() if mine else 0, src.data_ptr(), _nbytes(src), root,
+                            timeout)
+            else:
+                core.all_gather(flat.data_ptr(), src.data_ptr(), _nbytes(src), timeout)
+            if mine:
+                for i, t in enumerate(outs):
+                    t.copy_(flat[i])
+        return self._run(opts.asyncOp, output_lists, run, keep=(src, flat))
+
+    def scatter(self, outputs, input_lists, opts=None):
+        opts = opts if opts is not None else dist.ScatterOptions()
+        if self._gloo is not None:
+            return self._gloo.scatter(outputs, input_lists, opts)
+        root = opts.rootRank
+        self._check_root("scatter", root)
+        if len(outputs) != 1:
+            raise ValueError("mpcore: scatter takes one output tensor")
+        out = outputs[0]
+        ins = input_lists[0] if input_lists else []
+        mine = self._rank == root
+        if mine:
+            if len(input_lists) != 1 or len(ins) != self._world:
+                raise ValueError(f"mpcore: scatter needs {self._world} input tensors on the "
+                                 f"root, not {len(ins)}")
+            _same_shapes("scatter", ins, out)
+        elif input_lists and input_lists[0]:
+            raise ValueError("mpcore: scatter takes input tensors on the root rank only")
+        self._no_cuda("scatter", [out] + list(ins))
+        _check_cpu("scatter", [out] + list(ins))
+        dst = _Dense(out, read=False)
+        core = self.shm.core
+        n = _nbytes(dst.t)
+        if hasattr(core, "scatter"):
+            flat = torch.stack([t.contiguous() for t in ins]) if mine else None
+
+            def run(timeout):
+                core.scatter(dst.t.data_ptr(), flat.data_ptr() if mine else 0, n, root, timeout)
+                dst.back()
+        else:
+            flat = torch.stack([t.contiguous() for t in ins]) if mine else \
+                torch.empty((self._world,) + tuple(out.shape), dtype=out.dtype)
+
+            def run(timeout):
+                core.broadcast(flat.data_ptr(), n * self._world, root, timeout)
+                dst.t.copy_(flat[self._rank])
+                dst.back()
+        return self._run(opts.asyncOp, outputs, run, keep=(flat, dst))
+
+    # -- all-to-all ------------------------------------------------------------------------
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        if self._gloo is not None:
+            return self._gloo.alltoall_base(output, input, output_split_sizes, input_split_sizes,
+                                            opts)
+        self._no_cuda("all_to_all_single", [output, input])
+        _check_cpu("all_to_all_single", [output, input])
+        if output.dtype != input.dtype:
+            raise ValueError(f"mpcore: all_to_all_single: output is {output.dtype} but input is "
+                             f"{input.dtype}")
+        w = self._world
+        send = self._splits("input", input, input_split_sizes)
+        recv = self._splits("output", output, output_split_sizes)
+        src, dst = _Dense(input), _Dense(output, read=False)
+        return self._all_to_all(dst, src.t, send, recv, opts.asyncOp, [output], keep=(src,))
+
+    all_to_all_single = alltoall_base
+
+    def _splits(self, what, t, sizes):
+        """Byte counts for each rank of a dim-0 split of t (even when sizes
+        is empty)."""
+        w = self._world
+        rows = t.shape[0] if t.dim() else 1
+        row = _nbytes(t) // rows if rows else 0
+        if not sizes:
+            if rows % w:
+                raise ValueError(f"mpcore: all_to_all_single: the {what}'s first dimension "
+                                 f"({rows}) does not split evenly over {w} ranks")
+            return [rows // w * row] * w
+        if len(sizes) != w or sum(sizes) != rows or any(s < 0 for s in sizes):
+            raise ValueError(f"mpcore: all_to_all_single: {what} split sizes {list(sizes)} do "
+                             f"not split {rows} rows over {w} ranks")
+        return [s * row for s in sizes]
+
+    def _all_to_all(self, dst, src, send, recv, async_op, result, keep=()):
+        core = self.shm.core
+        if hasattr(core, "all_to_all"):
+            def run(timeout):
+                core.all_to_all(dst.t.data_ptr(), src.data_ptr(), send, recv, timeout)
+                dst.back()
+        else:
+            run = functools.partial(self._gathered_all_to_all, dst, src, send, recv)
+        return self._run(async_op, result, run, keep=keep + (dst, src))
+
+    def _gathered_all_to_all(self, dst, src, send, recv, timeout):
+        """all-to-all over all-gathers, for a core without all_to_all."""
+        core, w, r = self.shm.core, self._world, self._rank
+        sizes = torch.tensor(send, dtype=torch.int64)
+        table = torch.empty((w, w), dtype=torch.int64)
+        core.all_gather(table.data_ptr(), sizes.data_ptr(), 8 * w, timeout)
+        for i in range(w):
+            if table[i, r].item() != recv[i]:
+                raise ValueError(f"mpcore: all_to_all: rank {i} sends {table[i, r].item()} bytes "
+                                 f"to rank {r}, which expects {recv[i]}")
+        most = int(table.sum(1).max().item())
+        padded = torch.zeros(max(most, 1), dtype=torch.uint8)
+        mine = src.view(torch.uint8).reshape(-1) if src.numel() else padded[:0]
+        padded[:mine.numel()] = mine
+        every = torch.empty((w, padded.numel()), dtype=torch.uint8)
+        core.all_gather(every.data_ptr(), padded.data_ptr(), padded.numel(), timeout)
+        out = dst.t.view(torch.uint8).reshape(-1) if dst.t.numel() else None
+        at = 0
+        for i in range(w):
+            off = int(table[i, :r].sum().item())
+            out[at:at + recv[i]] = every[i, off:off + recv[i]] if recv[i] else out[at:at]
+            at += recv[i]
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        if self._gloo is not None:
+            return self._gloo.alltoall(output_tensors, input_tensors, opts)
+        w = self._world
+        if len(output_tensors) != w or len(input_tensors) != w:
+            raise ValueError(f"mpcore: all_to_all needs {w} input and {w} output tensors, not "
+                             f"{len(input_tensors)} and {len(output_tensors)}")
+        everything = list(output_tensors) + list(input_tensors)
+        self._no_cuda("all_to_all", everything)
+        _check_cpu("all_to_all", everything)
+        dtype = input_tensors[0].dtype
+        for t in everything:
+            if t.dtype != dtype:
+                raise ValueError(f"mpcore: all_to_all: every tensor must be {dtype}, not {t.dtype}")
+        src = torch.cat([t.reshape(-1) for t in input_tensors]) if input_tensors else None
+        dst = _Dense(torch.empty(sum(t.numel() for t in output_tensors), dtype=dtype), read=False)
+        send = [_nbytes(t) for t in input_tensors]
+        recv = [_nbytes(t) for t in output_tensors]
+
+        class _Out:
+            t = dst.t
+
+            @staticmethod
+            def back():
+                at = 0
+                for o in output_tensors:
+                    o.copy_(dst.t[at:at + o.numel()].view(o.shape))
+                    at += o.numel()
+        return self._all_to_all(_Out, src, send, recv, opts.asyncOp, output_tensors)
+
+    # -- barrier -----------------------------------------------------------------------------
+    def barrier(self, opts=None):
+        opts = opts if opts is not None else dist.BarrierOptions()
+        if self._gloo is not None:
+            return self._gloo.barrier(opts)
+        shm = self.shm
+        if shm is None:
+            raise RuntimeError("mpcore: this process group has been destroyed")
+        timeout = self._timeout(opts)
+        if not opts.asyncOp:
+            shm.drain()
+            shm.core.barrier(timeout)
+            return _done([])
+        return shm.run(True, [], lambda _t: shm.core.barrier(timeout))
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        o = dist.BarrierOptions()
+        if timeout is not None:
+            o.timeout = timeout
+        o.asyncOp = False
+        self.barrier(o).wait()
+
+    # -- point to point --------------------------------------------------------------------------
+    def send(self, tensors, dst, tag):
+        if self._gloo is not None:
+            return self._gloo.send(tensors, dst, tag)
+        self._no_cuda("send", tensors)
+        _check_cpu("send", tensors)
+        self._p2p_core("send")
+        self._check_peer("send to", dst)
+        src = [_Dense(t).t for t in tensors]
+        core = self.shm.core
+
+        def run(timeout):
+            for t in src:
+                core.send(t.data_ptr(), _nbytes(t), dst, tag, timeout)
+        return self.shm.run(True, tensors, run, keep=src)
+
+    def recv(self, tensors, src, tag):
+        return self._recv(tensors, src, tag)
+
+    def recv_anysource(self, tensors, tag):
+        return self._recv(tensors, -1, tag)
+
+    def _recv(self, tensors, src, tag):
+        if self._gloo is not None:
+            if src < 0:
+                return self._gloo.recv_anysource(tensors, tag)
+            return self._gloo.recv(tensors, src, tag)
+        self._no_cuda("recv", tensors)
+        _check_cpu("recv", tensors)
+        self._p2p_core("recv")
+        if src >= 0:
+            self._check_peer("receive from", src)
+        dense = [_Dense(t, read=False) for t in tensors]
+        core = self.shm.core
+        work = Work(tensors)
+
+        def run(timeout):
+            for d in dense:
+                work._source = core.recv(d.t.data_ptr(), _nbytes(d.t), src, tag, timeout)
+                d.back()
+        return self.shm.run(True, tensors, run, keep=dense, work=work)
+
+    def _p2p_core(self, what):
+        if not hasattr(self.shm.core, "send"):
+            raise RuntimeError(f"mpcore: {what}: this build of mpcore's core has no "
+                               "point-to-point calls")
+
+    def _check_peer(self, what, peer):
+        if not 0 <= peer < self._world or peer == self._rank:
+            raise ValueError(f"mpcore: cannot {what} rank {peer}: not another rank of this "
+                             f"group of {self._world}")
+
+
+_NCCL_DTYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3,
+                torch.int32: 4, torch.int64: 5, torch.uint8: 6}
+
+
+def create(store, rank, world, timeout):
+    """The backend's creator: a group's ProcessGroupMpcore, with its own
+    shared-memory region named in the group's store."""
+    timeout_s = _dist._seconds(timeout)
+    shm = _dist.join(store, "mpcore/", rank, world, timeout_s)
+    gloo = None
+    if shm is None:  # NOTE [ What the core cannot serve ]
+        gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world, timeout)
+    return ProcessGroupMpcore(store, rank, world, timeout_s, shm, gloo)
+
+
+def register():
+    """Registers the backend with torch.distributed (once)."""
+    if "MPCORE" not in dist.Backend._plugins:
+        dist.Backend.register_backend("mpcore", create, devices=["cpu"])
