@@ -83,7 +83,7 @@ def _():
 finish()
 '''
 
-RUNS = [("mpcore", 2), ("mpcore", 4), ("run-gloo", 2), ("run-gloo", 4)]
+RUNS = [("mpcore", 2), ("mpcore", 4), ("run-gloo", 2)]
 
 
 @pytest.fixture(scope="module")
