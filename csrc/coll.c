@@ -1,13 +1,20 @@
 /* coll.c: collectives over shared memory for the ranks of one machine:
- * all-reduce, broadcast, barrier, all-gather and reduce-scatter, with the
+ * all-reduce, broadcast, barrier, all-gather, reduce-scatter, reduce,
+ * gather, scatter, all-to-all, and point-to-point send and recv, with the
  * reductions vectorised for the CPU found at run time.
  *
  * NOTE [ Shared-memory collectives ]
  * A group is one memfd that rank 0 makes and every rank maps (the Python
- * side hands its fd around at rendezvous).  It holds a header (one line per
- * rank: its pid, how many barriers it has entered, and what it asked for)
- * and, twice over, a staging area of `chunk` bytes per rank plus one result
- * area.  A collective moves its data in pieces that fit the staging areas:
+ * side hands its fd around at rendezvous).  It holds, in this order:
+ *   - a header: one line per rank (its pid, how many barriers it has
+ *     entered, and what it asked for);
+ *   - the all-to-all sizes: per call parity, each rank's `world` send and
+ *     `world` recv sizes (2 * world * 2 * world words);
+ *   - the mailboxes: two counter lines per ordered pair of ranks, a
+ *     doorbell per rank, and a ring per ordered pair (NOTE [ Mailboxes ]);
+ *   - twice over, a staging area of `chunk` bytes per rank plus one result
+ *     area.
+ * A collective moves its data in pieces that fit the staging areas:
  *   - small all-reduce pieces (<= MPC_COLL_ONESHOT bytes) are one-shot:
  *     each rank copies its piece in, all meet at a barrier, and each rank
  *     reduces all the pieces into its own buffer;
@@ -15,7 +22,23 @@
  *     the r-th slice of every rank's piece (its own from its own buffer)
  *     into the result area, all meet, and each rank copies out the slices
  *     the others reduced;
- *   - broadcast, all-gather and reduce-scatter take one barrier a piece.
+ *   - broadcast, all-gather and reduce-scatter take one barrier a piece;
+ *   - reduce is all-reduce's scheme with only the root keeping the result:
+ *     small pieces the root reduces alone, larger ones rank r reduces slice
+ *     r (the root's straight into its buffer, the others' into the result
+ *     area, which the root copies out after a second barrier);
+ *   - gather and scatter take one barrier a piece: the ranks stage their
+ *     pieces and the root copies them out, or the root stages rank q's
+ *     piece in rank q's area and each rank copies out its own;
+ *   - all-to-all posts each rank's send and recv sizes beside its call, and
+ *     after the first barrier every rank checks every pair (rank i's send
+ *     size to j against j's recv size from i), so a mismatch fails
+ *     everywhere alike, naming i, j and both sizes.  Each rank's staging
+ *     area is cut into a slot per peer (chunk / (world - 1) bytes, whole
+ *     64-byte lines); round k moves bytes k*slot.. of every pair, one
+ *     barrier a round, until the largest pair is done.  A rank's piece for
+ *     itself is copied directly.  Every rank knows every size, so all agree
+ *     on the number of rounds without another word.
  * Pieces alternate between the two copies of the areas, so a rank may
  * write the next piece while a slower one still reads this one: the
  * barrier of the piece in between keeps them from meeting.  Every rank
@@ -31,6 +54,34 @@
  * with a message naming it instead of waiting forever.  What each rank
  * asked for is compared at the first barrier of each call, so calls that
  * differ in kind, size, dtype, op or root fail on every rank alike.
+ *
+ * NOTE [ Mailboxes ]
+ * send and recv involve two ranks only, so they cannot use the barriers.
+ * Each ordered pair (src, dst) has a ring of bytes in the region, written
+ * only by src and read only by dst, and two counters: head (bytes src ever
+ * put in, written by src) and tail (bytes dst ever took out, written by
+ * dst).  A message is a 64-byte line (magic, tag, size) and its bytes,
+ * padded to whole lines, so a header never wraps around the ring.  A
+ * message larger than the ring streams through it: the sender puts in
+ * what fits (waiting for at least a quarter of the ring, or the rest, so
+ * that neither side wakes for crumbs), the receiver takes out what is
+ * there, each publishing its counter with release order and ringing the
+ * other's doorbell.  A rank sleeps on its own doorbell (a futex word that
+ * every change it may wait for bumps, and break_group too) with the same
+ * spin, sleep and peer watch as a barrier.  The rings take about
+ * MPC_COLL_BOXES bytes in all: 1 MB a pair for 2 ranks, down to 4 KB a
+ * pair (16 MB in all) for 64.
+ * Matching is simpler than gloo's: messages from one rank to another are
+ * taken in the order they were sent, and a recv must match the next one,
+ * tag and size; else it fails (-EINVAL naming both) and leaves the message
+ * for a recv that matches.  (gloo lets a recv for tag t take a later
+ * message with tag t past earlier ones with other tags; here that is the
+ * error, never a message put where another was wanted.)  A recv from any
+ * rank takes the next message of the first rank, in turn from the one
+ * after the last it took from, whose next message has its tag.
+ * A timeout or a peer's exit during send or recv breaks the group, as in a
+ * collective: a message may be half in the ring.  Calls on one Group (a
+ * collective, send or recv) must not run at once from several threads.
  *
  * NOTE [ Group buffers ]
  * Staging costs a large all-reduce about four and a half times its size in
@@ -63,7 +114,7 @@
 #include <sys/stat.h>
 #include <sys/syscall.h>
 
-#define MPC_COLL_MAGIC 0x31306c6c6f63706dULL /* "mpcoll01" */
+#define MPC_COLL_MAGIC 0x32306c6c6f63706dULL /* "mpcoll02" */
 #define MPC_COLL_DATA 16384                   /* header bytes, page aligned */
 #define MPC_COLL_ONESHOT (64u << 10)
 #define MPC_COLL_AR_PIECE (256u << 10)       /* all-reduce piece: staged, it stays in cache */
@@ -71,6 +122,10 @@
 #define MPC_COLL_CHECK_NS 100000000LL        /* 100 ms between looks at peers */
 #define MPC_COLL_ALIGN 64
 #define MPC_COLL_YIELDS 16                    /* see barrier() */
+#define MPC_COLL_BOXES (8u << 20)             /* mailbox bytes of a group, about */
+#define MPC_COLL_BOX_MIN 4096u                /* mailbox bytes of a pair, at least */
+#define MPC_COLL_BOX_MAX (1u << 20)           /* and at most */
+#define MPC_COLL_MSG_MAGIC 0x67736d6du        /* "mmsg" */
 
 typedef struct {
     uint32_t kind, op, dtype;
@@ -105,6 +160,30 @@ typedef struct {
 
 _Static_assert(sizeof(mpc_coll_hdr) <= MPC_COLL_DATA, "collective header too large");
 
+/* The mailbox from one rank to another: a ring of bytes.  NOTE [ Mailboxes ]. */
+typedef struct {
+    _Alignas(64) _Atomic uint64_t head; /* bytes the sender has put in, ever */
+    _Alignas(64) _Atomic uint64_t tail; /* bytes the receiver has taken out, ever */
+} mpc_coll_box;
+
+/* A rank's doorbell: bumped (and woken) when something it may wait for in
+ * a mailbox changed, or when the group broke. */
+typedef struct {
+    _Alignas(64) _Atomic uint32_t bell;
+} mpc_coll_bell;
+
+/* What starts each message in a mailbox (one 64-byte line). */
+typedef struct {
+    uint32_t magic, tag;
+    uint64_t nbytes;
+} mpc_coll_msg;
+
+/* Where things lie in the region of a group of `world` ranks.
+ * NOTE [ Shared-memory collectives ]. */
+typedef struct {
+    uint64_t sizes, boxes, bells, rings, ring, areas, size;
+} mpc_coll_layout;
+
 /* A peer's group buffer mapped here. */
 typedef struct {
     int rank;
@@ -117,6 +196,8 @@ typedef struct {
 struct mpc_coll {
     mpc_coll_hdr *h;
     uint64_t size, chunk;
+    mpc_coll_layout at;
+    int next_src; /* where a recv from any rank looks first */
     int rank, world;
     int pidfds[MPC_COLL_MAX_RANKS];
     uint64_t bar;   /* barriers this rank entered */
@@ -135,15 +216,33 @@ struct mpc_coll_buf {
     int fd;
 };
 
-static const char *const kind_names[] = {"?", "all_reduce", "broadcast", "barrier",
-                                         "all_gather", "reduce_scatter"};
-static const char *const dtype_names[] = {"float32", "float64", "float16", "bfloat16",
-                                          "int32",   "int64",   "uint8"};
-static const char *const op_names[] = {"sum", "avg", "product", "min", "max"};
-static const size_t dtype_size[] = {4, 8, 2, 2, 4, 8, 1};
+static const char *const kind_names[MPC_COLL_KINDS] = {
+    "?",      "all_reduce", "broadcast", "barrier",   "all_gather",
+    "reduce_scatter", "reduce", "gather", "scatter", "all_to_all"};
+/* Names as torch gives them: _core.COLL_DTYPES and _core.COLL_OPS are made
+ * from these tables, and nowhere else. */
+static const char *const dtype_names[MPC_DT_COUNT] = {
+    "float32", "float64", "float16", "bfloat16", "int32",  "int64",  "uint8",
+    "bool",    "int8",    "int16",   "uint16",   "uint32", "uint64"};
+static const char *const op_names[MPC_OP_COUNT] = {"SUM", "AVG",  "PRODUCT", "MIN",
+                                                   "MAX", "BAND", "BOR",     "BXOR"};
+static const size_t dtype_size[MPC_DT_COUNT] = {4, 8, 2, 2, 4, 8, 1, 1, 1, 2, 2, 4, 8};
 
 size_t mpc_coll_dtype_size(int dtype) {
     return dtype >= 0 && dtype < MPC_DT_COUNT ? dtype_size[dtype] : 0;
+}
+
+const char *mpc_coll_dtype_name(int dtype) {
+    return dtype >= 0 && dtype < MPC_DT_COUNT ? dtype_names[dtype] : NULL;
+}
+
+const char *mpc_coll_op_name(int op) {
+    return op >= 0 && op < MPC_OP_COUNT ? op_names[op] : NULL;
+}
+
+static int is_float(int dtype) {
+    return dtype == MPC_DT_F32 || dtype == MPC_DT_F64 || dtype == MPC_DT_F16 ||
+           dtype == MPC_DT_BF16;
 }
 
 /* ------------------------------------------------------------------ */
@@ -152,13 +251,61 @@ size_t mpc_coll_dtype_size(int dtype) {
 
 static uint64_t area_bytes(int world, uint64_t chunk) { return (uint64_t)(world + 1) * chunk; }
 
-uint64_t mpc_coll_footprint(int world, uint64_t chunk) {
-    return MPC_COLL_DATA + 2 * area_bytes(world, chunk);
+static uint64_t page_up(uint64_t n) { return (n + MPC_PAGE - 1) / MPC_PAGE * MPC_PAGE; }
+
+/* The mailbox bytes of each ordered pair: about MPC_COLL_BOXES in all,
+ * a power of two within MPC_COLL_BOX_MIN..MAX. */
+static uint64_t box_bytes(int world) {
+    uint64_t pairs = (uint64_t)world * (uint64_t)(world - 1), ring = MPC_COLL_BOX_MAX;
+    if (pairs == 0)
+        return 0;
+    while (ring > MPC_COLL_BOX_MIN && ring * pairs > MPC_COLL_BOXES)
+        ring /= 2;
+    return ring;
 }
 
+static mpc_coll_layout layout(int world, uint64_t chunk) {
+    mpc_coll_layout l;
+    uint64_t w = (uint64_t)world, pairs = w * (w - 1);
+    l.sizes = MPC_COLL_DATA;
+    l.boxes = l.sizes + page_up(2 * w * 2 * w * sizeof(uint64_t));
+    l.bells = l.boxes + pairs * sizeof(mpc_coll_box);
+    l.rings = l.boxes + page_up(pairs * sizeof(mpc_coll_box) + w * sizeof(mpc_coll_bell));
+    l.ring = box_bytes(world);
+    l.areas = l.rings + page_up(pairs * l.ring);
+    l.size = l.areas + 2 * area_bytes(world, chunk);
+    return l;
+}
+
+uint64_t mpc_coll_footprint(int world, uint64_t chunk) { return layout(world, chunk).size; }
+
 static uint8_t *stage(const mpc_coll *c, uint64_t parity, int rank) {
-    return (uint8_t *)c->h + MPC_COLL_DATA + parity * area_bytes(c->world, c->chunk) +
+    return (uint8_t *)c->h + c->at.areas + parity * area_bytes(c->world, c->chunk) +
            (uint64_t)rank * c->chunk;
+}
+
+/* Rank q's sizes in an all-to-all of this parity: world send sizes, then
+ * world recv sizes. */
+static uint64_t *a2a_sizes(const mpc_coll *c, uint64_t parity, int q) {
+    return (uint64_t *)((uint8_t *)c->h + c->at.sizes) +
+           (parity * (uint64_t)c->world + (uint64_t)q) * 2 * (uint64_t)c->world;
+}
+
+/* The mailbox (and its ring) from src to dst, src != dst. */
+static uint64_t pair_index(const mpc_coll *c, int src, int dst) {
+    return (uint64_t)src * (uint64_t)(c->world - 1) + (uint64_t)(dst < src ? dst : dst - 1);
+}
+
+static mpc_coll_box *box(const mpc_coll *c, int src, int dst) {
+    return (mpc_coll_box *)((uint8_t *)c->h + c->at.boxes) + pair_index(c, src, dst);
+}
+
+static uint8_t *ring(const mpc_coll *c, int src, int dst) {
+    return (uint8_t *)c->h + c->at.rings + pair_index(c, src, dst) * c->at.ring;
+}
+
+static _Atomic uint32_t *bell(const mpc_coll *c, int q) {
+    return &((mpc_coll_bell *)((uint8_t *)c->h + c->at.bells) + q)->bell;
 }
 
 static uint8_t *result(const mpc_coll *c, uint64_t parity) { return stage(c, parity, c->world); }
@@ -210,6 +357,12 @@ int mpc_coll_attach(int fd, int rank, int world, mpc_coll **out) {
     c->chunk = probe.chunk;
     c->rank = rank;
     c->world = world;
+    c->at = layout(world, probe.chunk);
+    if (c->at.size != probe.size) {
+        munmap(c->h, probe.size);
+        free(c);
+        return mpc_fail(EINVAL, "the group's region has an unexpected size");
+    }
     for (int i = 0; i < MPC_COLL_MAX_RANKS; i++)
         c->pidfds[i] = -1;
     c->bar = atomic_load(&c->h->ranks[rank].bar);
@@ -253,6 +406,8 @@ void mpc_coll_close(mpc_coll *c) {
     free(c);
 }
 
+int mpc_coll_world(const mpc_coll *c) { return c->world; }
+
 int mpc_coll_pid(const mpc_coll *c, int rank) {
     return rank >= 0 && rank < c->world ? c->h->ranks[rank].pid : -1;
 }
@@ -278,6 +433,10 @@ static void break_group(mpc_coll *c, int who, const char *fmt, ...) {
     }
     atomic_fetch_add(&c->h->gen, 1);
     mpc_futex_wake(&c->h->gen, INT32_MAX);
+    for (int q = 0; q < c->world; q++) { /* ranks waiting on a mailbox */
+        atomic_fetch_add(bell(c, q), 1);
+        mpc_futex_wake(bell(c, q), INT32_MAX);
+    }
 }
 
 /* Looks at the peers; breaks the group if one exited.  Returns 0 or the
@@ -359,6 +518,24 @@ static int barrier(mpc_coll *c, const char *what, int64_t deadline) {
     }
 }
 
+/* Writes what a call asked for into out, as the errors give it: "reduce
+ * of 1000 float32 with SUM to rank 0". */
+static void describe(char *out, size_t n, const mpc_coll_call *x) {
+    uint32_t k = x->kind < MPC_COLL_KINDS ? x->kind : 0;
+    int reduces = k == MPC_COLL_ALL_REDUCE || k == MPC_COLL_REDUCE_SCATTER || k == MPC_COLL_REDUCE;
+    int p = snprintf(out, n, "%s", kind_names[k]);
+    if (k != MPC_COLL_BARRIER && k != MPC_COLL_ALL_TO_ALL && p >= 0 && (size_t)p < n)
+        p += snprintf(out + p, n - (size_t)p, " of %llu %s", (unsigned long long)x->count,
+                      !reduces ? "bytes" : x->dtype < MPC_DT_COUNT ? dtype_names[x->dtype] : "?");
+    if (reduces && p >= 0 && (size_t)p < n)
+        p += snprintf(out + p, n - (size_t)p, " with %s",
+                      x->op < MPC_OP_COUNT ? op_names[x->op] : "?");
+    if ((k == MPC_COLL_BROADCAST || k == MPC_COLL_SCATTER) && p >= 0 && (size_t)p < n)
+        snprintf(out + p, n - (size_t)p, " from rank %d", x->root);
+    if ((k == MPC_COLL_REDUCE || k == MPC_COLL_GATHER) && p >= 0 && (size_t)p < n)
+        snprintf(out + p, n - (size_t)p, " to rank %d", x->root);
+}
+
 /* Posts what this rank asks for, meets the others, and checks that they
  * asked for the same.  Returns 0 or the error. */
 static int begin(mpc_coll *c, uint32_t kind, uint32_t op, uint32_t dtype, int32_t root,
@@ -378,22 +555,9 @@ static int begin(mpc_coll *c, uint32_t kind, uint32_t op, uint32_t dtype, int32_
         if (o.kind == me.kind && o.op == me.op && o.dtype == me.dtype && o.root == me.root &&
             o.count == me.count)
             continue;
-        char a[96], b[96];
-        const mpc_coll_call *x[2] = {&me, &o};
-        char *out[2] = {a, b};
-        for (int i = 0; i < 2; i++)
-            snprintf(out[i], 96, "%s of %llu %s%s%s", kind_names[x[i]->kind < 6 ? x[i]->kind : 0],
-                     (unsigned long long)x[i]->count,
-                     x[i]->dtype < MPC_DT_COUNT ? dtype_names[x[i]->dtype] : "?",
-                     x[i]->kind == MPC_COLL_ALL_REDUCE || x[i]->kind == MPC_COLL_REDUCE_SCATTER
-                         ? (x[i]->op < MPC_OP_COUNT ? " with " : "")
-                         : "",
-                     x[i]->kind == MPC_COLL_ALL_REDUCE || x[i]->kind == MPC_COLL_REDUCE_SCATTER
-                         ? (x[i]->op < MPC_OP_COUNT ? op_names[x[i]->op] : "")
-                         : "");
-        if (o.root != me.root)
-            return mpc_fail(EINVAL, "ranks disagree: rank %d broadcasts from rank %d, rank %d "
-                                    "from rank %d", c->rank, me.root, q, o.root);
+        char a[128], b[128];
+        describe(a, sizeof a, &me);
+        describe(b, sizeof b, &o);
         return mpc_fail(EINVAL, "ranks disagree: rank %d called %s, rank %d called %s", c->rank,
                         a, q, b);
     }
@@ -406,14 +570,17 @@ static int begin(mpc_coll *c, uint32_t kind, uint32_t op, uint32_t dtype, int32_
 
 #define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 
-#define BINOPS(T, NAME)                                                                    \
+/* Integer sums and products are computed in U, an unsigned type at least
+ * as wide as int: they wrap around as torch's do, without the undefined
+ * behaviour of a signed (or promoted) overflow. */
+#define BINOPS(T, U, NAME)                                                                 \
     CLONES static void NAME##_sum(T *restrict d, const T *restrict s, size_t n) {          \
         for (size_t i = 0; i < n; i++)                                                     \
-            d[i] = (T)(d[i] + s[i]);                                                       \
+            d[i] = (T)((U)d[i] + (U)s[i]);                                                 \
     }                                                                                      \
     CLONES static void NAME##_prod(T *restrict d, const T *restrict s, size_t n) {         \
         for (size_t i = 0; i < n; i++)                                                     \
-            d[i] = (T)(d[i] * s[i]);                                                       \
+            d[i] = (T)((U)d[i] * (U)s[i]);                                                 \
     }                                                                                      \
     CLONES static void NAME##_min(T *restrict d, const T *restrict s, size_t n) {          \
         for (size_t i = 0; i < n; i++)                                                     \
@@ -432,11 +599,54 @@ static int begin(mpc_coll *c, uint32_t kind, uint32_t op, uint32_t dtype, int32_
         }                                                                                  \
     }
 
-BINOPS(float, f32)
-BINOPS(double, f64)
-BINOPS(int32_t, i32)
-BINOPS(int64_t, i64)
-BINOPS(uint8_t, u8)
+/* The bitwise ops of an integer type, and all its ops in one switch. */
+#define BITOPS(T, U, NAME)                                                                 \
+    BINOPS(T, U, NAME##a)                                                                  \
+    CLONES static void NAME##_band(T *restrict d, const T *restrict s, size_t n) {         \
+        for (size_t i = 0; i < n; i++)                                                     \
+            d[i] = (T)(d[i] & s[i]);                                                       \
+    }                                                                                      \
+    CLONES static void NAME##_bor(T *restrict d, const T *restrict s, size_t n) {          \
+        for (size_t i = 0; i < n; i++)                                                     \
+            d[i] = (T)(d[i] | s[i]);                                                       \
+    }                                                                                      \
+    CLONES static void NAME##_bxor(T *restrict d, const T *restrict s, size_t n) {         \
+        for (size_t i = 0; i < n; i++)                                                     \
+            d[i] = (T)(d[i] ^ s[i]);                                                       \
+    }                                                                                      \
+    static void NAME##_apply(int op, T *d, const T *s, size_t n) {                         \
+        switch (op) {                                                                      \
+        case MPC_OP_BAND: NAME##_band(d, s, n); break;                                     \
+        case MPC_OP_BOR: NAME##_bor(d, s, n); break;                                       \
+        case MPC_OP_BXOR: NAME##_bxor(d, s, n); break;                                     \
+        default: NAME##a_apply(op, d, s, n);                                               \
+        }                                                                                  \
+    }
+
+BINOPS(float, float, f32)
+BINOPS(double, double, f64)
+BITOPS(int32_t, uint32_t, i32)
+BITOPS(int64_t, uint64_t, i64)
+BITOPS(uint8_t, uint32_t, u8)
+BITOPS(int8_t, uint32_t, i8)
+BITOPS(int16_t, uint32_t, i16)
+BITOPS(uint16_t, uint32_t, u16)
+BITOPS(uint32_t, uint32_t, u32)
+BITOPS(uint64_t, uint64_t, u64)
+
+/* bool (one byte, 0 or 1), as torch's gloo reduces it: SUM and MAX are a
+ * logical or, PRODUCT and MIN a logical and, the bitwise ops bitwise. */
+static void bool_apply(int op, uint8_t *d, const uint8_t *s, size_t n) {
+    switch (op) {
+    case MPC_OP_SUM:
+    case MPC_OP_MAX:
+    case MPC_OP_BOR: u8_bor(d, s, n); break;
+    case MPC_OP_PROD:
+    case MPC_OP_MIN:
+    case MPC_OP_BAND: u8_band(d, s, n); break;
+    default: u8_bxor(d, s, n);
+    }
+}
 
 CLONES static void f32_scale(float *d, float k, size_t n) {
     for (size_t i = 0; i < n; i++)
@@ -508,6 +718,12 @@ static void reduce(int dtype, int op, void *dst, void *const *srcs, int nsrc, si
             case MPC_DT_F64: f64_apply(op, (double *)acc_b, (const double *)s, m); break;
             case MPC_DT_I32: i32_apply(op, (int32_t *)acc_b, (const int32_t *)s, m); break;
             case MPC_DT_I64: i64_apply(op, (int64_t *)acc_b, (const int64_t *)s, m); break;
+            case MPC_DT_BOOL: bool_apply(op, acc_b, s, m); break;
+            case MPC_DT_I8: i8_apply(op, (int8_t *)acc_b, (const int8_t *)s, m); break;
+            case MPC_DT_I16: i16_apply(op, (int16_t *)acc_b, (const int16_t *)s, m); break;
+            case MPC_DT_U16: u16_apply(op, (uint16_t *)acc_b, (const uint16_t *)s, m); break;
+            case MPC_DT_U32: u32_apply(op, (uint32_t *)acc_b, (const uint32_t *)s, m); break;
+            case MPC_DT_U64: u64_apply(op, (uint64_t *)acc_b, (const uint64_t *)s, m); break;
             default: u8_apply(op, acc_b, s, m); break;
             }
         }
@@ -540,9 +756,12 @@ static int check_args(int dtype, int op, int reducing) {
         return mpc_fail(EINVAL, "unknown dtype code %d", dtype);
     if (reducing && (op < 0 || op >= MPC_OP_COUNT))
         return mpc_fail(EINVAL, "unknown reduction op code %d", op);
-    if (reducing && op == MPC_OP_AVG && dtype != MPC_DT_F32 && dtype != MPC_DT_F64 &&
-        dtype != MPC_DT_F16 && dtype != MPC_DT_BF16)
-        return mpc_fail(EINVAL, "avg needs a floating-point dtype, not %s", dtype_names[dtype]);
+    if (reducing && op == MPC_OP_AVG && !is_float(dtype))
+        return mpc_fail(EINVAL, "AVG needs a floating-point dtype, not %s", dtype_names[dtype]);
+    if (reducing && (op == MPC_OP_BAND || op == MPC_OP_BOR || op == MPC_OP_BXOR) &&
+        is_float(dtype))
+        return mpc_fail(EINVAL, "%s needs an integer or bool dtype, not %s", op_names[op],
+                        dtype_names[dtype]);
     return 0;
 }
 
@@ -819,4 +1038,366 @@ int mpc_coll_reduce_scatter(mpc_coll *c, void *out, const void *in, uint64_t cou
         reduce(dtype, op, (uint8_t *)out + off * es, srcs, W, n);
     }
     return 0;
+}
+
+int mpc_coll_reduce(mpc_coll *c, void *buf, uint64_t count, int dtype, int op, int root,
+                    int64_t deadline) {
+    int r = check_args(dtype, op, 1);
+    if (r < 0)
+        return r;
+    if (root < 0 || root >= c->world)
+        return mpc_fail(EINVAL, "root %d is not a rank of this group of %d", root, c->world);
+    if ((r = begin(c, MPC_COLL_REDUCE, (uint32_t)op, (uint32_t)dtype, root, count, deadline)) < 0)
+        return r;
+    size_t es = dtype_size[dtype];
+    int W = c->world, me = c->rank;
+    void *srcs[MPC_COLL_MAX_RANKS];
+    uint64_t per = piece_elems(c->chunk < MPC_COLL_AR_PIECE ? c->chunk : MPC_COLL_AR_PIECE, es);
+    for (uint64_t off = 0; off < count; off += per) {
+        uint64_t n = count - off < per ? count - off : per;
+        uint8_t *mine = (uint8_t *)buf + off * es;
+        uint64_t p = c->piece++ & 1;
+        if (n * es <= MPC_COLL_ONESHOT || W == 1) {
+            /* the root reduces the whole piece */
+            if (me != root)
+                memcpy(stage(c, p, me), mine, n * es);
+            if ((r = barrier(c, "reduce", deadline)) < 0)
+                return r;
+            if (me == root) {
+                for (int q = 0; q < W; q++)
+                    srcs[q] = q == me ? mine : stage(c, p, q);
+                reduce(dtype, op, mine, srcs, W, n);
+            }
+            continue;
+        }
+        /* Rank q reduces slice q, as all_reduce does; the root's slice goes
+         * straight into its buffer, the others' into the result area, which
+         * the root copies out after the second barrier. */
+        uint64_t unit = MPC_COLL_ALIGN / es, units = (n + unit - 1) / unit;
+        uint64_t lo[MPC_COLL_MAX_RANKS + 1];
+        for (int q = 0; q <= W; q++) {
+            lo[q] = units * (uint64_t)q / (uint64_t)W * unit;
+            if (lo[q] > n)
+                lo[q] = n;
+        }
+        uint8_t *st = stage(c, p, me), *res = result(c, p);
+        uint64_t a = lo[me], b = lo[me + 1];
+        memcpy(st, mine, a * es);
+        memcpy(st + b * es, mine + b * es, (n - b) * es);
+        if ((r = barrier(c, "reduce", deadline)) < 0)
+            return r;
+        if (a < b) {
+            for (int q = 0; q < W; q++)
+                srcs[q] = (q == me ? mine : stage(c, p, q)) + a * es;
+            reduce(dtype, op, (me == root ? mine : res) + a * es, srcs, W, b - a);
+        }
+        if ((r = barrier(c, "reduce", deadline)) < 0)
+            return r;
+        if (me == root) {
+            memcpy(mine, res, a * es);
+            memcpy(mine + b * es, res + b * es, (n - b) * es);
+        }
+    }
+    return 0;
+}
+
+static int check_root_size(const mpc_coll *c, int root, uint64_t nbytes) {
+    if (root < 0 || root >= c->world)
+        return mpc_fail(EINVAL, "root %d is not a rank of this group of %d", root, c->world);
+    if (nbytes > UINT64_MAX / (uint64_t)c->world)
+        return mpc_fail(EINVAL, "%llu bytes per rank is too large", (unsigned long long)nbytes);
+    return 0;
+}
+
+int mpc_coll_gather(mpc_coll *c, void *out, const void *in, uint64_t nbytes, int root,
+                    int64_t deadline) {
+    int r = check_root_size(c, root, nbytes);
+    if (r < 0 || (r = begin(c, MPC_COLL_GATHER, 0, MPC_DT_U8, root, nbytes, deadline)) < 0)
+        return r;
+    int me = c->rank;
+    if (me == root)
+        memcpy((uint8_t *)out + (uint64_t)me * nbytes, in, nbytes);
+    for (uint64_t off = 0; off < nbytes; off += c->chunk) {
+        uint64_t n = nbytes - off < c->chunk ? nbytes - off : c->chunk;
+        uint64_t p = c->piece++ & 1;
+        if (me != root)
+            memcpy(stage(c, p, me), (const uint8_t *)in + off, n);
+        if ((r = barrier(c, "gather", deadline)) < 0)
+            return r;
+        if (me == root)
+            for (int q = 0; q < c->world; q++)
+                if (q != me)
+                    memcpy((uint8_t *)out + (uint64_t)q * nbytes + off, stage(c, p, q), n);
+    }
+    return 0;
+}
+
+int mpc_coll_scatter(mpc_coll *c, void *out, const void *in, uint64_t nbytes, int root,
+                     int64_t deadline) {
+    int r = check_root_size(c, root, nbytes);
+    if (r < 0 || (r = begin(c, MPC_COLL_SCATTER, 0, MPC_DT_U8, root, nbytes, deadline)) < 0)
+        return r;
+    int me = c->rank;
+    if (me == root)
+        memcpy(out, (const uint8_t *)in + (uint64_t)me * nbytes, nbytes);
+    for (uint64_t off = 0; off < nbytes; off += c->chunk) {
+        uint64_t n = nbytes - off < c->chunk ? nbytes - off : c->chunk;
+        uint64_t p = c->piece++ & 1;
+        if (me == root) /* rank q's slice goes into rank q's staging area */
+            for (int q = 0; q < c->world; q++)
+                if (q != me)
+                    memcpy(stage(c, p, q), (const uint8_t *)in + (uint64_t)q * nbytes + off, n);
+        if ((r = barrier(c, "scatter", deadline)) < 0)
+            return r;
+        if (me != root)
+            memcpy((uint8_t *)out + off, stage(c, p, me), n);
+    }
+    return 0;
+}
+
+int mpc_coll_all_to_all(mpc_coll *c, void *out, const void *in, const uint64_t *send,
+                        const uint64_t *recv, int64_t deadline) {
+    int W = c->world, me = c->rank;
+    uint64_t parity = c->calls & 1;
+    uint64_t *mine = a2a_sizes(c, parity, me);
+    memcpy(mine, send, (size_t)W * sizeof *send);
+    memcpy(mine + W, recv, (size_t)W * sizeof *recv);
+    int r = begin(c, MPC_COLL_ALL_TO_ALL, 0, MPC_DT_U8, 0, 0, deadline);
+    if (r < 0)
+        return r;
+    /* Every rank checks every pair against the sizes all posted, so a
+     * mismatch fails everywhere alike. */
+    uint64_t most = 0;
+    for (int i = 0; i < W; i++)
+        for (int j = 0; j < W; j++) {
+            uint64_t s = a2a_sizes(c, parity, i)[j], t = a2a_sizes(c, parity, j)[W + i];
+            if (s != t)
+                return mpc_fail(EINVAL, "ranks disagree in all_to_all: rank %d sends %llu bytes "
+                                        "to rank %d, which expects %llu bytes from rank %d",
+                                i, (unsigned long long)s, j, (unsigned long long)t, i);
+            if (i != j && s > most)
+                most = s;
+        }
+    uint64_t soff[MPC_COLL_MAX_RANKS] = {0}, roff[MPC_COLL_MAX_RANKS] = {0}, at_s = 0, at_r = 0;
+    for (int q = 0; q < W; q++) {
+        soff[q] = at_s;
+        roff[q] = at_r;
+        at_s += send[q];
+        at_r += recv[q];
+    }
+    memcpy((uint8_t *)out + roff[me], (const uint8_t *)in + soff[me], send[me]);
+    if (W == 1 || most == 0)
+        return 0;
+    /* Rounds: each rank's staging area holds a slot per peer, and round k
+     * moves bytes k*slot.. of every pair.  The sender's slot for dst is
+     * (dst - src - 1) mod world. */
+    uint64_t slot = c->chunk / (uint64_t)(W - 1) / MPC_COLL_ALIGN * MPC_COLL_ALIGN;
+    if (slot == 0)
+        slot = c->chunk / (uint64_t)(W - 1);
+    for (uint64_t off = 0; off < most; off += slot) {
+        uint64_t p = c->piece++ & 1;
+        uint8_t *st = stage(c, p, me);
+        for (int j = 0; j < W; j++)
+            if (j != me && off < send[j]) {
+                uint64_t n = send[j] - off < slot ? send[j] - off : slot;
+                memcpy(st + (uint64_t)((j - me - 1 + W) % W) * slot,
+                       (const uint8_t *)in + soff[j] + off, n);
+            }
+        if ((r = barrier(c, "all_to_all", deadline)) < 0)
+            return r;
+        for (int i = 0; i < W; i++)
+            if (i != me && off < recv[i]) {
+                uint64_t n = recv[i] - off < slot ? recv[i] - off : slot;
+                memcpy((uint8_t *)out + roff[i] + off,
+                       stage(c, p, i) + (uint64_t)((me - i - 1 + W) % W) * slot, n);
+            }
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ */
+/* Point to point                                                      */
+/* ------------------------------------------------------------------ */
+
+static uint64_t up64(uint64_t n) { return (n + MPC_COLL_ALIGN - 1) / MPC_COLL_ALIGN * MPC_COLL_ALIGN; }
+
+/* Sleeps until this rank's doorbell moves from g (read before the caller
+ * looked at its mailboxes), looking at the peers every MPC_COLL_CHECK_NS.
+ * Returns 0 for the caller to look again, or the error (the group is then
+ * broken).  what: the call, for messages; peer: the rank waited for, or -1
+ * for any. */
+static int p2p_wait(mpc_coll *c, uint32_t g, const char *what, int peer, int64_t deadline) {
+    _Atomic uint32_t *b = bell(c, c->rank);
+    if (atomic_load(&c->h->broken))
+        return broken_error(c);
+    int64_t until = mpc_now_ns() + MPC_COLL_CHECK_NS;
+    if (deadline >= 0 && deadline < until)
+        until = deadline;
+    for (int y = 0; y < c->yields && atomic_load(b) == g; y++)
+        sched_yield();
+    int r = mpc_wait_change(b, g, until);
+    if (r == 0 || (r == -EINTR && (c->interrupted == NULL || !c->interrupted(c->arg))))
+        return 0;
+    if (r == -EINTR || (r == -ETIMEDOUT && c->interrupted != NULL && c->interrupted(c->arg))) {
+        break_group(c, c->rank, "rank %d was interrupted during %s", c->rank, what);
+        return -EINTR;
+    }
+    if (r != -ETIMEDOUT)
+        return r;
+    if ((r = check_peers(c, what)) < 0)
+        return r;
+    if (deadline >= 0 && mpc_now_ns() >= deadline) {
+        char whom[32];
+        if (peer >= 0)
+            snprintf(whom, sizeof whom, "rank %d", peer);
+        else
+            snprintf(whom, sizeof whom, "any rank");
+        break_group(c, c->rank, "rank %d's %s timed out waiting for %s", c->rank, what, whom);
+        return mpc_fail(ETIMEDOUT, "%s timed out waiting for %s", what, whom);
+    }
+    return 0;
+}
+
+/* Copies n bytes between a ring of cap bytes (at byte pos, wrapping) and
+ * flat memory. */
+static void ring_put(uint8_t *ring, uint64_t cap, uint64_t pos, const uint8_t *src, uint64_t n) {
+    uint64_t at = pos % cap, first = cap - at < n ? cap - at : n;
+    memcpy(ring + at, src, first);
+    memcpy(ring, src + first, n - first);
+}
+
+static void ring_get(uint8_t *dst, const uint8_t *ring, uint64_t cap, uint64_t pos, uint64_t n) {
+    uint64_t at = pos % cap, first = cap - at < n ? cap - at : n;
+    memcpy(dst, ring + at, first);
+    memcpy(dst + first, ring, n - first);
+}
+
+static void ring_bell(mpc_coll *c, int q) {
+    atomic_fetch_add(bell(c, q), 1);
+    mpc_futex_wake(bell(c, q), INT32_MAX);
+}
+
+int mpc_coll_send(mpc_coll *c, const void *buf, uint64_t nbytes, int dst, uint32_t tag,
+                  int64_t deadline) {
+    if (dst < 0 || dst >= c->world || dst == c->rank)
+        return mpc_fail(EINVAL, "rank %d cannot send to rank %d: not another rank of this "
+                                "group of %d", c->rank, dst, c->world);
+    if (atomic_load(&c->h->broken))
+        return broken_error(c);
+    char what[64];
+    snprintf(what, sizeof what, "send to rank %d", dst);
+    mpc_coll_box *bx = box(c, c->rank, dst);
+    uint8_t *rg = ring(c, c->rank, dst);
+    uint64_t cap = c->at.ring, head = atomic_load_explicit(&bx->head, memory_order_relaxed);
+    const uint8_t *src = buf;
+    /* the header, then the data in pieces of what fits (at least a quarter
+     * of the ring, or the rest, so that neither side wakes for crumbs) */
+    uint64_t sent = 0, total = MPC_COLL_ALIGN + up64(nbytes);
+    int header = 1;
+    while (header || sent < nbytes) {
+        uint32_t g = atomic_load(bell(c, c->rank));
+        uint64_t room = cap - (head - atomic_load_explicit(&bx->tail, memory_order_acquire));
+        uint64_t left = header ? total : up64(nbytes - sent);
+        uint64_t want = left < cap / 4 ? left : cap / 4;
+        if (room < want || room < MPC_COLL_ALIGN) {
+            int r = p2p_wait(c, g, what, dst, deadline);
+            if (r < 0)
+                return r;
+            continue;
+        }
+        if (header) {
+            _Alignas(64) uint8_t line[MPC_COLL_ALIGN] = {0};
+            mpc_coll_msg m = {MPC_COLL_MSG_MAGIC, tag, nbytes};
+            memcpy(line, &m, sizeof m);
+            memcpy(rg + head % cap, line, MPC_COLL_ALIGN);
+            head += MPC_COLL_ALIGN;
+            room -= MPC_COLL_ALIGN;
+            header = 0;
+        }
+        uint64_t n = room / MPC_COLL_ALIGN * MPC_COLL_ALIGN;
+        if (n >= nbytes - sent)
+            n = nbytes - sent;
+        ring_put(rg, cap, head, src + sent, n);
+        sent += n;
+        head += up64(n);
+        atomic_store_explicit(&bx->head, head, memory_order_release);
+        ring_bell(c, dst);
+    }
+    return 0;
+}
+
+int mpc_coll_recv(mpc_coll *c, void *buf, uint64_t nbytes, int src, uint32_t tag,
+                  int64_t deadline) {
+    int W = c->world, me = c->rank;
+    if (src < -1 || src >= W || src == me)
+        return mpc_fail(EINVAL, "rank %d cannot receive from rank %d: not another rank of "
+                                "this group of %d, nor -1 (any)", me, src, W);
+    char what[64];
+    if (src >= 0)
+        snprintf(what, sizeof what, "recv from rank %d", src);
+    else
+        snprintf(what, sizeof what, "recv from any rank (tag %u)", tag);
+    uint64_t cap = c->at.ring;
+    int from = -1;
+    /* find the message: the next one from src, or the first rank (from
+     * where the last such recv stopped) whose next message has this tag */
+    while (from < 0) {
+        uint32_t g = atomic_load(bell(c, me));
+        if (atomic_load(&c->h->broken))
+            return broken_error(c);
+        for (int k = 0; k < W && from < 0; k++) {
+            int q = src >= 0 ? src : (c->next_src + k) % W;
+            if (q == me || (src >= 0 && k > 0))
+                continue;
+            mpc_coll_box *bx = box(c, q, me);
+            uint64_t tail = atomic_load_explicit(&bx->tail, memory_order_relaxed);
+            if (atomic_load_explicit(&bx->head, memory_order_acquire) - tail < MPC_COLL_ALIGN)
+                continue;
+            mpc_coll_msg m;
+            memcpy(&m, ring(c, q, me) + tail % cap, sizeof m);
+            if (m.magic != MPC_COLL_MSG_MAGIC)
+                return mpc_fail(EIO, "rank %d's mailbox from rank %d is corrupt", me, q);
+            if (m.tag != tag && src < 0)
+                continue;
+            if (m.tag != tag || m.nbytes != nbytes)
+                return mpc_fail(EINVAL, "rank %d's recv of %llu bytes with tag %u from rank %d "
+                                        "does not match the next message rank %d sent it: "
+                                        "%llu bytes with tag %u",
+                                me, (unsigned long long)nbytes, tag, q, q,
+                                (unsigned long long)m.nbytes, m.tag);
+            from = q;
+        }
+        if (from < 0) {
+            int r = p2p_wait(c, g, what, src, deadline);
+            if (r < 0)
+                return r;
+        }
+    }
+    if (src < 0)
+        c->next_src = (from + 1) % W;
+    snprintf(what, sizeof what, "recv from rank %d", from);
+    mpc_coll_box *bx = box(c, from, me);
+    const uint8_t *rg = ring(c, from, me);
+    uint64_t tail = atomic_load_explicit(&bx->tail, memory_order_relaxed) + MPC_COLL_ALIGN;
+    uint64_t got = 0;
+    atomic_store_explicit(&bx->tail, tail, memory_order_release);
+    if (nbytes == 0)
+        ring_bell(c, from);
+    while (got < nbytes) {
+        uint32_t g = atomic_load(bell(c, me));
+        uint64_t have = atomic_load_explicit(&bx->head, memory_order_acquire) - tail;
+        if (have == 0) {
+            int r = p2p_wait(c, g, what, from, deadline);
+            if (r < 0)
+                return r;
+            continue;
+        }
+        uint64_t n = have < nbytes - got ? have : nbytes - got;
+        ring_get((uint8_t *)buf + got, rg, cap, tail, n);
+        got += n;
+        tail += up64(n);
+        atomic_store_explicit(&bx->tail, tail, memory_order_release);
+        ring_bell(c, from);
+    }
+    return from;
 }

@@ -654,11 +654,16 @@ void mpc_gather(void *dst, void *const *src, size_t piece, size_t n);
 
 /* NOTE [ Shared-memory collectives ] in coll.c. */
 #define MPC_COLL_MAX_RANKS 64
+/* Element types and reductions; the codes are fixed (new ones go at the
+ * end), and their names (torch's) are what mpc_coll_dtype_name and
+ * mpc_coll_op_name return. */
 enum { MPC_DT_F32, MPC_DT_F64, MPC_DT_F16, MPC_DT_BF16, MPC_DT_I32, MPC_DT_I64, MPC_DT_U8,
-       MPC_DT_COUNT };
-enum { MPC_OP_SUM, MPC_OP_AVG, MPC_OP_PROD, MPC_OP_MIN, MPC_OP_MAX, MPC_OP_COUNT };
+       MPC_DT_BOOL, MPC_DT_I8, MPC_DT_I16, MPC_DT_U16, MPC_DT_U32, MPC_DT_U64, MPC_DT_COUNT };
+enum { MPC_OP_SUM, MPC_OP_AVG, MPC_OP_PROD, MPC_OP_MIN, MPC_OP_MAX, MPC_OP_BAND, MPC_OP_BOR,
+       MPC_OP_BXOR, MPC_OP_COUNT };
 enum { MPC_COLL_ALL_REDUCE = 1, MPC_COLL_BROADCAST, MPC_COLL_BARRIER, MPC_COLL_ALL_GATHER,
-       MPC_COLL_REDUCE_SCATTER };
+       MPC_COLL_REDUCE_SCATTER, MPC_COLL_REDUCE, MPC_COLL_GATHER, MPC_COLL_SCATTER,
+       MPC_COLL_ALL_TO_ALL, MPC_COLL_KINDS };
 
 typedef struct mpc_coll mpc_coll;
 typedef struct mpc_coll_buf mpc_coll_buf;
@@ -666,6 +671,12 @@ typedef struct mpc_coll_buf mpc_coll_buf;
 /* Returns the bytes of an element of a dtype code, or 0 for an unknown
  * code. */
 size_t mpc_coll_dtype_size(int dtype);
+
+/* The name of a dtype code as torch spells it ("float32", "bool", ...) or
+ * of an op code ("SUM", "BAND", ...); NULL for an unknown code.  Never
+ * fails. */
+const char *mpc_coll_dtype_name(int dtype);
+const char *mpc_coll_op_name(int op);
 
 /* Returns the bytes of the shared region of a group of `world` ranks that
  * stages `chunk` bytes per rank.  Never fails. */
@@ -693,6 +704,9 @@ void mpc_coll_set_interrupt(mpc_coll *c, int (*fn)(void *), void *arg);
 
 /* The pid of a rank (as it attached), or -1.  Never fails. */
 int mpc_coll_pid(const mpc_coll *c, int rank);
+
+/* The number of ranks of the group.  Never fails. */
+int mpc_coll_world(const mpc_coll *c);
 
 /* Unmaps the group and closes its pidfds.  Never fails. */
 void mpc_coll_close(mpc_coll *c);
@@ -732,6 +746,51 @@ int mpc_coll_all_gather(mpc_coll *c, void *out, const void *in, uint64_t nbytes,
                         int64_t deadline_ns);
 int mpc_coll_reduce_scatter(mpc_coll *c, void *out, const void *in, uint64_t count, int dtype,
                             int op, int64_t deadline_ns);
+
+/* More collectives, with the same rules and errors as those above.  A
+ * reduction's op must suit its dtype: AVG only for floating-point dtypes,
+ * BAND, BOR and BXOR only for integer ones and bool (-EINVAL naming both
+ * otherwise).  For bool, SUM and MAX are a logical or, PRODUCT and MIN a
+ * logical and.  The data movers (gather, scatter, all_to_all, send, recv)
+ * move bytes and take data of any type.
+ *   reduce: root's buf (count elements) becomes the reduction over the
+ *     ranks; the other ranks' buf is left as it was.
+ *   gather: root's out (world * nbytes) gets every rank's in, in rank
+ *     order; out is not touched (and may be NULL) elsewhere.
+ *   scatter: every rank's out (nbytes) gets its slice of root's in
+ *     (world * nbytes); in is not read (and may be NULL) elsewhere.
+ *   all_to_all: send[j] bytes of in (the pieces for ranks 0..world-1 end
+ *     to end) go to rank j, and out gets recv[i] bytes from each rank i, end
+ *     to end.  send and recv hold `world` sizes each.  When a rank's send
+ *     size to j differs from j's recv size from it, every rank returns
+ *     -EINVAL naming both ranks and both sizes. */
+int mpc_coll_reduce(mpc_coll *c, void *buf, uint64_t count, int dtype, int op, int root,
+                    int64_t deadline_ns);
+int mpc_coll_gather(mpc_coll *c, void *out, const void *in, uint64_t nbytes, int root,
+                    int64_t deadline_ns);
+int mpc_coll_scatter(mpc_coll *c, void *out, const void *in, uint64_t nbytes, int root,
+                     int64_t deadline_ns);
+int mpc_coll_all_to_all(mpc_coll *c, void *out, const void *in, const uint64_t *send,
+                        const uint64_t *recv, int64_t deadline_ns);
+
+/* Point to point, through the mailboxes of the group's region (NOTE
+ * [ Mailboxes ] in coll.c).  Only the ranks named take part, and messages
+ * from one rank to another arrive in the order they were sent.
+ *   send: sends nbytes of buf to rank dst with a tag; returns once the
+ *     last byte is in dst's mailbox (a message larger than the mailbox is
+ *     streamed: it returns once dst has taken all but the last mailbox's
+ *     worth).  -EINVAL for a dst that is not another rank of the group.
+ *   recv: receives a message of nbytes with this tag from rank src (-1:
+ *     from whichever rank has one first) into buf; returns the source
+ *     rank.  The next message from src must have this tag and size, else
+ *     -EINVAL naming both and the message stays where it was.  -EINVAL too
+ *     for a src that is not another rank or -1.
+ * Both: -ETIMEDOUT naming the peer, -EPIPE naming a rank that exited,
+ * -EINTR as the collectives; after these the group is broken for good. */
+int mpc_coll_send(mpc_coll *c, const void *buf, uint64_t nbytes, int dst, uint32_t tag,
+                  int64_t deadline_ns);
+int mpc_coll_recv(mpc_coll *c, void *buf, uint64_t nbytes, int src, uint32_t tag,
+                  int64_t deadline_ns);
 
 /* ------------------------------------------------------------------ */
 /* NCCL, loaded at run time (nccl.c)                                   */

@@ -42,8 +42,9 @@ void mpc__nccl_after_fork_child(void) {
 }
 
 /* mpcore's dtype and op codes (MPC_DT_*, MPC_OP_*) in NCCL's numbering. */
-static const int nccl_dtype[MPC_DT_COUNT] = {7, 8, 6, 9, 2, 4, 1};
-static const int nccl_op[MPC_OP_COUNT] = {0, 4, 1, 3, 2};
+/* -1: NCCL has no such dtype or op (bool, int16, uint16; the bitwise ops). */
+static const int nccl_dtype[MPC_DT_COUNT] = {7, 8, 6, 9, 2, 4, 1, -1, 0, -1, -1, 3, 5};
+static const int nccl_op[MPC_OP_COUNT] = {0, 4, 1, 3, 2, -1, -1, -1};
 
 static int bind_symbols(void *lib) {
 #define SYM(field, name)                                                                   \
@@ -163,6 +164,9 @@ int mpc_nccl_all_reduce(void *comm, const void *send, void *recv, size_t count, 
         return r;
     if (dtype < 0 || dtype >= MPC_DT_COUNT || op < 0 || op >= MPC_OP_COUNT)
         return mpc_fail(EINVAL, "unknown dtype %d or op %d", dtype, op);
+    if (nccl_dtype[dtype] < 0 || nccl_op[op] < 0)
+        return mpc_fail(EINVAL, "NCCL has no all-reduce of %s with %s",
+                        mpc_coll_dtype_name(dtype), mpc_coll_op_name(op));
     return check(nccl.all_reduce(send, recv, count, nccl_dtype[dtype], nccl_op[op], comm, stream),
                  "ncclAllReduce", comm);
 }

@@ -184,6 +184,149 @@ static PyObject *Group_reduce_scatter(PyObject *op, PyObject *args) {
                                     count, dtype, rop, dl));
 }
 
+static PyObject *Group_reduce(PyObject *op, PyObject *args) {
+    unsigned long long addr, count;
+    int dtype, rop, root;
+    PyObject *timeout = Py_None;
+    mpc_coll *c = group_of(op);
+    if (c == NULL || !PyArg_ParseTuple(args, "KKiii|O:reduce", &addr, &count, &dtype, &rop, &root,
+                                       &timeout))
+        return NULL;
+    int64_t dl = deadline_of(timeout);
+    if (dl == -2)
+        return NULL;
+    RUN(op, mpc_coll_reduce(c, (void *)(uintptr_t)addr, count, dtype, rop, root, dl));
+}
+
+static PyObject *Group_gather(PyObject *op, PyObject *args) {
+    unsigned long long out, in, n;
+    int root;
+    PyObject *timeout = Py_None;
+    mpc_coll *c = group_of(op);
+    if (c == NULL || !PyArg_ParseTuple(args, "KKKi|O:gather", &out, &in, &n, &root, &timeout))
+        return NULL;
+    int64_t dl = deadline_of(timeout);
+    if (dl == -2)
+        return NULL;
+    RUN(op, mpc_coll_gather(c, (void *)(uintptr_t)out, (const void *)(uintptr_t)in, n, root, dl));
+}
+
+static PyObject *Group_scatter(PyObject *op, PyObject *args) {
+    unsigned long long out, in, n;
+    int root;
+    PyObject *timeout = Py_None;
+    mpc_coll *c = group_of(op);
+    if (c == NULL || !PyArg_ParseTuple(args, "KKKi|O:scatter", &out, &in, &n, &root, &timeout))
+        return NULL;
+    int64_t dl = deadline_of(timeout);
+    if (dl == -2)
+        return NULL;
+    RUN(op, mpc_coll_scatter(c, (void *)(uintptr_t)out, (const void *)(uintptr_t)in, n, root, dl));
+}
+
+/* Reads a sequence of `world` byte counts into sizes.  Returns 0, or -1
+ * with a ValueError or TypeError naming `what`. */
+static int sizes_of(PyObject *seq, int world, const char *what, uint64_t *sizes) {
+    PyObject *fast = PySequence_Fast(seq, "all_to_all: sizes must be a sequence");
+    if (fast == NULL)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    if (n != world) {
+        Py_DECREF(fast);
+        PyErr_Format(PyExc_ValueError, "all_to_all: %s has %zd sizes, not one per rank (%d)",
+                     what, n, world);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(fast, i);
+        long long v = PyLong_AsLongLong(item);
+        if (v == -1 && PyErr_Occurred()) {
+            Py_DECREF(fast);
+            return -1;
+        }
+        if (v < 0) {
+            Py_DECREF(fast);
+            PyErr_Format(PyExc_ValueError, "all_to_all: %s[%zd] is %lld, a negative size", what,
+                         i, v);
+            return -1;
+        }
+        sizes[i] = (uint64_t)v;
+    }
+    Py_DECREF(fast);
+    return 0;
+}
+
+static PyObject *Group_all_to_all(PyObject *op, PyObject *args) {
+    unsigned long long out, in;
+    PyObject *send, *recv, *timeout = Py_None;
+    mpc_coll *c = group_of(op);
+    if (c == NULL || !PyArg_ParseTuple(args, "KKOO|O:all_to_all", &out, &in, &send, &recv,
+                                       &timeout))
+        return NULL;
+    int world = mpc_coll_world(c);
+    uint64_t s[MPC_COLL_MAX_RANKS], r[MPC_COLL_MAX_RANKS];
+    if (sizes_of(send, world, "send_sizes", s) < 0 || sizes_of(recv, world, "recv_sizes", r) < 0)
+        return NULL;
+    int64_t dl = deadline_of(timeout);
+    if (dl == -2)
+        return NULL;
+    RUN(op, mpc_coll_all_to_all(c, (void *)(uintptr_t)out, (const void *)(uintptr_t)in, s, r, dl));
+}
+
+/* A tag: torch's are non-negative ints that fit 32 bits.  Returns 0, or -1
+ * with a ValueError. */
+static int tag_of(long long tag, uint32_t *out) {
+    if (tag < 0 || tag > (long long)UINT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "tag %lld is not in 0..%u", tag, UINT32_MAX);
+        return -1;
+    }
+    *out = (uint32_t)tag;
+    return 0;
+}
+
+static PyObject *Group_send(PyObject *op, PyObject *args) {
+    unsigned long long addr, n;
+    int dst;
+    long long tag = 0;
+    uint32_t t;
+    PyObject *timeout = Py_None;
+    mpc_coll *c = group_of(op);
+    if (c == NULL ||
+        !PyArg_ParseTuple(args, "KKi|LO:send", &addr, &n, &dst, &tag, &timeout) ||
+        tag_of(tag, &t) < 0)
+        return NULL;
+    int64_t dl = deadline_of(timeout);
+    if (dl == -2)
+        return NULL;
+    RUN(op, mpc_coll_send(c, (const void *)(uintptr_t)addr, n, dst, t, dl));
+}
+
+static PyObject *Group_recv(PyObject *op, PyObject *args) {
+    unsigned long long addr, n;
+    int src;
+    long long tag = 0;
+    uint32_t t;
+    PyObject *timeout = Py_None;
+    mpc_coll *c = group_of(op);
+    if (c == NULL ||
+        !PyArg_ParseTuple(args, "KKi|LO:recv", &addr, &n, &src, &tag, &timeout) ||
+        tag_of(tag, &t) < 0)
+        return NULL;
+    int64_t dl = deadline_of(timeout);
+    if (dl == -2)
+        return NULL;
+    wait_ctx w;
+    mpc_coll_set_interrupt(c, on_signal, &w);
+    mpc_clear_error();
+    w.ts = PyEval_SaveThread();
+    int rc = mpc_coll_recv(c, (void *)(uintptr_t)addr, n, src, t, dl);
+    PyEval_RestoreThread(w.ts);
+    mpc_coll_set_interrupt(c, NULL, NULL);
+    if (rc < 0)
+        return coll_raise(op, rc);
+    return PyLong_FromLong(rc);
+}
+
 static PyObject *Group_close(PyObject *op, PyObject *unused) {
     GroupObject *self = (GroupObject *)op;
     mpc_coll_close(self->c);
@@ -203,6 +346,22 @@ static PyMethodDef Group_methods[] = {
      "all_gather(out_address, in_address, nbytes, timeout=None)"},
     {"reduce_scatter", Group_reduce_scatter, METH_VARARGS,
      "reduce_scatter(out_address, in_address, count, dtype, op, timeout=None)"},
+    {"reduce", Group_reduce, METH_VARARGS,
+     "reduce(address, count, dtype, op, root, timeout=None): root's data becomes the\n"
+     "reduction; the others' stays"},
+    {"gather", Group_gather, METH_VARARGS,
+     "gather(out_address, in_address, nbytes, root, timeout=None): out (world * nbytes)\n"
+     "is written on root only"},
+    {"scatter", Group_scatter, METH_VARARGS,
+     "scatter(out_address, in_address, nbytes, root, timeout=None): in (world * nbytes)\n"
+     "is read on root only"},
+    {"all_to_all", Group_all_to_all, METH_VARARGS,
+     "all_to_all(out_address, in_address, send_sizes, recv_sizes, timeout=None): byte\n"
+     "counts per rank; in and out hold the pieces for/from ranks 0..world-1 end to end"},
+    {"send", Group_send, METH_VARARGS,
+     "send(address, nbytes, dst, tag=0, timeout=None)"},
+    {"recv", Group_recv, METH_VARARGS,
+     "recv(address, nbytes, src, tag=0, timeout=None) -> the source rank; src=-1: any"},
     {"close", Group_close, METH_NOARGS, "close(): unmaps the group"},
     {NULL},
 };
@@ -335,5 +494,23 @@ int mpc_py_coll_exec(PyObject *m, mpc_state *st) {
         return -1;
     }
     st->GroupBufferType = (PyTypeObject *)type; /* the state owns this reference */
-    return 0;
+    /* COLL_DTYPES and COLL_OPS: name -> code, from coll.c's tables */
+    PyObject *dtypes = PyDict_New(), *ops = PyDict_New();
+    int bad = dtypes == NULL || ops == NULL;
+    for (int i = 0; !bad && mpc_coll_dtype_name(i) != NULL; i++) {
+        PyObject *v = PyLong_FromLong(i);
+        bad = v == NULL || PyDict_SetItemString(dtypes, mpc_coll_dtype_name(i), v) < 0;
+        Py_XDECREF(v);
+    }
+    for (int i = 0; !bad && mpc_coll_op_name(i) != NULL; i++) {
+        PyObject *v = PyLong_FromLong(i);
+        bad = v == NULL || PyDict_SetItemString(ops, mpc_coll_op_name(i), v) < 0;
+        Py_XDECREF(v);
+    }
+    if (!bad)
+        bad = PyModule_AddObjectRef(m, "COLL_DTYPES", dtypes) < 0 ||
+              PyModule_AddObjectRef(m, "COLL_OPS", ops) < 0;
+    Py_XDECREF(dtypes);
+    Py_XDECREF(ops);
+    return bad ? -1 : 0;
 }

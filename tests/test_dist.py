@@ -74,7 +74,7 @@ import numpy as np
 import torch
 import mpcore
 import mpcore.distributed as dist
-from mpcore import _core
+from mpcore import _backend, _core
 from torch.distributed import distributed_c10d as c10d
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
@@ -91,8 +91,6 @@ LENGTHS = (1, 7, 1001, 70_001)          # 70_001: past the one-shot size for eve
 # more than one staging piece per rank (1 MiB; all-reduce: 256 KiB)
 BIG = (("float32", 300_001, OPS), ("bfloat16", 600_001, ("SUM", "AVG")),
        ("int64", 150_001, ("SUM", "MAX")), ("uint8", 1_100_001, ("SUM",)))
-PATCH = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor",
-         "reduce_scatter", "reduce_scatter_tensor")
 
 _cache = {}
 
@@ -178,16 +176,14 @@ def run(rank, world, outdir, out):
     out["shm"] = dist.shm_group_active()
     out["rank_seen"] = dist.get_rank()
     out["world_seen"] = dist.get_world_size()
-    # Count every call that mpcore hands to torch's own collectives (gloo).
-    for name in PATCH:
-        orig = getattr(c10d, name)
-        def counting(*a, _orig=orig, _name=name, **k):
-            out["fallbacks"].append(_name)
-            return _orig(*a, **k)
-        setattr(c10d, name, counting)
+    # The default group is mpcore's, and serves every call over shared
+    # memory (it holds no gloo group to hand calls to).
+    pg = c10d._get_default_group()
+    if type(pg).__name__ != "ProcessGroupMpcore" or pg._gloo is not None:
+        out["fallbacks"].append(repr(pg))
     W = world
     fail = out["failures"]
-    shm = dist._state["group"]
+    shm = dist.shm_group()
 
     def check(key, ok, detail=""):
         out["cases"] += 1
@@ -218,7 +214,7 @@ def run(rank, world, outdir, out):
             m = torch.frombuffer(buf, dtype=DTYPES[name], count=n, offset=at * es)
             m.copy_(src)
             named = buf if who == "every rank" or rank % 2 == 0 else None
-            shm.core.all_reduce(m.data_ptr(), n, dist._DTYPES[m.dtype], OPS.index(op), None, named)
+            shm.core.all_reduce(m.data_ptr(), n, _backend.DTYPES[m.dtype], OPS.index(op), None, named)
             check(mkey, digest(m) == out["hashes"][key], "differs from the staged result")
             del m, buf
 
@@ -1015,14 +1011,15 @@ NAMES = ("init_process_group", "destroy_process_group", "all_reduce", "broadcast
 
 
 def names():
-    import mpcore.distributed as md
+    """What serves torch.distributed here: torch's own functions (no
+    wrappers), which backend CPU groups get by default, whose DDP."""
     import mpcore.parallel as mpar
     from torch.distributed import distributed_c10d as c10d
     return {
-        "torch.distributed": [n for n in NAMES if getattr(dist, n) is getattr(md, n)],
-        "distributed_c10d": [n for n in NAMES if getattr(c10d, n) is getattr(md, n)],
-        "all_reduce": dist.all_reduce is md.all_reduce,
-        "all_reduce_imported": all_reduce_imported is md.all_reduce,
+        "torch_functions": [n for n in NAMES if getattr(dist, n) is getattr(c10d, n)
+                            and getattr(c10d, n).__module__ == "torch.distributed.distributed_c10d"],
+        "all_reduce_imported": all_reduce_imported is c10d.all_reduce,
+        "cpu_backend": dist.Backend.default_device_backend_map["cpu"],
         "ddp": torch.nn.parallel.DistributedDataParallel is mpar.DistributedDataParallel,
         "ddp_imported": ddp_imported is mpar.DistributedDataParallel,
         "ddp_module": (torch.nn.parallel.distributed.DistributedDataParallel
@@ -1034,7 +1031,8 @@ def worker(rank, out):
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     import mpcore.distributed as md
-    res = {"names": names(), "shm": md.shm_group_active()}
+    res = {"names": names(), "shm": md.shm_group_active(),
+           "group": type(dist.distributed_c10d._get_default_group()).__name__}
     t = torch.full((5,), float(rank + 1))
     dist.all_reduce(t)
     res["sum"] = t.tolist()
@@ -1056,8 +1054,8 @@ if __name__ == "__main__":
 
 ALL_NAMES = ["init_process_group", "destroy_process_group", "all_reduce", "broadcast", "barrier",
              "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor"]
-SERVED = {"torch.distributed": ALL_NAMES, "distributed_c10d": ALL_NAMES, "all_reduce": True,
-          "all_reduce_imported": True, "ddp": True, "ddp_imported": True, "ddp_module": True}
+SERVED = {"torch_functions": ALL_NAMES, "all_reduce_imported": True, "cpu_backend": "mpcore",
+          "ddp": True, "ddp_imported": True, "ddp_module": True}
 
 
 @pytest.mark.timeout(120)
@@ -1073,19 +1071,20 @@ def test_mpcore_run_serves_torch_distributed_and_ddp(tmp_path):
         assert f.exists(), r.stderr[-6000:]
         res = json.loads(f.read_text())
         assert res["names"] == SERVED, rank
-        assert res["shm"] is True
+        assert res["shm"] is True and res["group"] == "ProcessGroupMpcore"
         assert res["sum"] == [3.0] * 5
         assert res["hooks"] is True
 
 
 @pytest.mark.timeout(60)
 def test_plain_python_keeps_torch_names(tmp_path):
-    # Without `mpcore run`, importing mpcore.distributed changes nothing of torch's.
+    # Without `mpcore run`, importing mpcore.distributed registers the backend
+    # and changes nothing else of torch's.
     path = write(tmp_path, "names.py", NAMES_PROGRAM)
     r = run_in_session([sys.executable, path, str(tmp_path), "names"], cwd=str(tmp_path),
                        env=child_env(), timeout=60)
     report = report_of(r)
     assert report["loaded_before"] is False
-    assert report["names"] == {"torch.distributed": [], "distributed_c10d": [],
-                               "all_reduce": False, "all_reduce_imported": False,
-                               "ddp": False, "ddp_imported": False, "ddp_module": False}
+    assert report["names"] == {"torch_functions": ALL_NAMES, "all_reduce_imported": True,
+                               "cpu_backend": "gloo", "ddp": False, "ddp_imported": False,
+                               "ddp_module": False}

@@ -103,7 +103,7 @@ def die():
     if where == "buffers":
         # each rank reduces straight from and into the others' buffers
         from mpcore import _core
-        core = dist._state["group"].core
+        core = dist.shm_group().core
         pairs = []
         for t in (small, big):
             b = _core.GroupBuffer(t.numel() * 4)

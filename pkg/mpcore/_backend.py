@@ -18,6 +18,15 @@ surface.  A call with asyncOp false runs at once on the caller's thread
 group's thread, in the order asked for.  Point-to-point calls always run
 on the group's thread, since torch gives them no asyncOp.
 
+NOTE [ The backend's cost per call ]
+A small all-reduce is a few microseconds in the core, so the layer above
+counts.  torch's dist.all_reduce spends about as much as the core before it
+calls the group (its checks, options, logging wrapper); the backend adds
+the reading of opts.reduceOp (a new pybind object each time), one dict
+lookup for what the core reduces (_CORE), and a completed Work without an
+event (_Done) for a synchronous call.  There is no fast path around torch's
+functions: the dispatcher is the one way in.
+
 NOTE [ What the core cannot serve ]
 - Ranks on several machines: the group has no region (ShmGroup is None),
   and a gloo ProcessGroup on the same store serves every call.  It is
@@ -27,14 +36,15 @@ NOTE [ What the core cannot serve ]
   send, a wrong call) would hang in connect instead of failing.  Whether
   there is a region depends only on the hosts the ranks published in the
   store, so every rank makes the same choice.
-- A reduction the core lacks for a dtype (float8, complex32, an integer
-  AVG, a dtype the core does not know): on one machine this is not sent to
+- A reduction the core lacks for a dtype (float8, complex, a dtype the
+  core does not know): on one machine this is not sent to
   gloo, which lacks the same dtypes, but done by the core's all-gather of
   the raw bytes followed by a reduction in torch, in rank order, the same
   code on every rank, so every rank gets the same bits.  The choice depends
   only on the dtype and op, which the ranks share (ranks that disagree are
   told so by the core, which compares what each asked for).
-- PREMUL_SUM (an NCCL-only op) is refused with a clear error, as gloo does.
+- PREMUL_SUM (an NCCL-only op) is refused with a clear error, as gloo
+  does, and so is AVG of integers (as the core: no rounding rule to pick).
 """
 import datetime
 import functools
@@ -62,6 +72,10 @@ def _tables():
 
 
 DTYPES, OPS = _tables()
+# (torch dtype, RedOpType) -> (dtype code, op code) of what the core reduces itself
+_CORE = {(dt, red): (dc, oc) for dt, dc in DTYPES.items() for red, oc in OPS.items()
+         if (red != _RED.AVG or dt.is_floating_point)
+         and (red not in (_RED.BAND, _RED.BOR, _RED.BXOR) or not dt.is_floating_point)}
 _FLOATS = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
 _BITWISE = (_RED.BAND, _RED.BOR, _RED.BXOR)
 _NO_TIMEOUT = datetime.timedelta(0)
@@ -99,11 +113,54 @@ class Work(_dist.Work, dist.Work):
         self.wait()
 
 
-def _done(tensors):
-    """The Work of a call that has completed."""
-    w = Work(tensors)
-    w._done.set()
-    return w
+class _Done(dist.Work):
+    """The Work of a call that completed before it returned: no event to
+    wait on (NOTE [ The backend's cost per call ])."""
+
+    def __init__(self, tensors):
+        dist.Work.__init__(self)
+        self._tensors = tensors
+
+    def wait(self, timeout=_NO_TIMEOUT):
+        return True
+
+    def is_completed(self):
+        return True
+
+    def is_success(self):
+        return True
+
+    def exception(self):
+        return None
+
+    def result(self):
+        return self._tensors
+
+    def get_future(self):
+        fut = torch.futures.Future()
+        fut.set_result(self._tensors)
+        return fut
+
+    def synchronize(self):
+        pass
+
+
+_done = _Done
+
+
+def _checked(what, red, tensors, async_op):
+    """None when the op suits the tensors; else, for async_op, a Work that
+    reports the error (as the group's thread reports the core's), and
+    otherwise the error is raised."""
+    try:
+        _check_op(what, red, tensors)
+    except ValueError as e:
+        if not async_op:
+            raise
+        w = Work(tensors)
+        w._finish(e)
+        return w
+    return None
 
 
 # --- helpers ------------------------------------------------------------------------
@@ -320,20 +377,22 @@ class ProcessGroupMpcore(dist.ProcessGroup):
 
     # -- all-reduce ---------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
-        opts = opts if opts is not None else dist.AllreduceOptions()
-        if len(tensors) == 1:
+        if opts is None:
+            opts = dist.AllreduceOptions()
+        red = opts.reduceOp.op
+        shm = self.shm
+        if len(tensors) == 1 and shm is not None:
             t = tensors[0]
-            red = opts.reduceOp.op
-            code = OPS.get(red)
-            dt = DTYPES.get(t.dtype)
-            if (self.shm is not None and t.device.type == "cpu" and dt is not None
-                    and code is not None and t.is_contiguous() and t.layout == torch.strided
-                    and (red != _RED.AVG or t.dtype in _FLOATS)
-                    and (red not in _BITWISE or not t.is_floating_point())):
-                core = self.shm.core
-                return self._run(opts.asyncOp, tensors, core.all_reduce, t.data_ptr(),
-                                 t.numel(), dt, code, keep=(t,))
-        return self._allreduce(tensors, opts.reduceOp.op, opts.asyncOp)
+            codes = _CORE.get((t.dtype, red))
+            if codes is not None and t.is_cpu and t.is_contiguous():
+                if opts.asyncOp:
+                    return shm.run(True, tensors, shm.core.all_reduce, t.data_ptr(), t.numel(),
+                                   codes[0], codes[1], keep=(t,))
+                if shm._queued:
+                    shm.drain()
+                shm.core.all_reduce(t.data_ptr(), t.numel(), codes[0], codes[1], shm.timeout)
+                return _Done(tensors)
+        return self._allreduce(tensors, red, opts.asyncOp)
 
     def _allreduce(self, tensors, red, async_op):
         if self._gloo is not None:
@@ -350,7 +409,9 @@ class ProcessGroupMpcore(dist.ProcessGroup):
                 n.all_reduce(t, _NCCL_DTYPES[t.dtype], OPS[red])
             return _done(tensors)
         _check_cpu("all_reduce", tensors)
-        _check_op("all_reduce", red, tensors)
+        failed = _checked("all_reduce", red, tensors, async_op)
+        if failed is not None:
+            return failed
         dense = [_Dense(t) for t in tensors]
         calls = []
         for d in dense:
@@ -374,7 +435,6 @@ class ProcessGroupMpcore(dist.ProcessGroup):
     def _gathered_reduce(self, t, red, timeout):
         """t becomes the reduction over the ranks, for a dtype or op the
         core does not reduce (NOTE [ What the core cannot serve ])."""
-        _reduce_stack(torch.empty(0, dtype=t.dtype), red, 1)  # refuses before anyone waits
         stack = torch.empty((self._world,) + tuple(t.shape), dtype=t.dtype)
         self.shm.core.all_gather(stack.data_ptr(), t.data_ptr(), _nbytes(t), timeout)
         t.copy_(_reduce_stack(stack, red, self._world))
@@ -574,7 +634,9 @@ class ProcessGroupMpcore(dist.ProcessGroup):
     reduce_scatter_single = _reduce_scatter_base
 
     def _reduce_scatter_flat(self, output, flat, red, async_op, result):
-        _check_op("reduce_scatter", red, [output])
+        failed = _checked("reduce_scatter", red, [output], async_op)
+        if failed is not None:
+            return failed
         dst = _Dense(output, read=False)
         out = dst.t
         dt, code = DTYPES.get(out.dtype), OPS.get(red)
@@ -750,6 +812,7 @@ class ProcessGroupMpcore(dist.ProcessGroup):
             off = int(table[i, :r].sum().item())
             out[at:at + recv[i]] = every[i, off:off + recv[i]] if recv[i] else out[at:at]
             at += recv[i]
+        dst.back()
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else dist.AllToAllOptions()

@@ -1,0 +1,760 @@
+"""mpcore's torch.distributed backend (ProcessGroupMpcore, _backend.py),
+result for result against torch's own gloo.
+
+Ranks are started once per module: pools of 2 and 4 rank processes that
+run jobs the test sends them (one JSON line each on stdin) and answer with
+one line each.  Every rank has the default group (init_process_group("gloo"),
+which mpcore serves) and, next to each mpcore group, a group of torch's own
+gloo over the same ranks: a job runs the same call on both with the same
+inputs, and checks mpcore's result against the one computed from every
+rank's inputs (each rank can rebuild all inputs from their seeds) and
+against gloo's, where gloo takes the dtype and op.
+"""
+import ast
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import fresh_env, require
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _have_gloo():
+    try:
+        import torch.distributed as dist
+        return dist.is_available() and dist.is_gloo_available()
+    except ImportError:
+        return False
+
+
+WORKER = r'''
+import ast, datetime, json, os, sys, threading, time, traceback, zlib
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+import mpcore.distributed as md
+from mpcore import _backend
+
+RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+torch.set_num_threads(1)
+md.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+R = dist.ReduceOp
+
+DT = ["float32", "float64", "float16", "bfloat16", "complex64", "complex128", "int8", "int16",
+      "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool", "float8_e4m3fn",
+      "float8_e5m2"]
+FLOATS = {"float32", "float64", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
+COMPLEX = {"complex64", "complex128"}
+UNSIGNED = {"uint8", "uint16", "uint32", "uint64"}
+
+
+class real_gloo:
+    """torch's own gloo for the groups made inside (mpcore serves "gloo"
+    otherwise): torch's BackendConfig and CPU default while inside."""
+    def __enter__(self):
+        self.cfg = c10d.BackendConfig
+        c10d.BackendConfig = self.cfg.__mro__[1]
+        dist.Backend.default_device_backend_map["cpu"] = "gloo"
+    def __exit__(self, *a):
+        c10d.BackendConfig = self.cfg
+        dist.Backend.default_device_backend_map["cpu"] = "mpcore"
+
+
+GROUPS = {}
+def make_groups():
+    """kind -> (mpcore group, gloo group, global ranks), None where this
+    rank is not a member; every rank makes every group in the same order."""
+    with real_gloo():
+        GROUPS["world"] = (c10d._get_default_group(), dist.new_group(backend="gloo"),
+                           list(range(WORLD)))
+    pair = [0, WORLD - 1]
+    m = dist.new_group(pair)
+    with real_gloo():
+        g = dist.new_group(pair, backend="gloo")
+    GROUPS["new_group"] = (m, g, pair) if RANK in pair else None
+    m, _ = dist.new_subgroups(2)
+    with real_gloo():
+        g, _ = dist.new_subgroups(2, backend="gloo")
+    GROUPS["new_subgroups"] = (m, g, dist.get_process_group_ranks(m))
+    kinds = {}
+    for k, v in GROUPS.items():
+        if v is not None:
+            kinds[k] = [type(v[0]).__name__, type(v[1]).__name__, v[0].shm is not None]
+    return kinds
+
+
+def make(name, shape, rank, tag):
+    g = torch.Generator().manual_seed(zlib.crc32(f"{name}|{shape}|{rank}|{tag}".encode()))
+    x = torch.randint(-2, 3, tuple(shape), generator=g)
+    if name == "bool":
+        return (x % 2).bool()
+    if name in UNSIGNED:
+        x = x.abs()
+    if name in COMPLEX:
+        return torch.complex(x.double(), x.flip(-1).double()).to(getattr(torch, name))
+    return x.to(getattr(torch, name))
+
+
+def nbytes_view(t):
+    t = t.contiguous()
+    if t.dtype == torch.bool:
+        return (t.view(torch.uint8) != 0).to(torch.uint8).reshape(-1)
+    return t.reshape(-1).view(torch.uint8)
+
+
+def same(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(nbytes_view(a), nbytes_view(b))
+
+
+def reduce_ref(ts, op, name):
+    """The reduction of ts (rank order) computed here, wide, then cast."""
+    dt = ts[0].dtype
+    if name == "bool":
+        x = torch.stack([t.to(torch.int64) for t in ts])
+        if op in ("SUM", "MAX", "BOR"):
+            r = x.amax(0)
+        elif op in ("PRODUCT", "MIN", "BAND"):
+            r = x.amin(0)
+        else:
+            r = x.sum(0) % 2
+        return r.bool()
+    if name in COMPLEX:
+        x = torch.stack([t.to(torch.complex128) for t in ts])
+    elif name in FLOATS:
+        x = torch.stack([t.double() for t in ts])
+    else:
+        x = torch.stack([t.to(torch.int64) for t in ts])
+    if op in ("SUM", "AVG"):
+        r = x.sum(0)
+        if op == "AVG":
+            r = r / len(ts)
+    elif op == "PRODUCT":
+        r = x.prod(0)
+    elif op == "MIN":
+        r = x.amin(0)
+    elif op == "MAX":
+        r = x.amax(0)
+    else:
+        fn = {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}[op]
+        r = x[0]
+        for y in x[1:]:
+            r = fn(r, y)
+    return r.to(dt)
+
+
+def applies(op, name):
+    if op == "AVG":
+        return name in FLOATS or name in COMPLEX
+    if op in ("BAND", "BOR", "BXOR"):
+        return name not in FLOATS and name not in COMPLEX
+    if op in ("MIN", "MAX", "PRODUCT"):
+        return name not in COMPLEX
+    return True
+
+
+def strided(t):
+    """A non-contiguous tensor with t's values."""
+    big = torch.zeros((2,) + tuple(t.shape), dtype=t.dtype)
+    big[1] = t
+    return big.transpose(0, 1)[:, 1] if t.dim() else big[1]
+
+
+def checker():
+    st = {"fails": [], "gloo": []}
+    def check(key, mine, want, theirs=None):
+        if not same(mine, want):
+            st["fails"].append(f"{key}: got {mine.tolist()} want {want.tolist()}")
+        if theirs is not None:
+            st["gloo"].append(key)
+            if not same(mine, theirs):
+                st["fails"].append(f"{key}: got {mine.tolist()}, gloo {theirs.tolist()}")
+    return st, check
+
+
+def on_gloo(fn):
+    """fn() on torch's gloo; None when gloo refuses the dtype or op."""
+    try:
+        return fn()
+    except (RuntimeError, ValueError, TypeError) as e:
+        return None
+
+
+def job_all_reduce(kind, op, noncontig=False, async_op=False, shape=(3, 5), coalesced=False):
+    if GROUPS[kind] is None:
+        return "skip"
+    m, g, members = GROUPS[kind]
+    r, W = members.index(RANK), len(members)
+    st, check = checker()
+    for name in DT:
+        if not applies(op, name):
+            continue
+        ins = [make(name, shape, q, "ar" + op) for q in range(W)]
+        want = reduce_ref(ins, op, name)
+        t = strided(ins[r]) if noncontig else ins[r].clone()
+        if coalesced:
+            u = ins[r].clone()
+            dist.all_reduce_coalesced([t, u], op=getattr(R, op), group=m)
+            check(f"{name} coalesced second", u, want)
+        else:
+            w = dist.all_reduce(t, op=getattr(R, op), group=m, async_op=async_op)
+            if async_op:
+                w.wait()
+        if name in COMPLEX or op == "AVG":
+            theirs = None
+        else:
+            theirs = on_gloo(lambda: (lambda x: (dist.all_reduce(x, op=getattr(R, op), group=g), x)[1])(ins[r].clone()))
+        check(name, t, want, theirs)
+    return st
+
+
+def job_reduce(kind, op):
+    if GROUPS[kind] is None:
+        return "skip"
+    m, g, members = GROUPS[kind]
+    r, W = members.index(RANK), len(members)
+    st, check = checker()
+    for root in range(W):
+        for name in DT:
+            if not applies(op, name):
+                continue
+            ins = [make(name, (4,), q, "red" + op + str(root)) for q in range(W)]
+            want = reduce_ref(ins, op, name) if r == root else ins[r]
+            t = ins[r].clone()
+            dist.reduce(t, dst=members[root], op=getattr(R, op), group=m)
+            theirs = None
+            if op != "AVG" and name not in COMPLEX and r == root:   # gloo's others: scratch
+                x = ins[r].clone()
+                theirs = on_gloo(lambda: (dist.reduce(x, dst=members[root], op=getattr(R, op),
+                                                      group=g), x)[1])
+            elif op != "AVG" and name not in COMPLEX:
+                on_gloo(lambda: dist.reduce(ins[r].clone(), dst=members[root],
+                                            op=getattr(R, op), group=g))
+            check(f"{name} root {root}", t, want, theirs)
+    return st
+
+
+def job_reduce_scatter(kind, op, form):
+    if GROUPS[kind] is None:
+        return "skip"
+    m, g, members = GROUPS[kind]
+    r, W = members.index(RANK), len(members)
+    st, check = checker()
+    for name in DT:
+        if not applies(op, name):
+            continue
+        ins = [make(name, (W * 3,), q, "rs" + op) for q in range(W)]
+        want = reduce_ref([x[r * 3:(r + 1) * 3] for x in ins], op, name)
+        out = torch.zeros(3, dtype=ins[0].dtype)
+        def call(group, o):
+            if form == "tensor":
+                dist.reduce_scatter_tensor(o, ins[r].clone(), op=getattr(R, op), group=group)
+            else:
+                dist.reduce_scatter(o, list(ins[r].clone().split(3)), op=getattr(R, op), group=group)
+            return o
+        call(m, out)
+        theirs = None
+        if op != "AVG" and name not in COMPLEX:
+            theirs = on_gloo(lambda: call(g, torch.zeros(3, dtype=ins[0].dtype)))
+        check(name, out, want, theirs)
+    return st
+
+
+def job_movers(kind, what, noncontig=False):
+    """Collectives that move bytes: every dtype, every root."""
+    if GROUPS[kind] is None:
+        return "skip"
+    m, g, members = GROUPS[kind]
+    r, W = members.index(RANK), len(members)
+    st, check = checker()
+    for name in DT:
+        dt = getattr(torch, name)
+        ins = [make(name, (2, 3), q, what) for q in range(W)]
+        mine = lambda: strided(ins[r]) if noncontig else ins[r].clone()
+        if what == "broadcast":
+            for root in range(W):
+                def call(group):
+                    t = mine()
+                    dist.broadcast(t, src=members[root], group=group)
+                    return t
+                check(f"{name} root {root}", call(m), ins[root], on_gloo(lambda: call(g)))
+        elif what == "all_gather":
+            def call(group):
+                outs = [torch.zeros(2, 3, dtype=dt) for _ in range(W)]
+                dist.all_gather(outs, mine(), group=group)
+                return torch.stack(outs)
+            check(name, call(m), torch.stack(ins), on_gloo(lambda: call(g)))
+        elif what == "all_gather_into_tensor":
+            def call(group):
+                out = torch.zeros(3, W * 2, dtype=dt).t() if noncontig else \
+                    torch.zeros(W * 2, 3, dtype=dt)
+                dist.all_gather_into_tensor(out, mine(), group=group)
+                return out
+            check(name, call(m), torch.cat(ins), on_gloo(lambda: call(g)))
+        elif what == "gather":
+            for root in range(W):
+                def call(group):
+                    outs = [torch.zeros(2, 3, dtype=dt) for _ in range(W)] if r == root else None
+                    dist.gather(mine(), outs, dst=members[root], group=group)
+                    return torch.stack(outs) if outs is not None else torch.zeros(1)
+                want = torch.stack(ins) if r == root else torch.zeros(1)
+                check(f"{name} root {root}", call(m), want, on_gloo(lambda: call(g)))
+        elif what == "scatter":
+            for root in range(W):
+                parts = [make(name, (2, 3), q, f"sc{root}") for q in range(W)]
+                def call(group):
+                    out = torch.zeros(2, 3, dtype=dt)
+                    o = strided(out) if noncontig else out
+                    dist.scatter(o, [p.clone() for p in parts] if r == root else None,
+                                 src=members[root], group=group)
+                    return o
+                check(f"{name} root {root}", call(m), parts[r], on_gloo(lambda: call(g)))
+        elif what == "all_to_all_single":
+            def call(group):
+                out = torch.zeros(W * 2, 3, dtype=dt)
+                dist.all_to_all_single(out, torch.cat([x for x in ins[r].repeat(W, 1).split(2)]),
+                                       group=group)
+                return out
+            want = torch.cat([ins[q] for q in range(W)])
+            check(f"{name} even", call(m), want, on_gloo(lambda: call(g)))
+            f = lambda i, j: (i + 2 * j) % 3 + 1      # rows rank i sends to rank j
+            src = make(name, (sum(f(r, j) for j in range(W)), 3), r, "a2av")
+            srcs = [make(name, (sum(f(i, j) for j in range(W)), 3), i, "a2av") for i in range(W)]
+            def call(group):
+                out = torch.zeros(sum(f(i, r) for i in range(W)), 3, dtype=dt)
+                dist.all_to_all_single(out, src.clone(), [f(i, r) for i in range(W)],
+                                       [f(r, j) for j in range(W)], group=group)
+                return out
+            want = torch.cat([srcs[i][sum(f(i, k) for k in range(r)):][:f(i, r)] for i in range(W)])
+            check(f"{name} uneven", call(m), want, on_gloo(lambda: call(g)))
+        elif what == "all_to_all":
+            f = lambda i, j: (i + j) % 2 + 1
+            def call(group):
+                outs = [torch.zeros(f(i, r), 3, dtype=dt) for i in range(W)]
+                dist.all_to_all(outs, [make(name, (f(r, j), 3), r, f"a2a{j}") for j in range(W)],
+                                group=group)
+                return torch.cat(outs)
+            want = torch.cat([make(name, (f(i, r), 3), i, f"a2a{r}") for i in range(W)])
+            check(name, call(m), want, on_gloo(lambda: call(g)))
+        elif what == "send_recv":
+            # a ring: send to the next rank, receive from the previous one (or from any)
+            nxt, prv = members[(r + 1) % W], members[(r - 1) % W]
+            for anysrc in (False, True):
+                def call(group):
+                    out = torch.zeros(2, 3, dtype=dt)
+                    s = dist.isend(mine(), nxt, group=group)
+                    if anysrc:
+                        w = dist.irecv(out, group=group)
+                        w.wait()
+                        got = w._source_rank() if hasattr(w, "_source_rank") else None
+                    else:
+                        dist.recv(out, prv, group=group)
+                    s.wait()
+                    return out
+                check(f"{name} any={anysrc}", call(m), ins[(r - 1) % W], on_gloo(lambda: call(g)))
+    return st
+
+
+def job_objects(kind):
+    if GROUPS[kind] is None:
+        return "skip"
+    m, g, members = GROUPS[kind]
+    r, W = members.index(RANK), len(members)
+    res = {}
+    for key, group in (("mpcore", m), ("gloo", g)):
+        objs = [None] * W
+        dist.all_gather_object(objs, {"rank": RANK, "x": [RANK] * (RANK + 1)}, group=group)
+        lst = [f"from {members[0]}", None] if r == 0 else [None, None]
+        dist.broadcast_object_list(lst, src=members[0], group=group)
+        res[key] = [objs, lst]
+    return res
+
+
+def job_mismatch(kind):
+    """Ranks that ask for different calls: an error on every rank."""
+    m, g, members = GROUPS[kind]
+    r = members.index(RANK)
+    out = {}
+    for case in ("size", "op", "kind"):
+        try:
+            if case == "size":
+                dist.all_reduce(torch.ones(4 + r), group=m)
+            elif case == "op":
+                dist.all_reduce(torch.ones(4), op=R.SUM if r == 0 else R.MAX, group=m)
+            elif r == 0:
+                dist.all_reduce(torch.ones(4), group=m)
+            else:
+                dist.broadcast(torch.ones(4), src=members[0], group=m)
+            out[case] = "no error"
+        except Exception as e:
+            out[case] = f"{type(e).__name__}: {e}"
+    t = torch.ones(3)
+    dist.all_reduce(t, group=m)          # the group still serves
+    out["after"] = t.tolist()
+    return out
+
+
+def _region_maps():
+    with open("/proc/self/maps") as f:
+        return sum(1 for l in f if "memfd:mpcore" in l)
+
+
+def job_destroy():
+    before = _region_maps()
+    sub = dist.new_group(list(range(WORLD)))
+    t = torch.ones(2)
+    dist.all_reduce(t, group=sub)
+    made = _region_maps()
+    dist.destroy_process_group(sub)
+    after = _region_maps()
+    try:
+        dist.all_reduce(torch.ones(2), group=sub)
+        used = "no error"
+    except Exception as e:
+        used = f"{type(e).__name__}: {e}"
+    return {"before": before, "made": made, "after": after, "sum": t.tolist(), "used": used,
+            "shm": md.shm_group_active(sub) if False else None}
+
+
+def job_work(stage):
+    m = c10d._get_default_group()
+    if stage == "async":
+        t = torch.full((4,), float(RANK + 1))
+        w = dist.all_reduce(t, async_op=True)
+        fut = w.get_future()
+        ok = w.wait()
+        val = fut.wait()
+        later = dist.all_reduce(torch.ones(2), async_op=True)   # queued after
+        b = torch.ones(2)
+        dist.all_reduce(b)                                      # runs after `later`
+        return {"wait": ok, "done": w.is_completed(), "exc": w.exception() is None,
+                "sum": t.tolist(), "fut": [x.tolist() for x in val],
+                "later_done": later.is_completed(), "b": b.tolist(),
+                "isinstance": isinstance(w, dist.Work)}
+    if stage == "early":     # only rank 0 runs this first: its wait(timeout) times out
+        t = torch.ones(3)
+        w = dist.all_reduce(t, async_op=True)
+        t0 = time.monotonic()
+        try:
+            w.wait(datetime.timedelta(milliseconds=200))
+            r = "no timeout"
+        except Exception as e:
+            r = f"{type(e).__name__}: {e}"
+        GROUPS["pending"] = (w, t)
+        return {"wait": r, "done": w.is_completed(), "took": time.monotonic() - t0}
+    if stage == "late":      # the other ranks join; rank 0 waits for its pending work
+        if RANK == 0:
+            w, t = GROUPS.pop("pending")
+            w.wait()
+            return t.tolist()
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        return t.tolist()
+    if stage == "error":     # an async call that fails reports through its Work
+        w = dist.all_reduce(torch.ones(2 + RANK), async_op=True)
+        try:
+            w.wait()
+            r = "no error"
+        except Exception as e:
+            r = f"{type(e).__name__}: {e}"
+        return {"wait": r, "exc": str(w.exception()), "done": w.is_completed()}
+
+
+def job_dead_rank(victim):
+    """Every rank of the world; a subgroup of the others and the victim.
+    The victim is killed by the test while the others wait in collectives."""
+    sub = dist.new_group([1, 2])
+    if RANK == victim:
+        print("READY", flush=True)
+        time.sleep(600)
+    print("READY", flush=True)
+    t0 = time.monotonic()
+    errors = {}
+    if RANK == 1:
+        w = dist.all_reduce(torch.ones(2), async_op=True)         # world, on its thread
+        try:
+            dist.all_reduce(torch.ones(2), group=sub)
+            errors["sub"] = "no error"
+        except Exception as e:
+            errors["sub"] = f"{type(e).__name__}: {e}"
+        try:
+            w.wait()
+            errors["world"] = "no error"
+        except Exception as e:
+            errors["world"] = f"{type(e).__name__}: {e}"
+    else:
+        try:
+            dist.all_reduce(torch.ones(2))
+            errors["world"] = "no error"
+        except Exception as e:
+            errors["world"] = f"{type(e).__name__}: {e}"
+    errors["took"] = time.monotonic() - t0
+    return errors
+
+
+JOBS = {k[4:]: v for k, v in globals().items() if k.startswith("job_")}
+JOBS["make_groups"] = make_groups
+print("UP", flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    if req["job"] == "quit":
+        break
+    try:
+        res = {"ok": JOBS[req["job"]](**req["kw"])}
+    except BaseException as e:
+        res = {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}
+    print("RESULT " + repr(res), flush=True)
+dist.destroy_process_group()
+'''
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Pool:
+    """`world` rank processes of the worker program, with the world group up."""
+
+    def __init__(self, world, tmp, groups=True):
+        self.world = world
+        path = tmp / "worker.py"
+        path.write_text(textwrap.dedent(WORKER))
+        port = _free_port()
+        self.procs = []
+        for r in range(world):
+            env = {k: v for k, v in fresh_env().items() if not k.startswith("MPCORE_")}
+            env.update(RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
+            self.procs.append(subprocess.Popen(
+                [sys.executable, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=open(tmp / f"rank{r}.err", "w"), text=True, env=env,
+                start_new_session=True))
+        self.tmp = tmp
+        try:
+            for r in range(world):
+                assert self.line(r, 120) == "UP", self.stderr(r)
+            self.kinds = self.run("make_groups") if groups else None
+        except BaseException:
+            self.close()
+            raise
+
+    def stderr(self, r):
+        return (self.tmp / f"rank{r}.err").read_text()[-4000:]
+
+    def line(self, r, timeout):
+        f = self.procs[r].stdout
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([f], [], [], left)[0]:
+                raise AssertionError(f"rank {r} gave no answer in {timeout} s\n{self.stderr(r)}")
+            line = f.readline()
+            if not line:
+                raise AssertionError(f"rank {r} exited (rc {self.procs[r].poll()})\n"
+                                     f"{self.stderr(r)}")
+            if line.startswith(("RESULT ", "UP", "READY")):
+                return line.rstrip("\n")
+
+    def send(self, job, ranks=None, **kw):
+        for r in (range(self.world) if ranks is None else ranks):
+            self.procs[r].stdin.write(json.dumps({"job": job, "kw": kw}) + "\n")
+            self.procs[r].stdin.flush()
+
+    def collect(self, ranks=None, timeout=90):
+        out = []
+        for r in (range(self.world) if ranks is None else ranks):
+            res = ast.literal_eval(self.line(r, timeout)[len("RESULT "):])
+            assert "error" in res or "ok" in res
+            if "error" in res:
+                raise AssertionError(f"rank {r}: {res['error']}\n{res['tb']}")
+            out.append(res["ok"])
+        return out
+
+    def run(self, job, timeout=90, **kw):
+        self.send(job, **kw)
+        return self.collect(timeout=timeout)
+
+    def close(self):
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    p.stdin.write(json.dumps({"job": "quit"}) + "\n")
+                    p.stdin.close()
+                except OSError:
+                    pass
+        rcs = []
+        for p in self.procs:
+            try:
+                rcs.append(p.wait(30))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                rcs.append(p.wait())
+        for p in self.procs:
+            p.stdout.close()
+        return rcs
+
+
+def _pool(world, tmp_path_factory):
+    require(_have_gloo(), "torch.distributed with gloo is not available")
+    pool = Pool(world, tmp_path_factory.mktemp(f"pool{world}"))
+    yield pool
+    rcs = pool.close()
+    assert rcs == [0] * world, [pool.stderr(r) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def pool2(tmp_path_factory):
+    yield from _pool(2, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def pool4(tmp_path_factory):
+    yield from _pool(4, tmp_path_factory)
+
+
+@pytest.fixture(params=[2, 4], ids=["2ranks", "4ranks"])
+def pool(request):
+    return request.getfixturevalue(f"pool{request.param}")
+
+
+def _assert_all(results, min_gloo=()):
+    ran = [res for res in results if res != "skip"]
+    assert ran, "no rank ran the job"
+    for rank, res in enumerate(results):
+        if res == "skip":
+            continue
+        assert res["fails"] == [], f"rank {rank}:\n" + "\n".join(res["fails"][:30])
+    for key in min_gloo:
+        assert all(any(k.split()[0] == key for k in res["gloo"]) for res in ran), \
+            (key, ran[0]["gloo"])
+
+
+KINDS = ["world", "new_group", "new_subgroups"]
+
+
+def test_groups_are_mpcore_and_gloo(pool):
+    for kinds in pool.kinds:
+        for kind, (mine, theirs, shm) in kinds.items():
+            assert mine == "ProcessGroupMpcore" and shm is True, kind
+            assert theirs == "ProcessGroup", kind
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("op", ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"])
+def test_all_reduce(pool, kind, op):
+    _assert_all(pool.run("all_reduce", kind=kind, op=op),
+                min_gloo=("float32", "int64") if op in ("SUM", "MIN", "MAX") else ())
+
+
+@pytest.mark.parametrize("how", ["noncontig", "async", "coalesced"])
+def test_all_reduce_forms(pool, how):
+    _assert_all(pool.run("all_reduce", kind="world", op="SUM", noncontig=how == "noncontig",
+                         async_op=how == "async", coalesced=how == "coalesced"))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("op", ["SUM", "MAX", "BXOR"])
+def test_reduce(pool, kind, op):
+    _assert_all(pool.run("reduce", kind=kind, op=op))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("form", ["tensor", "list"])
+@pytest.mark.parametrize("op", ["SUM", "AVG", "MIN"])
+def test_reduce_scatter(pool, kind, form, op):
+    _assert_all(pool.run("reduce_scatter", kind=kind, op=op, form=form))
+
+
+MOVERS = ["broadcast", "all_gather", "all_gather_into_tensor", "gather", "scatter",
+          "all_to_all_single", "all_to_all", "send_recv"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("what", MOVERS)
+def test_movers(pool, kind, what):
+    _assert_all(pool.run("movers", kind=kind, what=what), min_gloo=("float32",) if what not in (
+        "send_recv", "all_to_all") else ())   # gloo has no list all_to_all
+
+
+@pytest.mark.parametrize("what", ["broadcast", "all_gather_into_tensor", "scatter"])
+def test_movers_non_contiguous(pool, what):
+    _assert_all(pool.run("movers", kind="world", what=what, noncontig=True))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_object_collectives(pool, kind):
+    for res in pool.run("objects", kind=kind):
+        if res != "skip":
+            assert res["mpcore"] == res["gloo"]
+
+
+def test_mismatched_calls_fail_on_every_rank(pool):
+    results = pool.run("mismatch", kind="world", timeout=60)
+    for rank, res in enumerate(results):
+        assert "5" in res["size"] and "4" in res["size"] and "Error" in res["size"], res
+        assert "sum" in res["op"].lower() and "max" in res["op"].lower(), res
+        assert "all_reduce" in res["kind"] and "broadcast" in res["kind"], res
+        assert res["after"] == [float(pool.world)] * 3
+
+
+def test_destroy_frees_the_region(pool):
+    for res in pool.run("destroy"):
+        assert res["made"] == res["before"] + 1 and res["after"] == res["before"], res
+        assert res["sum"] == [float(pool.world)] * 2
+        assert res["used"] != "no error"
+
+
+def test_work_surface(pool2):
+    a, b = pool2.run("work", stage="async")
+    for res in (a, b):
+        assert res["wait"] is True and res["done"] and res["exc"] and res["isinstance"]
+        assert res["sum"] == [3.0] * 4 and res["fut"] == [[3.0] * 4]
+        assert res["later_done"] is True and res["b"] == [2.0, 2.0]
+    pool2.send("work", ranks=[0], stage="early")
+    early, = pool2.collect(ranks=[0])
+    assert "TimeoutError" in early["wait"] and early["done"] is False, early
+    pool2.send("work", stage="late")
+    assert pool2.collect() == [[2.0] * 3, [2.0] * 3]
+    errs = pool2.run("work", stage="error")
+    for res in errs:
+        assert "all_reduce" in res["wait"] and res["done"] is True
+        assert res["exc"] in res["wait"]
+
+
+@pytest.mark.timeout(120)
+def test_dead_rank_on_a_subgroup(tmp_path):
+    """A rank killed while the others wait on the world group and on a
+    subgroup: a clear error naming it on every rank within a second, and
+    nothing left behind."""
+    require(_have_gloo(), "torch.distributed with gloo is not available")
+    pool = Pool(3, tmp_path, groups=False)
+    victim = 2
+    try:
+        pool.send("dead_rank", victim=victim)
+        for r in range(3):
+            assert pool.line(r, 60) == "READY"
+        time.sleep(0.3)  # the others are inside their collectives (no event to wait on)
+        os.kill(pool.procs[victim].pid, signal.SIGKILL)
+        res = pool.collect(ranks=[0, 1], timeout=30)
+    finally:
+        rcs = pool.close()
+    pid = pool.procs[victim].pid
+    for r, errs in zip((0, 1), res):
+        assert errs["took"] < 0.3 + 1.0, errs
+        keys = ("sub", "world") if r == 1 else ("world",)
+        for k in keys:   # the victim is rank 2 of the world and rank 1 of the subgroup
+            rank = 1 if k == "sub" else 2
+            assert f"rank {rank} (pid {pid}) exited" in errs[k], (r, k, errs)
+    assert rcs[:2] == [0, 0] and rcs[2] == -signal.SIGKILL
+    for p in pool.procs:
+        assert p.poll() is not None

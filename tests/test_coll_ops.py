@@ -1,0 +1,646 @@
+"""The core's collectives beyond all-reduce (coll.c): reduce, gather,
+scatter, all_to_all, send/recv, the dtypes and the bitwise ops, against
+numpy references and, for the semantics of bool and the bitwise ops,
+against torch's gloo.
+
+The ranks are started once per module and world size (Ranks): processes
+that map one group made here and run the jobs this process sends them, so
+every test talks to ranks that are already up.  A job is a piece of Python
+that every rank runs with `g` (its _core.Group), `rank` and `world` at hand;
+what it leaves in `result` comes back.  Inputs are made from seeds that
+name (dtype, size, rank, case), so this process rebuilds every rank's input
+and computes the reference itself.
+"""
+import hashlib
+import os
+import pickle
+import select
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import pytest
+
+from conftest import children_of, fresh_env, mpcore_memfds
+
+pytestmark = pytest.mark.timeout(120)
+
+from mpcore import _core  # noqa: E402
+
+CHUNK = 1 << 20          # staging bytes per rank, as mpcore.distributed uses
+BIG = 16 << 20           # "large": 16 MB per rank
+
+# Made from a seed, the same in this process and in every rank.
+COMMON = r'''
+import hashlib, zlib
+import numpy as np
+
+NP = {"float32": np.float32, "float64": np.float64, "float16": np.float16,
+      "bfloat16": np.uint16, "int32": np.int32, "int64": np.int64, "uint8": np.uint8,
+      "bool": np.bool_, "int8": np.int8, "int16": np.int16, "uint16": np.uint16,
+      "uint32": np.uint32, "uint64": np.uint64}
+
+def data(dtype, n, rank, case=""):
+    """n elements of dtype for this rank (bfloat16: its bits as uint16)."""
+    rng = np.random.default_rng(zlib.crc32(repr((dtype, n, rank, case)).encode()))
+    if dtype == "bool":
+        return rng.random(n) < 0.5
+    if dtype == "bfloat16":
+        f = (rng.standard_normal(n) * 4).astype(np.float32)
+        u = f.view(np.uint32)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    t = NP[dtype]
+    if np.issubdtype(t, np.floating):
+        return (rng.standard_normal(n) * 4).astype(t)
+    info = np.iinfo(t)
+    return rng.integers(info.min, info.max, n, dtype=t, endpoint=True)
+
+def blob(n, rank, case=""):
+    """n bytes for this rank."""
+    rng = np.random.default_rng(zlib.crc32(repr(("bytes", n, rank, case)).encode()))
+    return rng.integers(0, 256, n, dtype=np.uint8)
+
+def digest(a):
+    return hashlib.sha256(np.ascontiguousarray(a).view(np.uint8).tobytes()).hexdigest()
+'''
+exec(COMMON)
+
+WORKER = COMMON + r'''
+import os, pickle, struct, sys, traceback
+from mpcore import _core
+
+fd, rank, world = map(int, sys.argv[1:4])
+replies = os.fdopen(os.dup(1), "wb")
+os.dup2(2, 1)                      # stray prints go to stderr, never into a reply
+jobs = sys.stdin.buffer
+g = _core.Group(fd, rank, world)
+os.close(fd)
+g.barrier(60)
+g.watch()
+
+def reply(obj):
+    b = pickle.dumps(obj)
+    replies.write(struct.pack("<Q", len(b)) + b)
+    replies.flush()
+
+reply(("ok", os.getpid()))
+while True:
+    head = jobs.read(8)
+    if len(head) < 8:
+        break
+    src = pickle.loads(jobs.read(struct.unpack("<Q", head)[0]))
+    ns = {"g": g, "rank": rank, "world": world, "np": np, "data": data, "blob": blob,
+          "digest": digest, "result": None}
+    try:
+        exec(src, ns)
+        reply(("ok", ns["result"]))
+    except BaseException as e:
+        reply(("err", type(e).__name__, str(e)))
+g.close()
+replies.close()
+# Finalising an interpreter that imported torch takes tens of seconds on a
+# loaded machine (its last garbage collection): nothing is left to flush.
+os._exit(0)
+'''
+
+
+class Ranks:
+    """`world` rank processes on one group, taking jobs from this process."""
+
+    def __init__(self, world):
+        self.world = world
+        fd = _core.coll_create(world, CHUNK)
+        try:
+            self.procs = [subprocess.Popen(
+                [sys.executable, "-c", WORKER, str(fd), str(r), str(world)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(fd,),
+                env=fresh_env()) for r in range(world)]
+        finally:
+            os.close(fd)
+        self.pids = [r["value"] for r in self.collect(60)]
+        for r, v in enumerate(self.pids):
+            assert isinstance(v, int), f"rank {r} did not start: {v}"
+
+    def send(self, src, ranks=None):
+        b = pickle.dumps(src)
+        for r in range(self.world) if ranks is None else ranks:
+            self.procs[r].stdin.write(struct.pack("<Q", len(b)) + b)
+            self.procs[r].stdin.flush()
+
+    def _read(self, r, n, deadline):
+        out = b""
+        f = self.procs[r].stdout
+        while len(out) < n:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([f], [], [], left)[0]:
+                raise TimeoutError(f"rank {r} gave no reply in time")
+            chunk = os.read(f.fileno(), n - len(out))
+            if not chunk:
+                raise EOFError(f"rank {r} exited (rc {self.procs[r].poll()})")
+            out += chunk
+        return out
+
+    def collect(self, timeout=60, ranks=None):
+        """Each rank's reply: {"value": ...} or {"error": (type, message)}."""
+        deadline = time.monotonic() + timeout
+        out = []
+        for r in range(self.world) if ranks is None else ranks:
+            n = struct.unpack("<Q", self._read(r, 8, deadline))[0]
+            rep = pickle.loads(self._read(r, n, deadline))
+            out.append({"value": rep[1]} if rep[0] == "ok" else {"error": rep[1:]})
+        return out
+
+    def run(self, src, timeout=60):
+        """Runs src on every rank; returns the results, failing on any error."""
+        self.send(src)
+        res = self.collect(timeout)
+        for r, x in enumerate(res):
+            assert "error" not in x, f"rank {r}: {x['error']}"
+        return [x["value"] for x in res]
+
+    def close(self):
+        """Ends the ranks (EOF on their jobs); returns the exit codes of
+        those that had to be killed, by rank."""
+        for p in self.procs:
+            try:
+                p.stdin.close()
+            except OSError:
+                pass
+        killed = {}
+        for r, p in enumerate(self.procs):
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                killed[r] = p.wait()
+            p.stdout.close()
+        return killed
+
+
+def _gone(ranks):
+    """What a finished Ranks left behind: live children, mpcore memfds."""
+    pids = set(ranks.pids)
+    kids = [p for p, _ in children_of(os.getpid()) if p in pids]
+    fds = {p: n for p, n in mpcore_memfds().items() if p in pids}
+    return kids, fds
+
+
+def _finish(rk):
+    killed = rk.close()
+    assert not killed, f"ranks that did not exit at the end of their jobs: {killed}"
+    assert [p.returncode for p in rk.procs] == [0] * rk.world
+    kids, fds = _gone(rk)
+    assert not kids and not fds, f"left behind: processes {kids}, memfds {fds}"
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
+def ranks(request):
+    rk = Ranks(request.param)
+    yield rk
+    _finish(rk)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    rk = Ranks(2)
+    yield rk
+    _finish(rk)
+
+
+# --- the reference ------------------------------------------------------------
+
+def _bf16_to_f32(u):
+    return (u.astype(np.uint32) << 16).view(np.float32)
+
+
+def _f32_to_bf16(f):
+    u = f.astype(np.float32).view(np.uint32)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    return np.where(nan, ((u >> 16) | 0x40).astype(np.uint16), r)
+
+
+def reference(dtype, op, xs):
+    """The reduction over xs in rank order, as gloo defines it for bool and
+    with float16/bfloat16 accumulated in float32."""
+    half = dtype in ("float16", "bfloat16")
+    conv = (lambda a: a.astype(np.float32)) if dtype == "float16" else _bf16_to_f32
+    xs = [conv(x) for x in xs] if half else xs
+    if dtype == "bool":
+        f = {"SUM": np.logical_or, "MAX": np.logical_or, "BOR": np.logical_or,
+             "PRODUCT": np.logical_and, "MIN": np.logical_and, "BAND": np.logical_and,
+             "BXOR": np.logical_xor}[op]
+    else:
+        f = {"SUM": np.add, "AVG": np.add, "PRODUCT": np.multiply, "MIN": np.minimum,
+             "MAX": np.maximum, "BAND": np.bitwise_and, "BOR": np.bitwise_or,
+             "BXOR": np.bitwise_xor}[op]
+    acc = xs[0].copy()
+    with np.errstate(over="ignore"):
+        for x in xs[1:]:
+            acc = f(acc, x).astype(acc.dtype)
+    if op == "AVG":
+        acc = (acc / acc.dtype.type(len(xs))).astype(acc.dtype)
+    if dtype == "float16":
+        return acc.astype(np.float16)
+    if dtype == "bfloat16":
+        return _f32_to_bf16(acc)
+    return acc
+
+
+FLOATS = ("float32", "float64", "float16", "bfloat16")
+
+
+def valid_ops(dtype):
+    ops = ["SUM", "PRODUCT", "MIN", "MAX"]
+    return ops + (["AVG"] if dtype in FLOATS else ["BAND", "BOR", "BXOR"])
+
+
+# --- 1. the codes ---------------------------------------------------------------
+
+def test_codes_keep_their_values_and_name_every_dtype_and_op():
+    old = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3, "int32": 4, "int64": 5,
+           "uint8": 6}
+    assert {k: _core.COLL_DTYPES[k] for k in old} == old
+    assert set(_core.COLL_DTYPES) == set(NP)
+    assert sorted(_core.COLL_DTYPES.values()) == list(range(len(NP)))
+    assert _core.COLL_OPS == {"SUM": 0, "AVG": 1, "PRODUCT": 2, "MIN": 3, "MAX": 4, "BAND": 5,
+                              "BOR": 6, "BXOR": 7}
+    torch = pytest.importorskip("torch")
+    for name in _core.COLL_DTYPES:   # torch's names, and the sizes coll.c moves
+        assert isinstance(getattr(torch, name), torch.dtype), name
+        assert np.dtype(NP[name]).itemsize == getattr(torch, name).itemsize, name
+
+
+# --- 2. reduce, against numpy --------------------------------------------------------
+
+# 1000 elements: one-shot pieces; 300_001: pieces reduced in slices by every rank.
+REDUCE = r'''
+D, O = _core_codes
+out = {}
+for dtype in DTYPES:
+    for op in OPS[dtype]:
+        for n in SIZES:
+            for root in ROOTS:
+                x = data(dtype, n, rank, (op, root))
+                before = digest(x)
+                g.reduce(x.ctypes.data, n, D[dtype], O[op], root, 60)
+                out[dtype, op, n, root] = (x if n <= 1000 else digest(x), before)
+result = out
+'''
+
+
+def test_reduce_every_dtype_and_op_matches_numpy(ranks):
+    W = ranks.world
+    sizes, roots = (0, 1, 1000, 300_001), (0, W - 1)
+    ops = {d: valid_ops(d) for d in NP}
+    src = (f"from mpcore import _core as _c\n_core_codes = (_c.COLL_DTYPES, _c.COLL_OPS)\n"
+           f"DTYPES = {list(NP)!r}\nOPS = {ops!r}\nSIZES = {sizes!r}\nROOTS = {roots!r}\n"
+           + REDUCE)
+    res = ranks.run(src, timeout=100)
+    for dtype in NP:
+        for op in ops[dtype]:
+            for n in sizes:
+                for root in roots:
+                    key = (dtype, op, n, root)
+                    xs = [data(dtype, n, r, (op, root)) for r in range(W)]
+                    want = reference(dtype, op, xs)
+                    got, before = res[root][key]
+                    if n <= 1000:
+                        assert got.dtype == want.dtype and np.array_equal(
+                            got.view(np.uint8), want.view(np.uint8)), (key, got[:8], want[:8])
+                    else:
+                        assert got == digest(want), key
+                    for r in range(W):
+                        if r != root:  # the others' buffers are left as they were
+                            got_r, before_r = res[r][key]
+                            assert (got_r if n > 1000 else digest(got_r)) == before_r, (r, key)
+
+
+def test_bitwise_op_on_a_float_dtype_is_refused_naming_both(pair):
+    res = pair.run(r'''
+from mpcore import _core as c
+x = np.zeros(4, np.float32)
+msgs = []
+for op in ("BAND", "BOR", "BXOR"):
+    for fn in (lambda: g.all_reduce(x.ctypes.data, 4, c.COLL_DTYPES["float32"], c.COLL_OPS[op], 10),
+               lambda: g.reduce(x.ctypes.data, 4, c.COLL_DTYPES["float32"], c.COLL_OPS[op], 0, 10)):
+        try:
+            fn()
+            msgs.append(None)
+        except ValueError as e:
+            msgs.append((op, str(e)))
+y = np.ones(4, np.int32)   # the group is still fine
+g.all_reduce(y.ctypes.data, 4, c.COLL_DTYPES["int32"], c.COLL_OPS["SUM"], 10)
+result = msgs, y.tolist()
+''')
+    for msgs, after in res:
+        assert after == [2] * 4
+        for m in msgs:
+            assert m is not None, "a bitwise op on float32 was taken"
+            op, msg = m
+            assert op in msg and "float32" in msg, msg
+
+
+# --- 3. the semantics of bool and the bitwise ops, against gloo ----------------------
+
+GLOO = r'''
+import torch, torch.distributed as dist
+from mpcore import _core as c
+import datetime
+port = np.zeros(1, np.int64)
+if rank == 0:
+    store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=datetime.timedelta(seconds=60),
+                          wait_for_workers=False)
+    port[0] = store.port
+g.broadcast(port.ctypes.data, 8, 0, 30)         # the port, through our own group
+if rank != 0:
+    store = dist.TCPStore("127.0.0.1", int(port[0]), world, False,
+                          timeout=datetime.timedelta(seconds=60))
+dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+out = {}
+for dtype in ("bool", "int8", "uint8", "int32", "int64"):
+    for op in ("SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"):
+        x = data(dtype, 999, rank, op)
+        t = torch.from_numpy(x.copy())
+        dist.all_reduce(t, getattr(dist.ReduceOp, op))
+        g.all_reduce(x.ctypes.data, 999, c.COLL_DTYPES[dtype], c.COLL_OPS[op], 30)
+        y = data(dtype, 999, rank, op)
+        g.reduce(y.ctypes.data, 999, c.COLL_DTYPES[dtype], c.COLL_OPS[op], 0, 30)
+        out[dtype, op] = (t.numpy(), x, y)
+dist.destroy_process_group()
+result = out
+'''
+
+
+def test_bool_and_bitwise_reductions_match_gloo(ranks):
+    pytest.importorskip("torch")
+    res = ranks.run(GLOO, timeout=100)
+    for r, out in enumerate(res):
+        for (dtype, op), (gloo, ours, reduced) in out.items():
+            assert np.array_equal(ours, gloo), (r, dtype, op, ours[:8], gloo[:8])
+            if r == 0:
+                assert np.array_equal(reduced, gloo), (dtype, op)
+            want = reference(dtype, op, [data(dtype, 999, q, op) for q in range(ranks.world)])
+            assert np.array_equal(gloo, want), ("the reference differs from gloo", dtype, op)
+
+
+# --- 4. gather and scatter ----------------------------------------------------------
+
+MOVERS = r'''
+out = {}
+for n in SIZES:
+    for root in ROOTS:
+        mine = blob(n, rank, ("gather", root))
+        gathered = np.full(world * n, 7, np.uint8) if rank == root else None
+        g.gather(gathered.ctypes.data if rank == root else 0, mine.ctypes.data, n, root, 60)
+        whole = (np.concatenate([blob(n, q, ("scatter", root)) for q in range(world)])
+                 if rank == root else None)
+        part = np.full(n, 7, np.uint8)
+        g.scatter(part.ctypes.data, whole.ctypes.data if rank == root else 0, n, root, 60)
+        out[n, root] = (None if gathered is None else digest(gathered), digest(part))
+result = out
+'''
+
+
+def test_gather_and_scatter_move_every_piece(ranks):
+    W = ranks.world
+    sizes, roots = (0, 1, 4096, 3 * CHUNK + 17, BIG), (0, W - 1)
+    res = ranks.run(f"SIZES = {sizes!r}\nROOTS = {roots!r}\n" + MOVERS, timeout=100)
+    for n in sizes:
+        for root in roots:
+            want = digest(np.concatenate([blob(n, q, ("gather", root)) for q in range(W)]))
+            for r in range(W):
+                gathered, part = res[r][n, root]
+                assert gathered == (want if r == root else None), (r, n, root)
+                assert part == digest(blob(n, r, ("scatter", root))), (r, n, root)
+
+
+# --- 5. all_to_all ----------------------------------------------------------------
+
+A2A = r'''
+out = {}
+for case, sizes in CASES.items():
+    send = [sizes[rank][j] for j in range(world)]
+    recv = [sizes[i][rank] for i in range(world)]
+    src = np.concatenate([blob(send[j], rank, (case, j)) for j in range(world)])
+    dst = np.full(sum(recv), 7, np.uint8)
+    g.all_to_all(dst.ctypes.data, src.ctypes.data, send, recv, 60)
+    out[case] = digest(dst)
+result = out
+'''
+
+
+def a2a_cases(W):
+    """{case: sizes[i][j], the bytes rank i sends rank j}."""
+    rng = np.random.default_rng(W)
+    return {
+        "equal": [[1000] * W for _ in range(W)],
+        "uneven": [[int(v) for v in rng.integers(0, 3 * CHUNK, W)] for _ in range(W)],
+        "zeros": [[0 if (i + j) % 2 else 64 * i + j + 1 for j in range(W)] for i in range(W)],
+        "all zero": [[0] * W for _ in range(W)],
+        "one pair": [[CHUNK * 5 + 3 if (i, j) == (W - 1, 0) else 0 for j in range(W)]
+                     for i in range(W)],
+        "16 MB per rank": [[BIG // W] * W for _ in range(W)],
+    }
+
+
+def test_all_to_all_equal_uneven_zero_and_large(ranks):
+    W = ranks.world
+    cases = a2a_cases(W)
+    res = ranks.run(f"CASES = {cases!r}\n" + A2A, timeout=100)
+    for case, sizes in cases.items():
+        for r in range(W):
+            want = np.concatenate([blob(sizes[i][r], i, (case, r)) for i in range(W)])
+            assert res[r][case] == digest(want), (case, r)
+
+
+def test_all_to_all_size_mismatch_fails_on_every_rank_naming_both(ranks):
+    W = ranks.world
+    res = ranks.run(r'''
+send = [8] * world
+recv = [8] * world
+if rank == world - 1:
+    send[0] = 16          # the last rank sends rank 0 16 bytes, rank 0 expects 8
+src = np.zeros(sum(send), np.uint8)
+dst = np.zeros(sum(recv), np.uint8)
+try:
+    g.all_to_all(dst.ctypes.data, src.ctypes.data, send, recv, 30)
+    err = None
+except ValueError as e:
+    err = str(e)
+ok = np.ones(8 * world, np.uint8)
+back = np.zeros(8 * world, np.uint8)
+g.all_to_all(back.ctypes.data, ok.ctypes.data, [8] * world, [8] * world, 30)
+result = err, int(back.sum())
+''')
+    for r, (err, after) in enumerate(res):
+        assert err is not None, f"rank {r} saw no error"
+        assert f"rank {W - 1} sends 16 bytes to rank 0" in err and "expects 8" in err, err
+        assert after == 8 * W, "a matching all_to_all after the error failed"
+
+
+def test_mismatched_calls_fail_on_every_rank_naming_each_call(ranks):
+    W = ranks.world
+    res = ranks.run(r'''
+from mpcore import _core as c
+x = np.zeros(64, np.int32)
+errs = {}
+calls = {
+    "root": lambda: g.reduce(x.ctypes.data, 64, c.COLL_DTYPES["int32"], c.COLL_OPS["SUM"],
+                             0 if rank == 0 else 1, 30),
+    "op": lambda: g.reduce(x.ctypes.data, 64, c.COLL_DTYPES["int32"],
+                           c.COLL_OPS["BAND" if rank == 0 else "BOR"], 0, 30),
+    "kind": lambda: (g.gather(x.ctypes.data if rank == 0 else 0, x.ctypes.data, 16, 0, 30)
+                     if rank == 0 else g.scatter(x.ctypes.data, 0, 16, 0, 30)),
+}
+for name, fn in calls.items():
+    try:
+        fn()
+        errs[name] = None
+    except ValueError as e:
+        errs[name] = str(e)
+result = errs
+''')
+    for r, errs in enumerate(res):
+        other = 1 if r == 0 else 0
+        for name, err in errs.items():
+            assert err is not None, f"rank {r} saw no error for differing {name}"
+        assert "to rank 0" in res[r]["root"] and "to rank 1" in res[r]["root"], res[r]["root"]
+        assert "BAND" in errs["op"] and "BOR" in errs["op"], errs["op"]
+        assert "gather of 16 bytes to rank 0" in errs["kind"] and "scatter of 16 bytes from rank 0" in errs["kind"], errs["kind"]
+        assert f"rank {r} called" in errs["kind"] and f"rank {other} called" in errs["kind"]
+
+
+# --- 6. send and recv -----------------------------------------------------------------
+
+P2P = r'''
+out = []
+if rank == 0:
+    for i, n in enumerate(SIZES):
+        m = blob(n, 0, i)
+        g.send(m.ctypes.data, n, 1, i % 3, 60)
+    buf = np.zeros(16, np.uint8)
+    out.append(g.recv(buf.ctypes.data, 16, 1, 5, 60))
+elif rank == 1:
+    for i, n in enumerate(SIZES):
+        m = np.full(n, 7, np.uint8)
+        src = g.recv(m.ctypes.data, n, 0, i % 3, 60)
+        out.append((src, digest(m)))
+    g.send(blob(16, 1).ctypes.data, 16, 0, 5, 60)
+result = out
+'''
+
+
+def test_send_recv_in_order_small_and_large(ranks):
+    sizes = [0, 1, 63, 64, 65, 4096, 5 * CHUNK + 1, BIG, 10]
+    res = ranks.run(f"SIZES = {sizes!r}\n" + P2P, timeout=100)
+    assert res[0] == [1]
+    assert res[1] == [(0, digest(blob(n, 0, i))) for i, n in enumerate(sizes)]
+
+
+def test_recv_from_any_source_takes_every_sender(ranks):
+    W = ranks.world
+    res = ranks.run(r'''
+if rank == 0:
+    got = {}
+    for _ in range(3 * (world - 1)):
+        m = np.zeros(1000, np.uint8)
+        src = g.recv(m.ctypes.data, 1000, -1, 9, 60)
+        got.setdefault(src, []).append(digest(m))
+    result = got
+else:
+    for k in range(3):
+        g.send(blob(1000, rank, k).ctypes.data, 1000, 0, 9, 60)
+''')
+    assert res[0] == {q: [digest(blob(1000, q, k)) for k in range(3)] for q in range(1, W)}
+
+
+def test_recv_with_the_wrong_tag_or_size_is_an_error_and_the_message_stays(pair):
+    res = pair.run(r'''
+if rank == 0:
+    g.send(blob(100, 0).ctypes.data, 100, 1, 3, 30)
+    result = None
+else:
+    m = np.zeros(100, np.uint8)
+    errs = []
+    for n, tag in ((100, 4), (99, 3)):
+        try:
+            g.recv(m.ctypes.data, n, 0, tag, 30)
+            errs.append(None)
+        except ValueError as e:
+            errs.append(str(e))
+    src = g.recv(m.ctypes.data, 100, 0, 3, 30)
+    result = errs, src, digest(m)
+''')
+    errs, src, got = res[1]
+    assert "tag 4" in errs[0] and "tag 3" in errs[0] and "rank 0" in errs[0], errs[0]
+    assert "99 bytes" in errs[1] and "100 bytes" in errs[1], errs[1]
+    assert (src, got) == (0, digest(blob(100, 0)))
+
+
+def test_bad_peers_are_refused(pair):
+    res = pair.run(r'''
+errs = []
+for fn in (lambda: g.send(0, 0, rank, 0, 1), lambda: g.send(0, 0, 2, 0, 1),
+           lambda: g.recv(0, 0, rank, 0, 1), lambda: g.recv(0, 0, -2, 0, 1),
+           lambda: g.send(0, 0, 1 - rank, -1, 1),
+           lambda: g.all_to_all(0, 0, [0], [0, 0], 1)):
+    try:
+        fn()
+        errs.append(None)
+    except ValueError as e:
+        errs.append(str(e))
+result = errs
+''')
+    for r, errs in enumerate(res):
+        assert all(errs), errs
+        assert f"rank {r}" in errs[0] and "rank 2" in errs[1] and "rank -2" in errs[3], errs
+        assert "tag -1" in errs[4] and "send_sizes" in errs[5], errs
+
+
+def test_a_dead_peer_during_recv_is_named_within_a_second():
+    rk = Ranks(3)
+    try:
+        rk.send(r'''
+import time
+t0 = time.monotonic()
+try:
+    g.recv(np.zeros(8, np.uint8).ctypes.data, 8, 0, 0, 60)
+    result = None
+except RuntimeError as e:
+    result = str(e), time.monotonic() - t0
+''', ranks=[1, 2])
+        rk.send("import time; time.sleep(0.3)", ranks=[0])
+        assert rk.collect(10, ranks=[0])[0] == {"value": None}
+        os.kill(rk.pids[0], signal.SIGKILL)
+        killed = time.monotonic()
+        res = rk.collect(10, ranks=[1, 2])
+        took = time.monotonic() - killed
+    finally:
+        rk.close()
+    for r, x in zip((1, 2), res):
+        msg, _ = x["value"]
+        assert "rank 0" in msg and str(rk.pids[0]) in msg, msg
+    assert took < 1.0, f"the ranks noticed rank 0's death after {took:.2f}s"
+    kids, fds = _gone(rk)
+    assert not kids and not fds, f"left behind: processes {kids}, memfds {fds}"
+
+
+def test_recv_timeout_names_the_peer():
+    rk = Ranks(2)
+    try:
+        rk.send(r'''
+try:
+    g.recv(np.zeros(8, np.uint8).ctypes.data, 8, 0, 0, 0.3)
+    result = None
+except TimeoutError as e:
+    result = str(e)
+''', ranks=[1])
+        res = rk.collect(10, ranks=[1])
+    finally:
+        rk.close()
+    assert res[0]["value"] is not None and "rank 0" in res[0]["value"], res
