@@ -593,8 +593,6 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         if self.shm is None:
             return works[-1]
         # the group's thread runs them in order: a last, empty call finishes after all
-        errors = []
-
         def check(timeout):
             for w in works:
                 if w.exception() is not None:
@@ -756,7 +754,6 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         if output.dtype != input.dtype:
             raise ValueError(f"mpcore: all_to_all_single: output is {output.dtype} but input is "
                              f"{input.dtype}")
-        w = self._world
         send = self._splits("input", input, input_split_sizes)
         recv = self._splits("output", output, output_split_sizes)
         src, dst = _Dense(input), _Dense(output, read=False)
@@ -866,6 +863,16 @@ class ProcessGroupMpcore(dist.ProcessGroup):
             o.timeout = timeout
         o.asyncOp = False
         self.barrier(o).wait()
+
+    # -- coalescing (torch's _coalescing_manager, batch_isend_irecv) ---------------------------
+    def _start_coalescing(self, device):
+        """Calls made inside run as they come, in order (nothing to batch)."""
+
+    def _end_coalescing(self, device):
+        """A Work that completes once every call made so far has."""
+        if self._gloo is not None or self.shm is None:
+            return _Done([])
+        return self.shm.run(True, [], lambda timeout: None)
 
     # -- point to point --------------------------------------------------------------------------
     def send(self, tensors, dst, tag):

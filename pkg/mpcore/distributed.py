@@ -70,6 +70,9 @@ class _BackendConfig(_c10d.BackendConfig):
 
     def __init__(self, backend):
         super().__init__(_td.Backend(translate(backend)))
+        if "nccl" in self.device_backend_map.values() and not _td.is_nccl_available():
+            # torch's own error: the mpcore group would otherwise stand in for NCCL
+            raise RuntimeError("Distributed package doesn't have NCCL built in")
 
 
 def install():
