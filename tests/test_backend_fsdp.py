@@ -35,14 +35,20 @@ def mlp():
                          nn.Linear(512, 16))
 
 
+# Targets are a fixed function of the inputs (plus noise): there is
+# something to learn, so the losses fall.
+TRUE = torch.randn(128, 16, generator=torch.Generator().manual_seed(99)) / 8
+
+
 def batch(rank, step):
     g = torch.Generator().manual_seed(10_000 * step + rank)
-    return torch.randn(8, 128, generator=g), torch.randn(8, 16, generator=g)
+    x = torch.randn(8, 128, generator=g)
+    return x, torch.tanh(x @ TRUE) + 0.01 * torch.randn(8, 16, generator=g)
 
 
 def optimizer(kind, params):
     if kind == "sgd":
-        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+        return torch.optim.SGD(params, lr=0.5, momentum=0.9)
     return torch.optim.Adam(params, lr=1e-3)
 
 
@@ -117,7 +123,7 @@ def test_gloo_run_trains_like_one_process(runs, world, opt):
     mean_loss = sum(f["losses"] for f in fsdp) / world
     import torch
     torch.testing.assert_close(mean_loss, plain["losses"], rtol=1e-4, atol=1e-5)
-    assert plain["losses"][-1] < 0.9 * plain["losses"][0], plain["losses"]
+    assert plain["losses"][-5:].mean() < 0.9 * plain["losses"][:5].mean(), plain["losses"]
     for r in range(world):
         same(fsdp[r]["params"], plain["params"], f"rank {r}", rtol=1e-4, atol=1e-5)
 
