@@ -76,6 +76,12 @@ DTYPES, OPS = _tables()
 _CORE = {(dt, red): (dc, oc) for dt, dc in DTYPES.items() for red, oc in OPS.items()
          if (red != _RED.AVG or dt.is_floating_point)
          and (red not in (_RED.BAND, _RED.BOR, _RED.BXOR) or not dt.is_floating_point)}
+# the same by dtype, then by the op's value (hashing a pybind enum costs more than indexing)
+_CORE_ROWS = {dt: tuple(_CORE.get((dt, r)) for r in sorted(_RED.__members__.values(),
+                                                        key=lambda r: r.value))
+              for dt in DTYPES}
+assert all(r.value == i for i, r in enumerate(sorted(_RED.__members__.values(),
+                                                     key=lambda r: r.value)))
 _FLOATS = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
 _BITWISE = (_RED.BAND, _RED.BOR, _RED.BXOR)
 _NO_TIMEOUT = datetime.timedelta(0)
@@ -310,7 +316,8 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         return self._store
 
     def __repr__(self):
-        where = "shared memory" if self.shm is not None else "gloo"
+        where = ("shared memory" if self.shm is not None else
+                 "gloo" if self._gloo is not None else "destroyed")
         return f"ProcessGroupMpcore(rank={self._rank}, world={self._world}, {where})"
 
     def shutdown(self):
@@ -321,8 +328,9 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         n, self._nccl = self._nccl, None
         if n is not None:
             n.close()
-        if self._gloo is not None:
-            self._gloo = None
+        g, self._gloo = self._gloo, None
+        if g is not None and hasattr(g, "shutdown"):
+            g.shutdown()
 
     def abort(self):
         self.shutdown()
@@ -344,6 +352,13 @@ class ProcessGroupMpcore(dist.ProcessGroup):
             shm.run(False, result, fn, *args)
             return _done(result)
         return shm.run(True, result, fn, *args, keep=keep)
+
+    def _core(self):
+        """The group's _core.Group; a clear error once the group is destroyed."""
+        shm = self.shm
+        if shm is None:
+            raise RuntimeError("mpcore: this process group has been destroyed")
+        return shm.core
 
     def _cuda(self, what):
         """This group's NCCL communicator (made on first use: every rank
@@ -383,7 +398,8 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         shm = self.shm
         if len(tensors) == 1 and shm is not None:
             t = tensors[0]
-            codes = _CORE.get((t.dtype, red))
+            row = _CORE_ROWS.get(t.dtype)
+            codes = row[red.value] if row is not None else None
             if codes is not None and t.is_cpu and t.is_contiguous():
                 if opts.asyncOp:
                     return shm.run(True, tensors, shm.core.all_reduce, t.data_ptr(), t.numel(),
@@ -420,7 +436,7 @@ class ProcessGroupMpcore(dist.ProcessGroup):
             if (dt is not None and code is not None
                     and (red != _RED.AVG or t.dtype in _FLOATS)
                     and (red not in _BITWISE or not t.is_floating_point())):
-                calls.append(functools.partial(self.shm.core.all_reduce, t.data_ptr(),
+                calls.append(functools.partial(self._core().all_reduce, t.data_ptr(),
                                                t.numel(), dt, code))
             else:
                 calls.append(functools.partial(self._gathered_reduce, t, red))
@@ -436,7 +452,7 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         """t becomes the reduction over the ranks, for a dtype or op the
         core does not reduce (NOTE [ What the core cannot serve ])."""
         stack = torch.empty((self._world,) + tuple(t.shape), dtype=t.dtype)
-        self.shm.core.all_gather(stack.data_ptr(), t.data_ptr(), _nbytes(t), timeout)
+        self._core().all_gather(stack.data_ptr(), t.data_ptr(), _nbytes(t), timeout)
         t.copy_(_reduce_stack(stack, red, self._world))
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -454,7 +470,7 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         _check_op("reduce", red, tensors)
         self._check_root("reduce", root)
         dense = [_Dense(t) for t in tensors]
-        core = self.shm.core
+        core = self._core()
         calls = []
         for d in dense:
             t = d.t
@@ -500,7 +516,7 @@ class ProcessGroupMpcore(dist.ProcessGroup):
             return _done(tensors)
         _check_cpu("broadcast", tensors)
         dense = [_Dense(t) for t in tensors]
-        core = self.shm.core
+        core = self._core()
         if len(dense) == 1 and dense[0].orig is None:
             t = dense[0].t
             return self._run(opts.asyncOp, tensors, core.broadcast, t.data_ptr(), _nbytes(t),
@@ -535,7 +551,7 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         _check_cpu("all_gather", [inp] + list(outs))
         src = _Dense(inp).t
         flat = torch.empty((self._world,) + tuple(inp.shape), dtype=inp.dtype)
-        core = self.shm.core
+        core = self._core()
 
         def run(timeout):
             core.all_gather(flat.data_ptr(), src.data_ptr(), _nbytes(src), timeout)
@@ -557,7 +573,7 @@ class ProcessGroupMpcore(dist.ProcessGroup):
             return _done([output])
         _check_cpu("all_gather_into_tensor", [output, input])
         src, dst = _Dense(input), _Dense(output, read=False)
-        core = self.shm.core
+        core = self._core()
         if dst.orig is None:
             return self._run(opts.asyncOp, [output], core.all_gather, dst.t.data_ptr(),
                              src.t.data_ptr(), _nbytes(src.t), keep=(src, dst))
@@ -638,7 +654,7 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         dst = _Dense(output, read=False)
         out = dst.t
         dt, code = DTYPES.get(out.dtype), OPS.get(red)
-        core = self.shm.core
+        core = self._core()
         if (dt is not None and code is not None
                 and (red != _RED.AVG or out.dtype in _FLOATS)
                 and (red not in _BITWISE or not out.is_floating_point())):
@@ -688,7 +704,7 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         self._no_cuda("gather", [inp] + list(outs))
         _check_cpu("gather", [inp] + list(outs))
         src = _Dense(inp).t
-        core = self.shm.core
+        core = self._core()
         mine = self._rank == root
         flat = torch.empty((self._world,) + tuple(inp.shape), dtype=inp.dtype) \
             if (mine or not hasattr(core, "gather")) else None
@@ -725,7 +741,7 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         self._no_cuda("scatter", [out] + list(ins))
         _check_cpu("scatter", [out] + list(ins))
         dst = _Dense(out, read=False)
-        core = self.shm.core
+        core = self._core()
         n = _nbytes(dst.t)
         if hasattr(core, "scatter"):
             flat = torch.stack([t.contiguous() for t in ins]) if mine else None
@@ -778,7 +794,7 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         return [s * row for s in sizes]
 
     def _all_to_all(self, dst, src, send, recv, async_op, result, keep=()):
-        core = self.shm.core
+        core = self._core()
         if hasattr(core, "all_to_all"):
             def run(timeout):
                 core.all_to_all(dst.t.data_ptr(), src.data_ptr(), send, recv, timeout)
@@ -789,7 +805,7 @@ class ProcessGroupMpcore(dist.ProcessGroup):
 
     def _gathered_all_to_all(self, dst, src, send, recv, timeout):
         """all-to-all over all-gathers, for a core without all_to_all."""
-        core, w, r = self.shm.core, self._world, self._rank
+        core, w, r = self._core(), self._world, self._rank
         sizes = torch.tensor(send, dtype=torch.int64)
         table = torch.empty((w, w), dtype=torch.int64)
         core.all_gather(table.data_ptr(), sizes.data_ptr(), 8 * w, timeout)
@@ -870,8 +886,9 @@ class ProcessGroupMpcore(dist.ProcessGroup):
 
     def _end_coalescing(self, device):
         """A Work that completes once every call made so far has."""
-        if self._gloo is not None or self.shm is None:
+        if self._gloo is not None:
             return _Done([])
+        self._core()
         return self.shm.run(True, [], lambda timeout: None)
 
     # -- point to point --------------------------------------------------------------------------
@@ -883,7 +900,7 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         self._p2p_core("send")
         self._check_peer("send to", dst)
         src = [_Dense(t).t for t in tensors]
-        core = self.shm.core
+        core = self._core()
 
         def run(timeout):
             for t in src:
@@ -907,7 +924,7 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         if src >= 0:
             self._check_peer("receive from", src)
         dense = [_Dense(t, read=False) for t in tensors]
-        core = self.shm.core
+        core = self._core()
         work = Work(tensors)
 
         def run(timeout):
@@ -917,7 +934,7 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         return self.shm.run(True, tensors, run, keep=dense, work=work)
 
     def _p2p_core(self, what):
-        if not hasattr(self.shm.core, "send"):
+        if not hasattr(self._core(), "send"):
             raise RuntimeError(f"mpcore: {what}: this build of mpcore's core has no "
                                "point-to-point calls")
 
