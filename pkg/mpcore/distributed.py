@@ -19,7 +19,9 @@ tensors in an mpcore group ] in _backend.py).  The one place that decides is tor
 BackendConfig, which every group's creation (init_process_group,
 new_group, new_subgroups, DeviceMesh, torch's internals asking for gloo)
 goes through: install() makes it translate the name first, and makes
-"mpcore" the default backend of the CPU.
+"mpcore" the default backend of the CPU.  torch still records the name the
+program asked for, so dist.get_backend() says "gloo" to a program that
+asked for gloo, and its own tests of that name go as under python.
 """
 import datetime
 
@@ -123,7 +125,7 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
             _dist.wait_for_ranks(store, _dist.next_prefix(), rank, world_size, timeout_s,
                                  f"{host}:{port}")
             init_method = None
-    _c10d.init_process_group(translate(backend), init_method=init_method, timeout=timeout,
+    _c10d.init_process_group(backend, init_method=init_method, timeout=timeout,
                              world_size=world_size, rank=rank, store=store,
                              group_name=group_name, pg_options=pg_options,
                              device_id=device_id, **kwargs)
