@@ -16,7 +16,9 @@ from _ranks import RankRuns, assert_served, same
 
 pytestmark = pytest.mark.timeout(400)
 
-WORLDS = (2, 4)
+# 2 ranks: the 4-rank pools of test_backend.py cover every operation on 4 ranks, and
+# a 4-rank DDP run costs minutes of the suite on a 2-core machine.
+WORLDS = (2,)
 CONFIGS = ("default", "small-buckets")
 STEPS = 10
 
@@ -91,7 +93,7 @@ def _():
 finish()
 '''
 
-RUNS = [("mpcore", 2), ("mpcore", 4), ("run-gloo", 2)]
+RUNS = [("mpcore", 2), ("run-gloo", 2)]
 
 
 @pytest.fixture(scope="module")
