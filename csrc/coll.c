@@ -1185,7 +1185,8 @@ int mpc_coll_all_to_all(mpc_coll *c, void *out, const void *in, const uint64_t *
         at_s += send[q];
         at_r += recv[q];
     }
-    memcpy((uint8_t *)out + roff[me], (const uint8_t *)in + soff[me], send[me]);
+    if (send[me] > 0)
+        memcpy((uint8_t *)out + roff[me], (const uint8_t *)in + soff[me], send[me]);
     if (W == 1 || most == 0)
         return 0;
     /* Rounds: each rank's staging area holds a slot per peer, and round k
@@ -1261,12 +1262,16 @@ static int p2p_wait(mpc_coll *c, uint32_t g, const char *what, int peer, int64_t
 /* Copies n bytes between a ring of cap bytes (at byte pos, wrapping) and
  * flat memory. */
 static void ring_put(uint8_t *ring, uint64_t cap, uint64_t pos, const uint8_t *src, uint64_t n) {
+    if (n == 0)
+        return;
     uint64_t at = pos % cap, first = cap - at < n ? cap - at : n;
     memcpy(ring + at, src, first);
     memcpy(ring, src + first, n - first);
 }
 
 static void ring_get(uint8_t *dst, const uint8_t *ring, uint64_t cap, uint64_t pos, uint64_t n) {
+    if (n == 0)
+        return;
     uint64_t at = pos % cap, first = cap - at < n ? cap - at : n;
     memcpy(dst, ring + at, first);
     memcpy(dst + first, ring, n - first);
@@ -1329,7 +1334,7 @@ int mpc_coll_send(mpc_coll *c, const void *buf, uint64_t nbytes, int dst, uint32
 int mpc_coll_recv(mpc_coll *c, void *buf, uint64_t nbytes, int src, uint32_t tag,
                   int64_t deadline) {
     int W = c->world, me = c->rank;
-    if (src < -1 || src >= W || src == me)
+    if (src < -1 || src >= W || src == me || W == 1)
         return mpc_fail(EINVAL, "rank %d cannot receive from rank %d: not another rank of "
                                 "this group of %d, nor -1 (any)", me, src, W);
     char what[64];

@@ -275,6 +275,38 @@ def test_codes_keep_their_values_and_name_every_dtype_and_op():
         assert np.dtype(NP[name]).itemsize == getattr(torch, name).itemsize, name
 
 
+def test_a_group_of_one_rank():
+    """Every collective of one rank is a copy (or nothing); point to point
+    has no peer and says so."""
+    fd = _core.coll_create(1, CHUNK)
+    try:
+        g = _core.Group(fd, 0, 1)
+    finally:
+        os.close(fd)
+    try:
+        x = data("int16", 1000, 0)
+        want = x.copy()
+        g.reduce(x.ctypes.data, 1000, _core.COLL_DTYPES["int16"], _core.COLL_OPS["BXOR"], 0, 10)
+        assert np.array_equal(x, want)
+        src, out = blob(5000, 0), np.zeros(5000, np.uint8)
+        g.gather(out.ctypes.data, src.ctypes.data, 5000, 0, 10)
+        assert np.array_equal(out, src)
+        out[:] = 0
+        g.scatter(out.ctypes.data, src.ctypes.data, 5000, 0, 10)
+        assert np.array_equal(out, src)
+        out[:] = 0
+        g.all_to_all(out.ctypes.data, src.ctypes.data, [5000], [5000], 10)
+        assert np.array_equal(out, src)
+        with pytest.raises(ValueError, match="rank 0 cannot receive from rank -1"):
+            g.recv(out.ctypes.data, 10, -1, 0, 10)
+        with pytest.raises(ValueError, match="rank 0 cannot send to rank 0"):
+            g.send(out.ctypes.data, 10, 0, 0, 10)
+        with pytest.raises(ValueError, match="root 1 is not a rank"):
+            g.gather(out.ctypes.data, src.ctypes.data, 10, 1, 10)
+    finally:
+        g.close()
+
+
 # --- 2. reduce, against numpy --------------------------------------------------------
 
 # 1000 elements: one-shot pieces; 300_001: pieces reduced in slices by every rank.
