@@ -80,8 +80,10 @@
  * rank takes the next message of the first rank, in turn from the one
  * after the last it took from, whose next message has its tag.
  * A timeout or a peer's exit during send or recv breaks the group, as in a
- * collective: a message may be half in the ring.  Calls on one Group (a
- * collective, send or recv) must not run at once from several threads.
+ * collective: a message may be half in the ring.
+ * Threads: a collective, a recv and sends to different ranks touch
+ * different state, so they may run at once on one group from different
+ * threads; two collectives, two recvs, or two sends to one rank may not.
  *
  * NOTE [ Group buffers ]
  * Staging costs a large all-reduce about four and a half times its size in

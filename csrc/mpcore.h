@@ -786,7 +786,10 @@ int mpc_coll_all_to_all(mpc_coll *c, void *out, const void *in, const uint64_t *
  *     -EINVAL naming both and the message stays where it was.  -EINVAL too
  *     for a src that is not another rank or -1.
  * Both: -ETIMEDOUT naming the peer, -EPIPE naming a rank that exited,
- * -EINTR as the collectives; after these the group is broken for good. */
+ * -EINTR as the collectives; after these the group is broken for good.
+ * A collective, a recv and sends to different ranks may run at once from
+ * different threads; two collectives, two recvs or two sends to one rank
+ * may not. */
 int mpc_coll_send(mpc_coll *c, const void *buf, uint64_t nbytes, int dst, uint32_t tag,
                   int64_t deadline_ns);
 int mpc_coll_recv(mpc_coll *c, void *buf, uint64_t nbytes, int src, uint32_t tag,

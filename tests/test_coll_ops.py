@@ -591,6 +591,31 @@ else:
     assert res[0] == {q: [digest(blob(1000, q, k)) for k in range(3)] for q in range(1, W)}
 
 
+def test_exchange_larger_than_the_mailboxes_with_send_and_recv_on_two_threads(pair):
+    """Both ranks send 16 MB to each other at once: each send waits for the
+    peer's recv, which runs on another thread of the peer meanwhile."""
+    res = pair.run(r'''
+import threading
+peer = 1 - rank
+mine = blob(BIG, rank, "exchange")
+errs = []
+def sender():
+    try:
+        g.send(mine.ctypes.data, BIG, peer, 1, 60)
+    except BaseException as e:
+        errs.append(repr(e))
+t = threading.Thread(target=sender)
+t.start()
+got = np.zeros(BIG, np.uint8)
+src = g.recv(got.ctypes.data, BIG, peer, 1, 60)
+t.join()
+result = errs, src, digest(got)
+'''.replace("BIG", str(BIG)))
+    for r, (errs, src, got) in enumerate(res):
+        assert errs == [] and src == 1 - r, (r, errs, src)
+        assert got == digest(blob(BIG, 1 - r, "exchange")), r
+
+
 def test_recv_with_the_wrong_tag_or_size_is_an_error_and_the_message_stays(pair):
     res = pair.run(r'''
 if rank == 0:
@@ -676,3 +701,32 @@ except TimeoutError as e:
     finally:
         rk.close()
     assert res[0]["value"] is not None and "rank 0" in res[0]["value"], res
+
+
+def test_ctrl_c_during_recv_raises_there_and_breaks_the_group():
+    rk = Ranks(2)
+    try:
+        rk.send(r'''
+try:
+    g.recv(np.zeros(8, np.uint8).ctypes.data, 8, 0, 0, 60)
+    result = None
+except KeyboardInterrupt:
+    result = "interrupted"
+''', ranks=[1])
+        deadline = time.monotonic() + 30   # until rank 1 sleeps in its recv
+        while "futex" not in open(f"/proc/{rk.pids[1]}/wchan").read():
+            assert time.monotonic() < deadline, "rank 1 never waited in recv"
+            time.sleep(0.01)
+        os.kill(rk.pids[1], signal.SIGINT)
+        assert rk.collect(10, ranks=[1]) == [{"value": "interrupted"}]
+        rk.send(r'''
+try:
+    g.send(np.zeros(8, np.uint8).ctypes.data, 8, 1, 0, 10)
+    result = None
+except RuntimeError as e:
+    result = str(e)
+''', ranks=[0])
+        got = rk.collect(10, ranks=[0])[0]["value"]
+    finally:
+        _finish(rk)
+    assert got is not None and "rank 1 was interrupted during recv from rank 0" in got, got
