@@ -1118,7 +1118,7 @@ int mpc_coll_gather(mpc_coll *c, void *out, const void *in, uint64_t nbytes, int
         return r;
     int me = c->rank;
     if (me == root)
-        memcpy((uint8_t *)out + (uint64_t)me * nbytes, in, nbytes);
+        memmove((uint8_t *)out + (uint64_t)me * nbytes, in, nbytes); /* in may lie there */
     for (uint64_t off = 0; off < nbytes; off += c->chunk) {
         uint64_t n = nbytes - off < c->chunk ? nbytes - off : c->chunk;
         uint64_t p = c->piece++ & 1;
@@ -1141,7 +1141,7 @@ int mpc_coll_scatter(mpc_coll *c, void *out, const void *in, uint64_t nbytes, in
         return r;
     int me = c->rank;
     if (me == root)
-        memcpy(out, (const uint8_t *)in + (uint64_t)me * nbytes, nbytes);
+        memmove(out, (const uint8_t *)in + (uint64_t)me * nbytes, nbytes); /* out may lie there */
     for (uint64_t off = 0; off < nbytes; off += c->chunk) {
         uint64_t n = nbytes - off < c->chunk ? nbytes - off : c->chunk;
         uint64_t p = c->piece++ & 1;

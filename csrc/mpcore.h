@@ -761,9 +761,9 @@ int mpc_coll_reduce_scatter(mpc_coll *c, void *out, const void *in, uint64_t cou
  *     (world * nbytes); in is not read (and may be NULL) elsewhere.
  *   all_to_all: send[j] bytes of in (the pieces for ranks 0..world-1 end
  *     to end) go to rank j, and out gets recv[i] bytes from each rank i, end
- *     to end.  send and recv hold `world` sizes each.  When a rank's send
- *     size to j differs from j's recv size from it, every rank returns
- *     -EINVAL naming both ranks and both sizes. */
+ *     to end; in and out must not overlap.  send and recv hold `world`
+ *     sizes each.  When a rank's send size to j differs from j's recv size
+ *     from it, every rank returns -EINVAL naming both ranks and sizes. */
 int mpc_coll_reduce(mpc_coll *c, void *buf, uint64_t count, int dtype, int op, int root,
                     int64_t deadline_ns);
 int mpc_coll_gather(mpc_coll *c, void *out, const void *in, uint64_t nbytes, int root,
