@@ -780,11 +780,12 @@ int mpc_coll_all_to_all(mpc_coll *c, void *out, const void *in, const uint64_t *
  *     last byte is in dst's mailbox (a message larger than the mailbox is
  *     streamed: it returns once dst has taken all but the last mailbox's
  *     worth).  -EINVAL for a dst that is not another rank of the group.
- *   recv: receives a message of nbytes with this tag from rank src (-1:
+ *   recv: receives the oldest message with this tag from rank src (-1:
  *     from whichever rank has one first) into buf; returns the source
- *     rank.  The next message from src must have this tag and size, else
- *     -EINVAL naming both and the message stays where it was.  -EINVAL too
- *     for a src that is not another rank or -1.
+ *     rank.  Older messages with other tags are held for later recvs.  A
+ *     message of another size is -EINVAL naming both sizes (the message
+ *     stays for a recv that fits), -ENOMEM when a message to hold finds no
+ *     memory, -EINVAL too for a src that is not another rank or -1.
  * Both: -ETIMEDOUT naming the peer, -EPIPE naming a rank that exited,
  * -EINTR as the collectives; after these the group is broken for good.
  * A collective, a recv and sends to different ranks may run at once from

@@ -625,27 +625,37 @@ result = errs, src, digest(got)
         assert got == digest(blob(BIG, 1 - r, "exchange")), r
 
 
-def test_recv_with_the_wrong_tag_or_size_is_an_error_and_the_message_stays(pair):
+def test_recv_takes_the_oldest_message_with_its_tag_past_others(pair):
+    """As gloo matches: a recv for tag t takes the first message with tag t
+    from its source, even when messages with other tags came first (one of
+    them larger than the mailbox); a message of the wrong size is an error
+    and stays for a recv that fits."""
     res = pair.run(r'''
 if rank == 0:
-    g.send(blob(100, 0).ctypes.data, 100, 1, 3, 30)
+    for n, tag in SENDS:
+        g.send(blob(n, 0, tag).ctypes.data, n, 1, tag, 60)
     result = None
 else:
-    m = np.zeros(100, np.uint8)
-    errs = []
-    for n, tag in ((100, 4), (99, 3)):
-        try:
-            g.recv(m.ctypes.data, n, 0, tag, 30)
-            errs.append(None)
-        except ValueError as e:
-            errs.append(str(e))
-    src = g.recv(m.ctypes.data, 100, 0, 3, 30)
-    result = errs, src, digest(m)
-''')
-    errs, src, got = res[1]
-    assert "tag 4" in errs[0] and "tag 3" in errs[0] and "rank 0" in errs[0], errs[0]
-    assert "99 bytes" in errs[1] and "100 bytes" in errs[1], errs[1]
-    assert (src, got) == (0, digest(blob(100, 0)))
+    def recv(n, src, tag):
+        m = np.zeros(n, np.uint8)
+        got = g.recv(m.ctypes.data, n, src, tag, 60)
+        return got, digest(m)
+    out = [recv(100, 0, 2), recv(BIG3, -1, 1), recv(50, 0, 11)]
+    try:
+        g.recv(np.zeros(99, np.uint8).ctypes.data, 99, 0, 3, 60)
+        err = None
+    except ValueError as e:
+        err = str(e)
+    out.append(recv(100, 0, 3))
+    result = out, err
+'''.replace("SENDS", repr(SENDS)).replace("BIG3", str(3 * CHUNK)))
+    out, err = res[1]
+    assert out == [(0, digest(blob(100, 0, 2))), (0, digest(blob(3 * CHUNK, 0, 1))),
+                   (0, digest(blob(50, 0, 11))), (0, digest(blob(100, 0, 3)))]
+    assert err is not None and "99 bytes" in err and "100 bytes" in err and "tag 3" in err, err
+
+
+SENDS = [(3 * CHUNK, 1), (100, 2), (50, 11), (100, 3)]
 
 
 def test_bad_peers_are_refused(pair):
