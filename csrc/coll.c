@@ -71,17 +71,20 @@
  * spin, sleep and peer watch as a barrier.  The rings take about
  * MPC_COLL_BOXES bytes in all: 1 MB a pair for 2 ranks, down to 4 KB a
  * pair (16 MB in all) for 64.
- * Matching is simpler than gloo's: messages from one rank to another are
- * taken in the order they were sent, and a recv must match the next one,
- * tag and size; else it fails (-EINVAL naming both) and leaves the message
- * for a recv that matches.  (gloo lets a recv for tag t take a later
- * message with tag t past earlier ones with other tags; here that is the
- * error, never a message put where another was wanted.)  A recv from any
- * rank takes the next message of the first rank, in turn from the one
- * after the last it took from, whose next message has its tag.
+ * Matching is gloo's: a recv for tag t from rank s takes the oldest
+ * message with tag t from s, past older ones with other tags.  Those it
+ * passes it takes out of the mailbox (so that the sender is not stuck
+ * behind them) and holds in this process's memory, oldest first, for the
+ * recv that wants them; a recv looks at what is held before the mailbox,
+ * since a held message is older than any still there.  A message with the
+ * right tag but another size is an error (-EINVAL naming both sizes) that
+ * leaves the message where it was.  A recv from any rank looks at the
+ * ranks in turn from the one after the last it took from.
  * A timeout or a peer's exit during send or recv breaks the group, as in a
- * collective: a message may be half in the ring.  Calls on one Group (a
- * collective, send or recv) must not run at once from several threads.
+ * collective: a message may be half in the ring.
+ * Threads: a collective, a recv and sends to different ranks touch
+ * different state, so they may run at once on one group from different
+ * threads; two collectives, two recvs, or two sends to one rank may not.
  *
  * NOTE [ Group buffers ]
  * Staging costs a large all-reduce about four and a half times its size in
@@ -194,11 +197,22 @@ typedef struct {
 
 #define MPC_COLL_MAPS 64
 
+/* A message that a recv took out of its mailbox ahead of the one it
+ * wanted (NOTE [ Mailboxes ]). */
+typedef struct mpc_coll_held {
+    struct mpc_coll_held *next;
+    int src;
+    uint32_t tag;
+    uint64_t nbytes;
+    uint8_t data[];
+} mpc_coll_held;
+
 struct mpc_coll {
     mpc_coll_hdr *h;
     uint64_t size, chunk;
     mpc_coll_layout at;
-    int next_src; /* where a recv from any rank looks first */
+    int next_src;        /* where a recv from any rank looks first */
+    mpc_coll_held *held; /* messages held for a later recv, oldest first */
     int rank, world;
     int pidfds[MPC_COLL_MAX_RANKS];
     uint64_t bar;   /* barriers this rank entered */
@@ -219,8 +233,8 @@ struct mpc_coll_buf {
 };
 
 static const char *const kind_names[MPC_COLL_KINDS] = {
-    "?",      "all_reduce", "broadcast", "barrier",   "all_gather",
-    "reduce_scatter", "reduce", "gather", "scatter", "all_to_all"};
+    "?",      "all_reduce", "broadcast", "barrier", "all_gather", "reduce_scatter",
+    "reduce", "gather",     "scatter",   "all_to_all"};
 /* Names as torch gives them: _core.COLL_DTYPES and _core.COLL_OPS are made
  * from these tables, and nowhere else. */
 static const char *const dtype_names[MPC_DT_COUNT] = {
@@ -406,6 +420,11 @@ void mpc_coll_close(mpc_coll *c) {
     for (int i = 0; i < MPC_COLL_MAPS; i++)
         if (c->maps[i].addr != NULL)
             munmap(c->maps[i].addr, c->maps[i].len);
+    while (c->held != NULL) {
+        mpc_coll_held *h = c->held;
+        c->held = h->next;
+        free(h);
+    }
     munmap(c->h, c->size);
     free(c);
 }
@@ -1123,7 +1142,7 @@ int mpc_coll_gather(mpc_coll *c, void *out, const void *in, uint64_t nbytes, int
         return r;
     int me = c->rank;
     if (me == root)
-        memcpy((uint8_t *)out + (uint64_t)me * nbytes, in, nbytes);
+        memmove((uint8_t *)out + (uint64_t)me * nbytes, in, nbytes); /* in may lie there */
     for (uint64_t off = 0; off < nbytes; off += c->chunk) {
         uint64_t n = nbytes - off < c->chunk ? nbytes - off : c->chunk;
         uint64_t p = c->piece++ & 1;
@@ -1146,7 +1165,7 @@ int mpc_coll_scatter(mpc_coll *c, void *out, const void *in, uint64_t nbytes, in
         return r;
     int me = c->rank;
     if (me == root)
-        memcpy(out, (const uint8_t *)in + (uint64_t)me * nbytes, nbytes);
+        memmove(out, (const uint8_t *)in + (uint64_t)me * nbytes, nbytes); /* out may lie there */
     for (uint64_t off = 0; off < nbytes; off += c->chunk) {
         uint64_t n = nbytes - off < c->chunk ? nbytes - off : c->chunk;
         uint64_t p = c->piece++ & 1;
@@ -1192,7 +1211,8 @@ int mpc_coll_all_to_all(mpc_coll *c, void *out, const void *in, const uint64_t *
         at_s += send[q];
         at_r += recv[q];
     }
-    memcpy((uint8_t *)out + roff[me], (const uint8_t *)in + soff[me], send[me]);
+    if (send[me] > 0)
+        memcpy((uint8_t *)out + roff[me], (const uint8_t *)in + soff[me], send[me]);
     if (W == 1 || most == 0)
         return 0;
     /* Rounds: each rank's staging area holds a slot per peer, and round k
@@ -1268,12 +1288,16 @@ static int p2p_wait(mpc_coll *c, uint32_t g, const char *what, int peer, int64_t
 /* Copies n bytes between a ring of cap bytes (at byte pos, wrapping) and
  * flat memory. */
 static void ring_put(uint8_t *ring, uint64_t cap, uint64_t pos, const uint8_t *src, uint64_t n) {
+    if (n == 0)
+        return;
     uint64_t at = pos % cap, first = cap - at < n ? cap - at : n;
     memcpy(ring + at, src, first);
     memcpy(ring, src + first, n - first);
 }
 
 static void ring_get(uint8_t *dst, const uint8_t *ring, uint64_t cap, uint64_t pos, uint64_t n) {
+    if (n == 0)
+        return;
     uint64_t at = pos % cap, first = cap - at < n ? cap - at : n;
     memcpy(dst, ring + at, first);
     memcpy(dst + first, ring, n - first);
@@ -1333,58 +1357,16 @@ int mpc_coll_send(mpc_coll *c, const void *buf, uint64_t nbytes, int dst, uint32
     return 0;
 }
 
-int mpc_coll_recv(mpc_coll *c, void *buf, uint64_t nbytes, int src, uint32_t tag,
-                  int64_t deadline) {
-    int W = c->world, me = c->rank;
-    if (src < -1 || src >= W || src == me)
-        return mpc_fail(EINVAL, "rank %d cannot receive from rank %d: not another rank of "
-                                "this group of %d, nor -1 (any)", me, src, W);
+/* Takes the next message out of from's mailbox (its header says nbytes)
+ * into buf, streaming it as the sender puts it in.  Returns 0 or the error
+ * (the group is then broken). */
+static int take(mpc_coll *c, int from, void *buf, uint64_t nbytes, int64_t deadline) {
+    int me = c->rank;
     char what[64];
-    if (src >= 0)
-        snprintf(what, sizeof what, "recv from rank %d", src);
-    else
-        snprintf(what, sizeof what, "recv from any rank (tag %u)", tag);
-    uint64_t cap = c->at.ring;
-    int from = -1;
-    /* find the message: the next one from src, or the first rank (from
-     * where the last such recv stopped) whose next message has this tag */
-    while (from < 0) {
-        uint32_t g = atomic_load(bell(c, me));
-        if (atomic_load(&c->h->broken))
-            return broken_error(c);
-        for (int k = 0; k < W && from < 0; k++) {
-            int q = src >= 0 ? src : (c->next_src + k) % W;
-            if (q == me || (src >= 0 && k > 0))
-                continue;
-            mpc_coll_box *bx = box(c, q, me);
-            uint64_t tail = atomic_load_explicit(&bx->tail, memory_order_relaxed);
-            if (atomic_load_explicit(&bx->head, memory_order_acquire) - tail < MPC_COLL_ALIGN)
-                continue;
-            mpc_coll_msg m;
-            memcpy(&m, ring(c, q, me) + tail % cap, sizeof m);
-            if (m.magic != MPC_COLL_MSG_MAGIC)
-                return mpc_fail(EIO, "rank %d's mailbox from rank %d is corrupt", me, q);
-            if (m.tag != tag && src < 0)
-                continue;
-            if (m.tag != tag || m.nbytes != nbytes)
-                return mpc_fail(EINVAL, "rank %d's recv of %llu bytes with tag %u from rank %d "
-                                        "does not match the next message rank %d sent it: "
-                                        "%llu bytes with tag %u",
-                                me, (unsigned long long)nbytes, tag, q, q,
-                                (unsigned long long)m.nbytes, m.tag);
-            from = q;
-        }
-        if (from < 0) {
-            int r = p2p_wait(c, g, what, src, deadline);
-            if (r < 0)
-                return r;
-        }
-    }
-    if (src < 0)
-        c->next_src = (from + 1) % W;
     snprintf(what, sizeof what, "recv from rank %d", from);
     mpc_coll_box *bx = box(c, from, me);
     const uint8_t *rg = ring(c, from, me);
+    uint64_t cap = c->at.ring;
     uint64_t tail = atomic_load_explicit(&bx->tail, memory_order_relaxed) + MPC_COLL_ALIGN;
     uint64_t got = 0;
     atomic_store_explicit(&bx->tail, tail, memory_order_release);
@@ -1406,5 +1388,94 @@ int mpc_coll_recv(mpc_coll *c, void *buf, uint64_t nbytes, int src, uint32_t tag
         atomic_store_explicit(&bx->tail, tail, memory_order_release);
         ring_bell(c, from);
     }
-    return from;
+    return 0;
+}
+
+static int size_mismatch(const mpc_coll *c, uint64_t nbytes, uint32_t tag, int q,
+                         uint64_t has) {
+    return mpc_fail(EINVAL, "rank %d's recv of %llu bytes with tag %u from rank %d does not "
+                            "match the message rank %d sent it with that tag: %llu bytes",
+                    c->rank, (unsigned long long)nbytes, tag, q, q, (unsigned long long)has);
+}
+
+int mpc_coll_recv(mpc_coll *c, void *buf, uint64_t nbytes, int src, uint32_t tag,
+                  int64_t deadline) {
+    int W = c->world, me = c->rank;
+    if (src < -1 || src >= W || src == me || W == 1)
+        return mpc_fail(EINVAL, "rank %d cannot receive from rank %d: not another rank of "
+                                "this group of %d, nor -1 (any)", me, src, W);
+    char what[64];
+    if (src >= 0)
+        snprintf(what, sizeof what, "recv from rank %d (tag %u)", src, tag);
+    else
+        snprintf(what, sizeof what, "recv from any rank (tag %u)", tag);
+    uint64_t cap = c->at.ring;
+    for (;;) {
+        /* a message held earlier is older than any still in a mailbox */
+        for (mpc_coll_held **at = &c->held; *at != NULL; at = &(*at)->next) {
+            mpc_coll_held *h = *at;
+            if ((src >= 0 && h->src != src) || h->tag != tag)
+                continue;
+            if (h->nbytes != nbytes)
+                return size_mismatch(c, nbytes, tag, h->src, h->nbytes);
+            int from = h->src;
+            if (nbytes > 0)
+                memcpy(buf, h->data, nbytes);
+            *at = h->next;
+            free(h);
+            return from;
+        }
+        uint32_t g = atomic_load(bell(c, me));
+        if (atomic_load(&c->h->broken))
+            return broken_error(c);
+        int from = -1, held = 0;
+        for (int k = 0; k < W && from < 0 && !held; k++) {
+            int q = src >= 0 ? src : (c->next_src + k) % W;
+            if (q == me || (src >= 0 && k > 0))
+                continue;
+            mpc_coll_box *bx = box(c, q, me);
+            uint64_t tail = atomic_load_explicit(&bx->tail, memory_order_relaxed);
+            if (atomic_load_explicit(&bx->head, memory_order_acquire) - tail < MPC_COLL_ALIGN)
+                continue;
+            mpc_coll_msg m;
+            memcpy(&m, ring(c, q, me) + tail % cap, sizeof m);
+            if (m.magic != MPC_COLL_MSG_MAGIC)
+                return mpc_fail(EIO, "rank %d's mailbox from rank %d is corrupt", me, q);
+            if (m.tag == tag) {
+                if (m.nbytes != nbytes)
+                    return size_mismatch(c, nbytes, tag, q, m.nbytes);
+                from = q;
+                continue;
+            }
+            /* another tag's message: take it out and hold it for its recv
+             * (NOTE [ Mailboxes ]), then look again */
+            mpc_coll_held *h = malloc(sizeof *h + m.nbytes);
+            if (h == NULL)
+                return mpc_fail(ENOMEM, "rank %d has no memory to hold a %llu-byte message "
+                                        "from rank %d with tag %u while it waits for tag %u",
+                                me, (unsigned long long)m.nbytes, q, m.tag, tag);
+            *h = (mpc_coll_held){NULL, q, m.tag, m.nbytes};
+            int r = take(c, q, h->data, m.nbytes, deadline);
+            if (r < 0) {
+                free(h);
+                return r;
+            }
+            mpc_coll_held **end = &c->held;
+            while (*end != NULL)
+                end = &(*end)->next;
+            *end = h;
+            held = 1;
+        }
+        if (from >= 0) {
+            if (src < 0)
+                c->next_src = (from + 1) % W;
+            int r = take(c, from, buf, nbytes, deadline);
+            return r < 0 ? r : from;
+        }
+        if (!held) {
+            int r = p2p_wait(c, g, what, src, deadline);
+            if (r < 0)
+                return r;
+        }
+    }
 }

@@ -777,9 +777,9 @@ int mpc_coll_reduce_scatter(mpc_coll *c, void *out, const void *in, uint64_t cou
  *     (world * nbytes); in is not read (and may be NULL) elsewhere.
  *   all_to_all: send[j] bytes of in (the pieces for ranks 0..world-1 end
  *     to end) go to rank j, and out gets recv[i] bytes from each rank i, end
- *     to end.  send and recv hold `world` sizes each.  When a rank's send
- *     size to j differs from j's recv size from it, every rank returns
- *     -EINVAL naming both ranks and both sizes. */
+ *     to end; in and out must not overlap.  send and recv hold `world`
+ *     sizes each.  When a rank's send size to j differs from j's recv size
+ *     from it, every rank returns -EINVAL naming both ranks and sizes. */
 int mpc_coll_reduce(mpc_coll *c, void *buf, uint64_t count, int dtype, int op, int root,
                     int64_t deadline_ns);
 int mpc_coll_gather(mpc_coll *c, void *out, const void *in, uint64_t nbytes, int root,
@@ -796,13 +796,17 @@ int mpc_coll_all_to_all(mpc_coll *c, void *out, const void *in, const uint64_t *
  *     last byte is in dst's mailbox (a message larger than the mailbox is
  *     streamed: it returns once dst has taken all but the last mailbox's
  *     worth).  -EINVAL for a dst that is not another rank of the group.
- *   recv: receives a message of nbytes with this tag from rank src (-1:
+ *   recv: receives the oldest message with this tag from rank src (-1:
  *     from whichever rank has one first) into buf; returns the source
- *     rank.  The next message from src must have this tag and size, else
- *     -EINVAL naming both and the message stays where it was.  -EINVAL too
- *     for a src that is not another rank or -1.
+ *     rank.  Older messages with other tags are held for later recvs.  A
+ *     message of another size is -EINVAL naming both sizes (the message
+ *     stays for a recv that fits), -ENOMEM when a message to hold finds no
+ *     memory, -EINVAL too for a src that is not another rank or -1.
  * Both: -ETIMEDOUT naming the peer, -EPIPE naming a rank that exited,
- * -EINTR as the collectives; after these the group is broken for good. */
+ * -EINTR as the collectives; after these the group is broken for good.
+ * A collective, a recv and sends to different ranks may run at once from
+ * different threads; two collectives, two recvs or two sends to one rank
+ * may not. */
 int mpc_coll_send(mpc_coll *c, const void *buf, uint64_t nbytes, int dst, uint32_t tag,
                   int64_t deadline_ns);
 int mpc_coll_recv(mpc_coll *c, void *buf, uint64_t nbytes, int src, uint32_t tag,

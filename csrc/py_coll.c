@@ -26,8 +26,15 @@ typedef struct {
     PyThreadState *ts;
 } wait_ctx;
 
+/* This thread's call in progress, or NULL.  Per thread, so that a
+ * collective, a send and a recv may wait on one Group from different
+ * threads (NOTE [ Mailboxes ] in coll.c). */
+static __thread wait_ctx *cur_wait;
+
 static int on_signal(void *arg) {
-    wait_ctx *w = arg;
+    wait_ctx *w = cur_wait;
+    if (w == NULL)
+        return 0;
     PyEval_RestoreThread(w->ts);
     int r = PyErr_CheckSignals();
     w->ts = PyEval_SaveThread();
@@ -53,15 +60,23 @@ static PyObject *coll_raise(PyObject *op, int rc) {
     return mpc_py_raise(mpc_type_state(Py_TYPE(op)), rc);
 }
 
+/* Runs call (an int expression) without the GIL, with this thread's wait
+ * context set for on_signal; leaves its result in rc. */
+#define WAIT(rc, call)                                                                     \
+    do {                                                                                   \
+        wait_ctx w_;                                                                       \
+        cur_wait = &w_;                                                                    \
+        mpc_clear_error();                                                                 \
+        w_.ts = PyEval_SaveThread();                                                       \
+        rc = (call);                                                                       \
+        PyEval_RestoreThread(w_.ts);                                                       \
+        cur_wait = NULL;                                                                   \
+    } while (0)
+
 #define RUN(op, call)                                                                      \
     do {                                                                                   \
-        wait_ctx w;                                                                        \
-        mpc_coll_set_interrupt(c, on_signal, &w);                                          \
-        mpc_clear_error();                                                                 \
-        w.ts = PyEval_SaveThread();                                                        \
-        int rc_ = (call);                                                                  \
-        PyEval_RestoreThread(w.ts);                                                        \
-        mpc_coll_set_interrupt(c, NULL, NULL);                                             \
+        int rc_;                                                                           \
+        WAIT(rc_, call);                                                                   \
         if (rc_ < 0)                                                                       \
             return coll_raise(op, rc_);                                                    \
         Py_RETURN_NONE;                                                                    \
@@ -81,6 +96,7 @@ static PyObject *Group_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         Py_DECREF(self);
         return mpc_py_raise(mpc_type_state(type), r);
     }
+    mpc_coll_set_interrupt(self->c, on_signal, NULL);
     return (PyObject *)self;
 }
 
@@ -315,13 +331,8 @@ static PyObject *Group_recv(PyObject *op, PyObject *args) {
     int64_t dl = deadline_of(timeout);
     if (dl == -2)
         return NULL;
-    wait_ctx w;
-    mpc_coll_set_interrupt(c, on_signal, &w);
-    mpc_clear_error();
-    w.ts = PyEval_SaveThread();
-    int rc = mpc_coll_recv(c, (void *)(uintptr_t)addr, n, src, t, dl);
-    PyEval_RestoreThread(w.ts);
-    mpc_coll_set_interrupt(c, NULL, NULL);
+    int rc;
+    WAIT(rc, mpc_coll_recv(c, (void *)(uintptr_t)addr, n, src, t, dl));
     if (rc < 0)
         return coll_raise(op, rc);
     return PyLong_FromLong(rc);

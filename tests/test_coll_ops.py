@@ -25,7 +25,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import children_of, fresh_env, mpcore_memfds
+from conftest import children_of, fresh_env, mpcore_memfds, require
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -211,6 +211,14 @@ def pair():
     _finish(rk)
 
 
+def _have_torch():
+    try:
+        import torch.distributed as dist
+        return dist.is_available() and dist.is_gloo_available()
+    except ImportError:
+        return False
+
+
 # --- the reference ------------------------------------------------------------
 
 def _bf16_to_f32(u):
@@ -269,10 +277,43 @@ def test_codes_keep_their_values_and_name_every_dtype_and_op():
     assert sorted(_core.COLL_DTYPES.values()) == list(range(len(NP)))
     assert _core.COLL_OPS == {"SUM": 0, "AVG": 1, "PRODUCT": 2, "MIN": 3, "MAX": 4, "BAND": 5,
                               "BOR": 6, "BXOR": 7}
-    torch = pytest.importorskip("torch")
+    require(_have_torch(), "torch is not installed")
+    import torch
     for name in _core.COLL_DTYPES:   # torch's names, and the sizes coll.c moves
         assert isinstance(getattr(torch, name), torch.dtype), name
         assert np.dtype(NP[name]).itemsize == getattr(torch, name).itemsize, name
+
+
+def test_a_group_of_one_rank():
+    """Every collective of one rank is a copy (or nothing); point to point
+    has no peer and says so."""
+    fd = _core.coll_create(1, CHUNK)
+    try:
+        g = _core.Group(fd, 0, 1)
+    finally:
+        os.close(fd)
+    try:
+        x = data("int16", 1000, 0)
+        want = x.copy()
+        g.reduce(x.ctypes.data, 1000, _core.COLL_DTYPES["int16"], _core.COLL_OPS["BXOR"], 0, 10)
+        assert np.array_equal(x, want)
+        src, out = blob(5000, 0), np.zeros(5000, np.uint8)
+        g.gather(out.ctypes.data, src.ctypes.data, 5000, 0, 10)
+        assert np.array_equal(out, src)
+        out[:] = 0
+        g.scatter(out.ctypes.data, src.ctypes.data, 5000, 0, 10)
+        assert np.array_equal(out, src)
+        out[:] = 0
+        g.all_to_all(out.ctypes.data, src.ctypes.data, [5000], [5000], 10)
+        assert np.array_equal(out, src)
+        with pytest.raises(ValueError, match="rank 0 cannot receive from rank -1"):
+            g.recv(out.ctypes.data, 10, -1, 0, 10)
+        with pytest.raises(ValueError, match="rank 0 cannot send to rank 0"):
+            g.send(out.ctypes.data, 10, 0, 0, 10)
+        with pytest.raises(ValueError, match="root 1 is not a rank"):
+            g.gather(out.ctypes.data, src.ctypes.data, 10, 1, 10)
+    finally:
+        g.close()
 
 
 # --- 2. reduce, against numpy --------------------------------------------------------
@@ -377,7 +418,7 @@ result = out
 
 
 def test_bool_and_bitwise_reductions_match_gloo(ranks):
-    pytest.importorskip("torch")
+    require(_have_torch(), "torch is not installed")
     res = ranks.run(GLOO, timeout=100)
     for r, out in enumerate(res):
         for (dtype, op), (gloo, ours, reduced) in out.items():
@@ -559,27 +600,62 @@ else:
     assert res[0] == {q: [digest(blob(1000, q, k)) for k in range(3)] for q in range(1, W)}
 
 
-def test_recv_with_the_wrong_tag_or_size_is_an_error_and_the_message_stays(pair):
+def test_exchange_larger_than_the_mailboxes_with_send_and_recv_on_two_threads(pair):
+    """Both ranks send 16 MB to each other at once: each send waits for the
+    peer's recv, which runs on another thread of the peer meanwhile."""
+    res = pair.run(r'''
+import threading
+peer = 1 - rank
+mine = blob(BIG, rank, "exchange")
+errs = []
+def sender():
+    try:
+        g.send(mine.ctypes.data, BIG, peer, 1, 60)
+    except BaseException as e:
+        errs.append(repr(e))
+t = threading.Thread(target=sender)
+t.start()
+got = np.zeros(BIG, np.uint8)
+src = g.recv(got.ctypes.data, BIG, peer, 1, 60)
+t.join()
+result = errs, src, digest(got)
+'''.replace("BIG", str(BIG)))
+    for r, (errs, src, got) in enumerate(res):
+        assert errs == [] and src == 1 - r, (r, errs, src)
+        assert got == digest(blob(BIG, 1 - r, "exchange")), r
+
+
+def test_recv_takes_the_oldest_message_with_its_tag_past_others(pair):
+    """As gloo matches: a recv for tag t takes the first message with tag t
+    from its source, even when messages with other tags came first (one of
+    them larger than the mailbox); a message of the wrong size is an error
+    and stays for a recv that fits."""
     res = pair.run(r'''
 if rank == 0:
-    g.send(blob(100, 0).ctypes.data, 100, 1, 3, 30)
+    for n, tag in SENDS:
+        g.send(blob(n, 0, tag).ctypes.data, n, 1, tag, 60)
     result = None
 else:
-    m = np.zeros(100, np.uint8)
-    errs = []
-    for n, tag in ((100, 4), (99, 3)):
-        try:
-            g.recv(m.ctypes.data, n, 0, tag, 30)
-            errs.append(None)
-        except ValueError as e:
-            errs.append(str(e))
-    src = g.recv(m.ctypes.data, 100, 0, 3, 30)
-    result = errs, src, digest(m)
-''')
-    errs, src, got = res[1]
-    assert "tag 4" in errs[0] and "tag 3" in errs[0] and "rank 0" in errs[0], errs[0]
-    assert "99 bytes" in errs[1] and "100 bytes" in errs[1], errs[1]
-    assert (src, got) == (0, digest(blob(100, 0)))
+    def recv(n, src, tag):
+        m = np.zeros(n, np.uint8)
+        got = g.recv(m.ctypes.data, n, src, tag, 60)
+        return got, digest(m)
+    out = [recv(100, 0, 2), recv(BIG3, -1, 1), recv(50, 0, 11)]
+    try:
+        g.recv(np.zeros(99, np.uint8).ctypes.data, 99, 0, 3, 60)
+        err = None
+    except ValueError as e:
+        err = str(e)
+    out.append(recv(100, 0, 3))
+    result = out, err
+'''.replace("SENDS", repr(SENDS)).replace("BIG3", str(3 * CHUNK)))
+    out, err = res[1]
+    assert out == [(0, digest(blob(100, 0, 2))), (0, digest(blob(3 * CHUNK, 0, 1))),
+                   (0, digest(blob(50, 0, 11))), (0, digest(blob(100, 0, 3)))]
+    assert err is not None and "99 bytes" in err and "100 bytes" in err and "tag 3" in err, err
+
+
+SENDS = [(3 * CHUNK, 1), (100, 2), (50, 11), (100, 3)]
 
 
 def test_bad_peers_are_refused(pair):
@@ -644,3 +720,32 @@ except TimeoutError as e:
     finally:
         rk.close()
     assert res[0]["value"] is not None and "rank 0" in res[0]["value"], res
+
+
+def test_ctrl_c_during_recv_raises_there_and_breaks_the_group():
+    rk = Ranks(2)
+    try:
+        rk.send(r'''
+try:
+    g.recv(np.zeros(8, np.uint8).ctypes.data, 8, 0, 0, 60)
+    result = None
+except KeyboardInterrupt:
+    result = "interrupted"
+''', ranks=[1])
+        deadline = time.monotonic() + 30   # until rank 1 sleeps in its recv
+        while "futex" not in open(f"/proc/{rk.pids[1]}/wchan").read():
+            assert time.monotonic() < deadline, "rank 1 never waited in recv"
+            time.sleep(0.01)
+        os.kill(rk.pids[1], signal.SIGINT)
+        assert rk.collect(10, ranks=[1]) == [{"value": "interrupted"}]
+        rk.send(r'''
+try:
+    g.send(np.zeros(8, np.uint8).ctypes.data, 8, 1, 0, 10)
+    result = None
+except RuntimeError as e:
+    result = str(e)
+''', ranks=[0])
+        got = rk.collect(10, ranks=[0])[0]["value"]
+    finally:
+        _finish(rk)
+    assert got is not None and "rank 1 was interrupted during recv from rank 0" in got, got
