@@ -902,7 +902,7 @@ def _first_spawn_notes(row):
     if impls:
         run = all(e.get("mpcore_run") for e in row["mpcore"]["extra"])
         out.append(f"mpcore side used {', '.join(impls)}"
-                   f"{' under mpcore run (zygote started at launch)' if run else ''}")
+                   f"{' under mpcore run (zygote forked at the import of torch)' if run else ''}")
     return out   # (the runner adds the program's own import torch)
 
 
