@@ -484,6 +484,17 @@ static int all_reached(const mpc_coll *c, uint64_t target) {
     return 1;
 }
 
+/* Splits n elements of es bytes into W slices of whole 64-byte units:
+ * slice q is elements lo[q] .. lo[q + 1] - 1. */
+static void slices(uint64_t n, size_t es, int W, uint64_t lo[]) {
+    uint64_t unit = MPC_COLL_ALIGN / es, units = (n + unit - 1) / unit;
+    for (int q = 0; q <= W; q++) {
+        lo[q] = units * (uint64_t)q / (uint64_t)W * unit;
+        if (lo[q] > n)
+            lo[q] = n;
+    }
+}
+
 static int barrier(mpc_coll *c, const char *what, int64_t deadline) {
     mpc_coll_hdr *h = c->h;
     uint64_t target = ++c->bar;
@@ -971,13 +982,8 @@ int mpc_coll_all_reduce(mpc_coll *c, void *buf, uint64_t count, int dtype, int o
          * 64-byte units), so each rank stages only the slices the others
          * reduce, reads its own slice from its own buffer, and copies back
          * only the slices the others reduced. */
-        uint64_t unit = MPC_COLL_ALIGN / es, units = (n + unit - 1) / unit;
         uint64_t lo[MPC_COLL_MAX_RANKS + 1];
-        for (int q = 0; q <= W; q++) {
-            lo[q] = units * (uint64_t)q / (uint64_t)W * unit;
-            if (lo[q] > n)
-                lo[q] = n;
-        }
+        slices(n, es, W, lo);
         uint8_t *st = stage(c, p, c->rank), *res = result(c, p);
         uint64_t a = lo[c->rank], b = lo[c->rank + 1];
         memcpy(st, mine, a * es);
@@ -1099,13 +1105,8 @@ int mpc_coll_reduce(mpc_coll *c, void *buf, uint64_t count, int dtype, int op, i
         /* Rank q reduces slice q, as all_reduce does; the root's slice goes
          * straight into its buffer, the others' into the result area, which
          * the root copies out after the second barrier. */
-        uint64_t unit = MPC_COLL_ALIGN / es, units = (n + unit - 1) / unit;
         uint64_t lo[MPC_COLL_MAX_RANKS + 1];
-        for (int q = 0; q <= W; q++) {
-            lo[q] = units * (uint64_t)q / (uint64_t)W * unit;
-            if (lo[q] > n)
-                lo[q] = n;
-        }
+        slices(n, es, W, lo);
         uint8_t *st = stage(c, p, me), *res = result(c, p);
         uint64_t a = lo[me], b = lo[me + 1];
         memcpy(st, mine, a * es);
