@@ -477,9 +477,14 @@ def job_work(stage):
         later = dist.all_reduce(torch.ones(2), async_op=True)   # queued after
         b = torch.ones(2)
         dist.all_reduce(b)                                      # runs after `later`
+        # a small call nobody waits for still runs (its lane's thread takes it)
+        idle = dist.all_reduce(torch.ones(2), async_op=True)
+        ran = threading.Event()
+        idle.get_future().then(lambda f: ran.set())
         return {"wait": ok, "done": w.is_completed(), "exc": w.exception() is None,
                 "sum": t.tolist(), "fut": [x.tolist() for x in val],
                 "later_done": later.is_completed(), "b": b.tolist(),
+                "unwaited_ran": ran.wait(30) and idle.is_completed(),
                 "isinstance": isinstance(w, dist.Work)}
     if stage == "early":     # only rank 0 runs this first: its wait(timeout) times out
         t = torch.ones(3)
@@ -885,6 +890,7 @@ def test_work_surface(pool2):
         assert res["wait"] is True and res["done"] and res["exc"] and res["isinstance"]
         assert res["sum"] == [3.0] * 4 and res["fut"] == [[3.0] * 4]
         assert res["later_done"] is True and res["b"] == [2.0, 2.0]
+        assert res["unwaited_ran"] is True
     pool2.send("work", ranks=[0], stage="early")
     early, = pool2.collect(ranks=[0])
     assert "TimeoutError" in early["wait"] and early["done"] is False, early

@@ -40,6 +40,13 @@ def _host_id():
     return f"{socket.gethostname()}/{boot}"
 
 
+def _nbytes(tensors):
+    """The bytes of a tensor, or of the tensors in a (nested) list."""
+    if isinstance(tensors, (list, tuple)):
+        return sum(_nbytes(t) for t in tensors)
+    return getattr(tensors, "nbytes", 0)
+
+
 def _seconds(timeout):
     if timeout is None:
         return None
@@ -157,6 +164,7 @@ class Work:
         self._exc = None
         self._future = None
         self._lock = threading.Lock()
+        self._lane = None
 
     def _finish(self, exc=None):
         with self._lock:
@@ -173,10 +181,18 @@ class Work:
             fut.set_result(self._tensors)
 
     def wait(self, timeout=None):
+        self._run_here()
         self._done.wait()
         if self._exc is not None:
             raise self._exc
         return True
+
+    def _run_here(self):
+        """Runs the call on the waiting thread when its lane has not begun
+        it (NOTE [ A waiter runs its own call ])."""
+        lane = self._lane
+        if lane is not None and not self._done.is_set():
+            lane.run_if_next(self)
 
     def is_completed(self):
         return self._done.is_set()
@@ -202,7 +218,31 @@ class Work:
 
 
 class _Lane:
-    """A thread that runs calls in the order they were queued."""
+    """A thread that runs calls in the order they were queued.
+
+    NOTE [ A waiter runs its own call ]
+    Handing a call to the lane's thread and waking the caller when it is
+    done costs two thread switches and a pass of the GIL each way: most of
+    an async call's time at small sizes (functional collectives, send and
+    recv, whose torch functions wait at once).  So a thread that waits for
+    a call which is next in its lane, while the lane's thread has not
+    taken it, takes it and runs it itself.  The order of the lane holds:
+    only the next call is taken, and never while another runs.  A wait with
+    a timeout does not take the call (it could not keep its timeout), nor
+    does a wait from the lane's own thread.
+
+    Waking the lane's thread for a call its caller then runs itself would
+    still cost the switches (and, on a machine with no idle core, time of
+    a peer rank).  So a small call (SMALL bytes or less) queued while the
+    lane's thread is polling wakes nobody: the thread polls every POLL_S
+    for as long as calls came in the last IDLE_S, and takes what no waiter
+    took.  A small call that nobody waits for starts at most POLL_S late;
+    a large one wakes the thread at once, so that it overlaps with what
+    the caller does next (DDP's buckets, FSDP's prefetches)."""
+
+    SMALL = 64 << 10
+    POLL_S = 0.002
+    IDLE_S = 0.5
 
     def __init__(self, name, timeout):
         self.name = name
@@ -211,41 +251,79 @@ class _Lane:
         self.cond = threading.Condition()
         self.thread = None
         self.queued = 0
+        self.running = False   # a call of this lane runs (on its thread or a waiter's)
+        self.polling = False   # the thread waits with POLL_S timeouts
+        self.last_put = 0.0
 
-    def put(self, item):
+    def put(self, item, small=False):
         with self.cond:
             if self.thread is None:
                 self.thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
                 self.thread.start()
             self.queued += 1
             self.queue.append(item)
-            self.cond.notify()
+            self.last_put = time.monotonic()
+            if not (small and self.polling):
+                self.cond.notify()
 
     def drain(self):
+        """Waits until every call queued so far is done, running them here
+        while the lane's thread has not taken them."""
+        while True:
+            with self.cond:
+                if not self.queued:
+                    return
+                item = self._take() if threading.current_thread() is not self.thread else None
+                if item is None:
+                    self.cond.wait()
+                    continue
+            self._call(item)
+
+    def run_if_next(self, work):
         with self.cond:
-            while self.queued:
-                self.cond.wait()
+            if (not self.queue or self.queue[0][0] is not work
+                    or threading.current_thread() is self.thread):
+                return
+            item = self._take()
+        if item is not None:
+            self._call(item)
+
+    def _take(self):
+        """The next call, now marked running; None while one runs (the
+        caller holds cond)."""
+        if self.running or not self.queue or self.queue[0] is None:
+            return None
+        self.running = True
+        return self.queue.popleft()
+
+    def _call(self, item):
+        work, fn, args, keep = item
+        try:
+            fn(*args, self.timeout)
+            work._finish()
+        except BaseException as e:  # reported through the Work
+            work._finish(e)
+        finally:
+            # nothing of a finished call is held until the next one
+            del work, fn, args, keep, item
+            with self.cond:
+                self.running = False
+                self.queued -= 1
+                self.cond.notify_all()
 
     def _loop(self):
         while True:
             with self.cond:
-                while not self.queue:
-                    self.cond.wait()
-                item = self.queue.popleft()
-            if item is None:
-                return
-            work, fn, args, keep = item
-            try:
-                fn(*args, self.timeout)
-                work._finish()
-            except BaseException as e:  # reported through the Work
-                work._finish(e)
-            finally:
-                # nothing of a finished call is held until the next one
-                del work, fn, args, keep, item
-                with self.cond:
-                    self.queued -= 1
-                    self.cond.notify_all()
+                while True:
+                    if self.queue and self.queue[0] is None and not self.running:
+                        return
+                    item = self._take()
+                    if item is not None:
+                        break
+                    self.polling = time.monotonic() - self.last_put < self.IDLE_S
+                    self.cond.wait(self.POLL_S if self.polling else None)
+                    self.polling = False
+            self._call(item)
 
     def stop(self):
         """Stops the thread after what is queued."""
@@ -253,7 +331,7 @@ class _Lane:
             if self.thread is None:
                 return
             self.queue.append(None)
-            self.cond.notify()
+            self.cond.notify_all()
         self.thread.join()
         self.thread = None
 
@@ -309,7 +387,8 @@ class ShmGroup:
             return None
         if work is None:
             work = self.work_type(tensors)
-        self._lane(lane).put((work, fn, args, keep))
+        work._lane = self._lane(lane)
+        work._lane.put((work, fn, args, keep), _nbytes(tensors) <= _Lane.SMALL)
         return work
 
     def drain(self):
