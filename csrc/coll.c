@@ -104,7 +104,30 @@
  * a buffer punches its pages out of the memfd, so the memory returns at
  * once although peers still map it.  Punching never shrinks the file: a
  * peer still writing (only possible once the group broke mid-call) lands
- * in a fresh page of a file no one reads, and frees it when it unmaps. */
+ * in a fresh page of a file no one reads, and frees it when it unmaps.
+ *
+ * NOTE [ Copies between ranks' memory ]
+ * Staging moves every byte twice (into the region, out of it) with a
+ * barrier per chunk.  Where the kernel lets a rank copy from or into
+ * another process's memory (process_vm_readv/writev: same user, and no
+ * Yama restriction, or the peer allowed it), large data movers copy once,
+ * straight between the ranks' own buffers:
+ *   - scatter: each rank reads its slice from the root's input;
+ *   - gather: each rank writes its piece into the root's output;
+ *   - all-to-all: each rank reads its piece from every peer's input;
+ *   - a send larger than the mailbox puts only its header (with its
+ *     buffer's address) in the mailbox, and the receiver reads the bytes
+ *     and then takes the header out, which lets the send return.
+ * Each rank posts its buffer's address with its call; one barrier after
+ * the copies keeps every buffer alive and unchanged until all are done.
+ * Whether the ranks can do this is found once, when a rank starts
+ * watching its peers (mpc_coll_watch): it reads a word of each peer's
+ * mapping of the region, and posts 1 in its line when every read worked.
+ * A call copies directly only when every rank posted 1 (a send: when its
+ * receiver did) and it is large (MPC_COLL_CMA_MIN bytes a piece or more),
+ * so all ranks choose alike.  Under Yama's ptrace_scope 1, which allows
+ * such access only to ancestors, each rank allows it to every process of
+ * its user (PR_SET_PTRACER_ANY), the same rule as without Yama. */
 #include "mpcore.h"
 
 #include <fcntl.h>
@@ -114,10 +137,12 @@
 #include <stdarg.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 
-#define MPC_COLL_MAGIC 0x32306c6c6f63706dULL /* "mpcoll02" */
+#define MPC_COLL_MAGIC 0x33306c6c6f63706dULL /* "mpcoll03" */
 #define MPC_COLL_DATA 16384                   /* header bytes, page aligned */
 #define MPC_COLL_ONESHOT (64u << 10)
 #define MPC_COLL_AR_PIECE (256u << 10)       /* all-reduce piece: staged, it stays in cache */
@@ -130,6 +155,9 @@
 #define MPC_COLL_BOX_MIN 4096u                /* mailbox bytes of a pair, at least */
 #define MPC_COLL_BOX_MAX (1u << 20)           /* and at most */
 #define MPC_COLL_MSG_MAGIC 0x67736d6du        /* "mmsg" */
+#define MPC_COLL_CMA_MAGIC 0x616d636du        /* "mcma": the bytes stay in the sender */
+#define MPC_COLL_CMA_MIN (256u << 10)         /* NOTE [ Copies between ranks' memory ] */
+#define MPC_COLL_CMA_STEP (8u << 20)          /* bytes per process_vm_readv/writev */
 
 typedef struct {
     uint32_t kind, op, dtype;
@@ -147,9 +175,11 @@ typedef struct {
 typedef struct {
     _Alignas(64) _Atomic uint64_t bar; /* barriers entered */
     int32_t pid;
-    uint32_t pad;
+    _Atomic uint32_t cma;  /* 1: it can copy from and into every peer */
     mpc_coll_call call[2]; /* by call parity */
     mpc_coll_ref ref[2];
+    uint64_t base;         /* where this rank maps the region */
+    uint64_t addr[2];      /* by call parity: its buffer, for peers to copy */
 } mpc_coll_rank;
 
 typedef struct {
@@ -180,6 +210,7 @@ typedef struct {
 typedef struct {
     uint32_t magic, tag;
     uint64_t nbytes;
+    uint64_t addr; /* MPC_COLL_CMA_MAGIC: where the bytes lie in the sender */
 } mpc_coll_msg;
 
 /* Where things lie in the region of a group of `world` ranks.
@@ -220,6 +251,7 @@ struct mpc_coll {
     uint64_t piece; /* pieces moved: which copy of the areas is next */
     int (*interrupted)(void *);
     void *arg;
+    int direct;         /* may copy between ranks' memory (mpc_coll_attach) */
     int yields;         /* sched_yield()s before sleeping in a barrier */
     int64_t spin_ns;    /* how long a wait spins before it sleeps */
     uint64_t maps_used; /* lookups in maps, for least-recently-used */
@@ -351,7 +383,19 @@ int mpc_coll_create(int world, uint64_t chunk, int *fd) {
     return 0;
 }
 
-int mpc_coll_attach(int fd, int rank, int world, mpc_coll **out) {
+/* Under Yama's ptrace_scope 1, lets processes of this user copy from and
+ * into this one (NOTE [ Copies between ranks' memory ]). */
+static void allow_peers(void) {
+    int fd = open("/proc/sys/kernel/yama/ptrace_scope", O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return;
+    char v = 0;
+    if (read(fd, &v, 1) == 1 && v == '1')
+        prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
+    close(fd);
+}
+
+int mpc_coll_attach(int fd, int rank, int world, int direct, mpc_coll **out) {
     mpc_coll_hdr probe;
     if (pread(fd, &probe, sizeof probe.magic + 8 + 16, 0) < 0)
         return mpc_fail(errno, "cannot read the group's header: %s", strerror(errno));
@@ -388,6 +432,11 @@ int mpc_coll_attach(int fd, int rank, int world, mpc_coll **out) {
     else
         c->spin_ns = MPC_COLL_SPIN_NS;
     c->h->ranks[rank].pid = getpid();
+    c->h->ranks[rank].base = (uint64_t)(uintptr_t)c->h;
+    atomic_store(&c->h->ranks[rank].cma, 0);
+    c->direct = direct;
+    if (direct)
+        allow_peers();
     *out = c;
     return 0;
 }
@@ -408,6 +457,19 @@ int mpc_coll_watch(mpc_coll *c) {
                             pid, pid > 0 ? strerror(errno) : "it has not joined");
         c->pidfds[r] = fd;
     }
+    /* NOTE [ Copies between ranks' memory ]: read each peer's pid from its
+     * own mapping of the region */
+    int ok = c->direct;
+    for (int r = 0; r < c->world && ok; r++) {
+        if (r == c->rank)
+            continue;
+        int32_t seen = 0;
+        uint64_t at = c->h->ranks[r].base + offsetof(mpc_coll_hdr, ranks[r].pid);
+        struct iovec l = {&seen, sizeof seen}, rm = {(void *)(uintptr_t)at, sizeof seen};
+        ok = process_vm_readv(c->h->ranks[r].pid, &l, 1, &rm, 1, 0) == (ssize_t)sizeof seen &&
+             seen == c->h->ranks[r].pid;
+    }
+    atomic_store(&c->h->ranks[c->rank].cma, (uint32_t)ok);
     return 0;
 }
 
@@ -429,7 +491,17 @@ void mpc_coll_close(mpc_coll *c) {
     free(c);
 }
 
+/* 1 when every rank can copy from and into every other one. */
+static int cma_all(const mpc_coll *c) {
+    for (int q = 0; q < c->world; q++)
+        if (!atomic_load(&c->h->ranks[q].cma))
+            return 0;
+    return 1;
+}
+
 int mpc_coll_world(const mpc_coll *c) { return c->world; }
+
+int mpc_coll_direct(const mpc_coll *c) { return cma_all(c); }
 
 int mpc_coll_pid(const mpc_coll *c, int rank) {
     return rank >= 0 && rank < c->world ? c->h->ranks[rank].pid : -1;
@@ -1128,6 +1200,42 @@ int mpc_coll_reduce(mpc_coll *c, void *buf, uint64_t count, int dtype, int op, i
     return 0;
 }
 
+/* ------------------------------------------------------------------ */
+/* Copies between ranks' memory (NOTE [ Copies between ranks' memory ]) */
+/* ------------------------------------------------------------------ */
+
+/* Copies n bytes between `mine` here and `theirs` in rank q's memory
+ * (into q's when `into`).  Returns 0, or the error, having broken the
+ * group: a peer that exited is named as such, any other failure (a buffer
+ * that is not there any more) names the peer and the kernel's reason. */
+static int cma_copy(mpc_coll *c, int q, void *mine, uint64_t theirs, uint64_t n, int into,
+                    const char *what) {
+    pid_t pid = c->h->ranks[q].pid;
+    uint8_t *at = mine;
+    while (n > 0) {
+        size_t k = n < MPC_COLL_CMA_STEP ? (size_t)n : MPC_COLL_CMA_STEP;
+        struct iovec l = {at, k}, r = {(void *)(uintptr_t)theirs, k};
+        ssize_t done = into ? process_vm_writev(pid, &l, 1, &r, 1, 0)
+                            : process_vm_readv(pid, &l, 1, &r, 1, 0);
+        if (done < 0 && errno == EINTR)
+            continue;
+        if (done <= 0) {
+            int e = done < 0 ? errno : EFAULT;
+            if (e == ESRCH || check_peers(c, what) < 0) {
+                break_group(c, q, "rank %d (pid %d) exited during %s", q, pid, what);
+                return broken_error(c);
+            }
+            break_group(c, c->rank, "rank %d could not copy %s rank %d's memory during %s: %s",
+                        c->rank, into ? "into" : "from", q, what, strerror(e));
+            return broken_error(c);
+        }
+        at += done;
+        theirs += (uint64_t)done;
+        n -= (uint64_t)done;
+    }
+    return 0;
+}
+
 static int check_root_size(const mpc_coll *c, int root, uint64_t nbytes) {
     if (root < 0 || root >= c->world)
         return mpc_fail(EINVAL, "root %d is not a rank of this group of %d", root, c->world);
@@ -1139,11 +1247,18 @@ static int check_root_size(const mpc_coll *c, int root, uint64_t nbytes) {
 int mpc_coll_gather(mpc_coll *c, void *out, const void *in, uint64_t nbytes, int root,
                     int64_t deadline) {
     int r = check_root_size(c, root, nbytes);
+    int me = c->rank;
+    c->h->ranks[me].addr[c->calls & 1] = (uint64_t)(uintptr_t)out;
     if (r < 0 || (r = begin(c, MPC_COLL_GATHER, 0, MPC_DT_U8, root, nbytes, deadline)) < 0)
         return r;
-    int me = c->rank;
     if (me == root)
         memmove((uint8_t *)out + (uint64_t)me * nbytes, in, nbytes); /* in may lie there */
+    if (nbytes >= MPC_COLL_CMA_MIN && cma_all(c)) {
+        uint64_t to = c->h->ranks[root].addr[(c->calls - 1) & 1] + (uint64_t)me * nbytes;
+        if (me != root && (r = cma_copy(c, root, (void *)in, to, nbytes, 1, "gather")) < 0)
+            return r;
+        return barrier(c, "gather", deadline);
+    }
     for (uint64_t off = 0; off < nbytes; off += c->chunk) {
         uint64_t n = nbytes - off < c->chunk ? nbytes - off : c->chunk;
         uint64_t p = c->piece++ & 1;
@@ -1162,11 +1277,18 @@ int mpc_coll_gather(mpc_coll *c, void *out, const void *in, uint64_t nbytes, int
 int mpc_coll_scatter(mpc_coll *c, void *out, const void *in, uint64_t nbytes, int root,
                      int64_t deadline) {
     int r = check_root_size(c, root, nbytes);
+    int me = c->rank;
+    c->h->ranks[me].addr[c->calls & 1] = (uint64_t)(uintptr_t)in;
     if (r < 0 || (r = begin(c, MPC_COLL_SCATTER, 0, MPC_DT_U8, root, nbytes, deadline)) < 0)
         return r;
-    int me = c->rank;
     if (me == root)
         memmove(out, (const uint8_t *)in + (uint64_t)me * nbytes, nbytes); /* out may lie there */
+    if (nbytes >= MPC_COLL_CMA_MIN && cma_all(c)) {
+        uint64_t from = c->h->ranks[root].addr[(c->calls - 1) & 1] + (uint64_t)me * nbytes;
+        if (me != root && (r = cma_copy(c, root, out, from, nbytes, 0, "scatter")) < 0)
+            return r;
+        return barrier(c, "scatter", deadline);
+    }
     for (uint64_t off = 0; off < nbytes; off += c->chunk) {
         uint64_t n = nbytes - off < c->chunk ? nbytes - off : c->chunk;
         uint64_t p = c->piece++ & 1;
@@ -1189,6 +1311,7 @@ int mpc_coll_all_to_all(mpc_coll *c, void *out, const void *in, const uint64_t *
     uint64_t *mine = a2a_sizes(c, parity, me);
     memcpy(mine, send, (size_t)W * sizeof *send);
     memcpy(mine + W, recv, (size_t)W * sizeof *recv);
+    c->h->ranks[me].addr[parity] = (uint64_t)(uintptr_t)in;
     int r = begin(c, MPC_COLL_ALL_TO_ALL, 0, MPC_DT_U8, 0, 0, deadline);
     if (r < 0)
         return r;
@@ -1216,6 +1339,21 @@ int mpc_coll_all_to_all(mpc_coll *c, void *out, const void *in, const uint64_t *
         memcpy((uint8_t *)out + roff[me], (const uint8_t *)in + soff[me], send[me]);
     if (W == 1 || most == 0)
         return 0;
+    if (most >= MPC_COLL_CMA_MIN && cma_all(c)) {
+        /* read rank i's piece for me from its input: it starts after its
+         * pieces for ranks 0 .. me-1 */
+        for (int k = 1; k < W; k++) {
+            int i = (me + k) % W;
+            const uint64_t *theirs = a2a_sizes(c, parity, i);
+            uint64_t at = c->h->ranks[i].addr[parity];
+            for (int q = 0; q < me; q++)
+                at += theirs[q];
+            if (recv[i] > 0 &&
+                (r = cma_copy(c, i, (uint8_t *)out + roff[i], at, recv[i], 0, "all_to_all")) < 0)
+                return r;
+        }
+        return barrier(c, "all_to_all", deadline);
+    }
     /* Rounds: each rank's staging area holds a slot per peer, and round k
      * moves bytes k*slot.. of every pair.  The sender's slot for dst is
      * (dst - src - 1) mod world. */
@@ -1309,6 +1447,38 @@ static void ring_bell(mpc_coll *c, int q) {
     mpc_futex_wake(bell(c, q), INT32_MAX);
 }
 
+/* A send whose receiver copies the bytes from buf (NOTE [ Copies between
+ * ranks' memory ]): the header goes into the mailbox, and the send
+ * returns once the receiver has taken it out, after its copy. */
+static int send_direct(mpc_coll *c, const void *buf, uint64_t nbytes, int dst, uint32_t tag,
+                       const char *what, int64_t deadline) {
+    mpc_coll_box *bx = box(c, c->rank, dst);
+    uint64_t cap = c->at.ring, head = atomic_load_explicit(&bx->head, memory_order_relaxed);
+    for (;;) {
+        uint32_t g = atomic_load(bell(c, c->rank));
+        if (cap - (head - atomic_load_explicit(&bx->tail, memory_order_acquire)) >= MPC_COLL_ALIGN)
+            break;
+        int r = p2p_wait(c, g, what, dst, deadline);
+        if (r < 0)
+            return r;
+    }
+    _Alignas(64) uint8_t line[MPC_COLL_ALIGN] = {0};
+    mpc_coll_msg m = {MPC_COLL_CMA_MAGIC, tag, nbytes, (uint64_t)(uintptr_t)buf};
+    memcpy(line, &m, sizeof m);
+    memcpy(ring(c, c->rank, dst) + head % cap, line, MPC_COLL_ALIGN);
+    head += MPC_COLL_ALIGN;
+    atomic_store_explicit(&bx->head, head, memory_order_release);
+    ring_bell(c, dst);
+    for (;;) {
+        uint32_t g = atomic_load(bell(c, c->rank));
+        if (atomic_load_explicit(&bx->tail, memory_order_acquire) >= head)
+            return 0;
+        int r = p2p_wait(c, g, what, dst, deadline);
+        if (r < 0)
+            return r;
+    }
+}
+
 int mpc_coll_send(mpc_coll *c, const void *buf, uint64_t nbytes, int dst, uint32_t tag,
                   int64_t deadline) {
     if (dst < 0 || dst >= c->world || dst == c->rank)
@@ -1322,6 +1492,8 @@ int mpc_coll_send(mpc_coll *c, const void *buf, uint64_t nbytes, int dst, uint32
     uint8_t *rg = ring(c, c->rank, dst);
     uint64_t cap = c->at.ring, head = atomic_load_explicit(&bx->head, memory_order_relaxed);
     const uint8_t *src = buf;
+    if (nbytes > cap && nbytes >= MPC_COLL_CMA_MIN && atomic_load(&c->h->ranks[dst].cma))
+        return send_direct(c, buf, nbytes, dst, tag, what, deadline);
     /* the header, then the data in pieces of what fits (at least a quarter
      * of the ring, or the rest, so that neither side wakes for crumbs) */
     uint64_t sent = 0, total = MPC_COLL_ALIGN + up64(nbytes);
@@ -1358,18 +1530,27 @@ int mpc_coll_send(mpc_coll *c, const void *buf, uint64_t nbytes, int dst, uint32
     return 0;
 }
 
-/* Takes the next message out of from's mailbox (its header says nbytes)
- * into buf, streaming it as the sender puts it in.  Returns 0 or the error
- * (the group is then broken). */
-static int take(mpc_coll *c, int from, void *buf, uint64_t nbytes, int64_t deadline) {
+/* Takes the next message out of from's mailbox (its header m) into buf:
+ * streaming it as the sender puts it in, or copying it from the sender's
+ * memory and then taking out the header.  Returns 0 or the error (the
+ * group is then broken). */
+static int take(mpc_coll *c, int from, void *buf, const mpc_coll_msg *m, int64_t deadline) {
     int me = c->rank;
     char what[64];
     snprintf(what, sizeof what, "recv from rank %d", from);
     mpc_coll_box *bx = box(c, from, me);
     const uint8_t *rg = ring(c, from, me);
-    uint64_t cap = c->at.ring;
+    uint64_t cap = c->at.ring, nbytes = m->nbytes;
     uint64_t tail = atomic_load_explicit(&bx->tail, memory_order_relaxed) + MPC_COLL_ALIGN;
     uint64_t got = 0;
+    if (m->magic == MPC_COLL_CMA_MAGIC) {
+        int r = cma_copy(c, from, buf, m->addr, nbytes, 0, what);
+        if (r < 0)
+            return r;
+        atomic_store_explicit(&bx->tail, tail, memory_order_release);
+        ring_bell(c, from);
+        return 0;
+    }
     atomic_store_explicit(&bx->tail, tail, memory_order_release);
     if (nbytes == 0)
         ring_bell(c, from);
@@ -1430,6 +1611,7 @@ int mpc_coll_recv(mpc_coll *c, void *buf, uint64_t nbytes, int src, uint32_t tag
         if (atomic_load(&c->h->broken))
             return broken_error(c);
         int from = -1, held = 0;
+        mpc_coll_msg found = {0};
         for (int k = 0; k < W && from < 0 && !held; k++) {
             int q = src >= 0 ? src : (c->next_src + k) % W;
             if (q == me || (src >= 0 && k > 0))
@@ -1440,12 +1622,13 @@ int mpc_coll_recv(mpc_coll *c, void *buf, uint64_t nbytes, int src, uint32_t tag
                 continue;
             mpc_coll_msg m;
             memcpy(&m, ring(c, q, me) + tail % cap, sizeof m);
-            if (m.magic != MPC_COLL_MSG_MAGIC)
+            if (m.magic != MPC_COLL_MSG_MAGIC && m.magic != MPC_COLL_CMA_MAGIC)
                 return mpc_fail(EIO, "rank %d's mailbox from rank %d is corrupt", me, q);
             if (m.tag == tag) {
                 if (m.nbytes != nbytes)
                     return size_mismatch(c, nbytes, tag, q, m.nbytes);
                 from = q;
+                found = m;
                 continue;
             }
             /* another tag's message: take it out and hold it for its recv
@@ -1456,7 +1639,7 @@ int mpc_coll_recv(mpc_coll *c, void *buf, uint64_t nbytes, int src, uint32_t tag
                                         "from rank %d with tag %u while it waits for tag %u",
                                 me, (unsigned long long)m.nbytes, q, m.tag, tag);
             *h = (mpc_coll_held){NULL, q, m.tag, m.nbytes};
-            int r = take(c, q, h->data, m.nbytes, deadline);
+            int r = take(c, q, h->data, &m, deadline);
             if (r < 0) {
                 free(h);
                 return r;
@@ -1470,7 +1653,7 @@ int mpc_coll_recv(mpc_coll *c, void *buf, uint64_t nbytes, int src, uint32_t tag
         if (from >= 0) {
             if (src < 0)
                 c->next_src = (from + 1) % W;
-            int r = take(c, from, buf, nbytes, deadline);
+            int r = take(c, from, buf, &found, deadline);
             return r < 0 ? r : from;
         }
         if (!held) {

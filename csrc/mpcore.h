@@ -705,14 +705,21 @@ uint64_t mpc_coll_footprint(int world, uint64_t chunk);
 int mpc_coll_create(int world, uint64_t chunk, int *fd);
 
 /* Maps the group in fd as `rank` of `world` and records this process's
- * pid in it.  Returns 0 and sets *out, or -EINVAL (not a group, or a rank
- * or world that does not fit it), -ENOMEM or -errno. */
-int mpc_coll_attach(int fd, int rank, int world, mpc_coll **out);
+ * pid in it.  direct: this rank may copy straight between its memory and
+ * its peers' (NOTE [ Copies between ranks' memory ] in coll.c); 0 keeps
+ * every byte in the region.  Returns 0 and sets *out, or -EINVAL (not a
+ * group, or a rank or world that does not fit it), -ENOMEM or -errno. */
+int mpc_coll_attach(int fd, int rank, int world, int direct, mpc_coll **out);
 
 /* Starts watching every peer's pid (after all have attached) so that a
- * peer that exits breaks the group instead of hanging it.  Returns 0, or
+ * peer that exits breaks the group instead of hanging it, and finds
+ * whether this rank can copy from and into every peer.  Returns 0, or
  * -errno naming the rank that could not be watched. */
 int mpc_coll_watch(mpc_coll *c);
+
+/* 1 when every rank found that it can copy from and into every peer (so
+ * large data movers copy directly), else 0.  Never fails. */
+int mpc_coll_direct(const mpc_coll *c);
 
 /* fn(arg) is called when a wait is interrupted by a signal; non-zero means
  * give up: the call then breaks the group and returns -EINTR. */
@@ -795,7 +802,7 @@ int mpc_coll_all_to_all(mpc_coll *c, void *out, const void *in, const uint64_t *
  *   send: sends nbytes of buf to rank dst with a tag; returns once the
  *     last byte is in dst's mailbox (a message larger than the mailbox is
  *     streamed: it returns once dst has taken all but the last mailbox's
- *     worth).  -EINVAL for a dst that is not another rank of the group.
+ *     worth; or dst copies it from buf, and it returns once dst has).  -EINVAL for a dst that is not another rank of the group.
  *   recv: receives the oldest message with this tag from rank src (-1:
  *     from whichever rank has one first) into buf; returns the source
  *     rank.  Older messages with other tags are held for later recvs.  A

@@ -83,15 +83,16 @@ static PyObject *coll_raise(PyObject *op, int rc) {
     } while (0)
 
 static PyObject *Group_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"fd", "rank", "world", NULL};
-    int fd, rank, world;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iii:Group", kwlist, &fd, &rank, &world))
+    static char *kwlist[] = {"fd", "rank", "world", "direct", NULL};
+    int fd, rank, world, direct = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iii|p:Group", kwlist, &fd, &rank, &world,
+                                     &direct))
         return NULL;
     GroupObject *self = (GroupObject *)type->tp_alloc(type, 0);
     if (self == NULL)
         return NULL;
     mpc_clear_error();
-    int r = mpc_coll_attach(fd, rank, world, &self->c);
+    int r = mpc_coll_attach(fd, rank, world, direct, &self->c);
     if (r < 0) {
         Py_DECREF(self);
         return mpc_py_raise(mpc_type_state(type), r);
@@ -118,6 +119,13 @@ static PyObject *Group_watch(PyObject *op, PyObject *unused) {
     if (r < 0)
         return mpc_py_raise(mpc_type_state(Py_TYPE(op)), r);
     Py_RETURN_NONE;
+}
+
+static PyObject *Group_direct(PyObject *op, PyObject *unused) {
+    mpc_coll *c = group_of(op);
+    if (c == NULL)
+        return NULL;
+    return PyBool_FromLong(mpc_coll_direct(c));
 }
 
 static PyObject *Group_pid(PyObject *op, PyObject *arg) {
@@ -348,6 +356,8 @@ static PyObject *Group_close(PyObject *op, PyObject *unused) {
 static PyMethodDef Group_methods[] = {
     {"watch", Group_watch, METH_NOARGS, "watch(): from now on, a peer that exits breaks the group"},
     {"pid", Group_pid, METH_O, "pid(rank) -> the pid that rank attached with"},
+    {"direct", Group_direct, METH_NOARGS,
+     "direct() -> whether large data movers copy straight between the ranks' memory"},
     {"all_reduce", Group_all_reduce, METH_VARARGS,
      "all_reduce(address, count, dtype, op, timeout=None, buffer=None): in place; buffer:\n"
      "the GroupBuffer holding the data, if it is in one"},

@@ -73,11 +73,11 @@ WORKER = COMMON + r'''
 import os, pickle, struct, sys, traceback
 from mpcore import _core
 
-fd, rank, world = map(int, sys.argv[1:4])
+fd, rank, world, direct = map(int, sys.argv[1:5])
 replies = os.fdopen(os.dup(1), "wb")
 os.dup2(2, 1)                      # stray prints go to stderr, never into a reply
 jobs = sys.stdin.buffer
-g = _core.Group(fd, rank, world)
+g = _core.Group(fd, rank, world, bool(direct))
 os.close(fd)
 g.barrier(60)
 g.watch()
@@ -109,14 +109,17 @@ os._exit(0)
 
 
 class Ranks:
-    """`world` rank processes on one group, taking jobs from this process."""
+    """`world` rank processes on one group, taking jobs from this process;
+    `direct[r]` False: rank r may not copy straight between its memory and
+    its peers' (NOTE [ Copies between ranks' memory ] in coll.c)."""
 
-    def __init__(self, world):
+    def __init__(self, world, direct=None):
         self.world = world
+        direct = direct or [True] * world
         fd = _core.coll_create(world, CHUNK)
         try:
             self.procs = [subprocess.Popen(
-                [sys.executable, "-c", WORKER, str(fd), str(r), str(world)],
+                [sys.executable, "-c", WORKER, str(fd), str(r), str(world), str(int(direct[r]))],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(fd,),
                 env=fresh_env()) for r in range(world)]
         finally:
@@ -207,6 +210,14 @@ def ranks(request):
 @pytest.fixture(scope="module")
 def pair():
     rk = Ranks(2)
+    yield rk
+    _finish(rk)
+
+
+@pytest.fixture(scope="module")
+def staged_pair():
+    """Two ranks of which rank 1 may not copy directly."""
+    rk = Ranks(2, direct=[True, False])
     yield rk
     _finish(rk)
 
@@ -448,6 +459,10 @@ result = out
 
 
 def test_gather_and_scatter_move_every_piece(ranks):
+    _gather_and_scatter_move_every_piece(ranks)
+
+
+def _gather_and_scatter_move_every_piece(ranks):
     W = ranks.world
     sizes, roots = (0, 1, 4096, 3 * CHUNK + 17, BIG), (0, W - 1)
     res = ranks.run(f"SIZES = {sizes!r}\nROOTS = {roots!r}\n" + MOVERS, timeout=100)
@@ -490,6 +505,10 @@ def a2a_cases(W):
 
 
 def test_all_to_all_equal_uneven_zero_and_large(ranks):
+    _all_to_all_equal_uneven_zero_and_large(ranks)
+
+
+def _all_to_all_equal_uneven_zero_and_large(ranks):
     W = ranks.world
     cases = a2a_cases(W)
     res = ranks.run(f"CASES = {cases!r}\n" + A2A, timeout=100)
@@ -577,10 +596,31 @@ result = out
 
 
 def test_send_recv_in_order_small_and_large(ranks):
+    _send_recv_in_order_small_and_large(ranks)
+
+
+def _send_recv_in_order_small_and_large(ranks):
     sizes = [0, 1, 63, 64, 65, 4096, 5 * CHUNK + 1, BIG, 10]
     res = ranks.run(f"SIZES = {sizes!r}\n" + P2P, timeout=100)
     assert res[0] == [1]
     assert res[1] == [(0, digest(blob(n, 0, i))) for i, n in enumerate(sizes)]
+
+
+def test_large_movers_copy_directly_between_the_ranks(ranks):
+    """NOTE [ Copies between ranks' memory ]: ranks of one user copy large
+    pieces straight from and into each other's buffers, which the tests
+    above then exercise (the staged path: the test below)."""
+    assert ranks.run("result = g.direct()") == [True] * ranks.world, \
+        "process_vm_readv between the ranks failed: the kernel forbids it here"
+
+
+def test_a_rank_that_may_not_copy_directly_makes_the_movers_stage(staged_pair):
+    """Every rank then stages (they choose alike), and a send to that rank
+    streams through the mailbox: the same bytes arrive."""
+    assert staged_pair.run("result = g.direct()") == [False, False]
+    _gather_and_scatter_move_every_piece(staged_pair)
+    _all_to_all_equal_uneven_zero_and_large(staged_pair)
+    _send_recv_in_order_small_and_large(staged_pair)
 
 
 def test_recv_from_any_source_takes_every_sender(ranks):

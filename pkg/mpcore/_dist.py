@@ -414,10 +414,11 @@ def join(store, prefix, rank, world, timeout_s):
     hosts = {store.get(f"{prefix}host/{r}").decode() for r in range(world)}
     if len(hosts) != 1:
         return None
+    direct = os.environ.get("MPCORE_DIRECT_COPY", "1") != "0"
     if rank == 0:
         fd = _core.coll_create(world, _CHUNK)
         try:
-            core = _core.Group(fd, 0, world)
+            core = _core.Group(fd, 0, world, direct)
             store.set(f"{prefix}region", f"{os.getpid()}:{fd}")
             core.barrier(timeout_s)  # everyone has mapped it
         finally:
@@ -426,7 +427,7 @@ def join(store, prefix, rank, world, timeout_s):
         pid, fd = map(int, store.get(f"{prefix}region").decode().split(":"))
         mine = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
         try:
-            core = _core.Group(mine, rank, world)
+            core = _core.Group(mine, rank, world, direct)
         finally:
             os.close(mine)
         core.barrier(timeout_s)
