@@ -115,6 +115,10 @@
  *   - scatter: each rank reads its slice from the root's input;
  *   - gather: each rank writes its piece into the root's output;
  *   - all-to-all: each rank reads its piece from every peer's input;
+ *   - all-reduce (MPC_COLL_CMA_AR_MIN bytes or more, when not in group
+ *     buffers): as with group buffers, rank r reduces slice r, reading the
+ *     peers' pieces of it into memory of its own, and writes the result
+ *     into every peer's buffer;
  *   - a send larger than the mailbox puts only its header (with its
  *     buffer's address) in the mailbox, and the receiver reads the bytes
  *     and then takes the header out, which lets the send return.
@@ -158,6 +162,7 @@
 #define MPC_COLL_CMA_MAGIC 0x616d636du        /* "mcma": the bytes stay in the sender */
 #define MPC_COLL_CMA_MIN (256u << 10)         /* NOTE [ Copies between ranks' memory ] */
 #define MPC_COLL_CMA_STEP (8u << 20)          /* bytes per process_vm_readv/writev */
+#define MPC_COLL_CMA_AR_MIN (1u << 20)        /* all-reduce bytes to copy directly */
 
 typedef struct {
     uint32_t kind, op, dtype;
@@ -252,6 +257,7 @@ struct mpc_coll {
     int (*interrupted)(void *);
     void *arg;
     int direct;         /* may copy between ranks' memory (mpc_coll_attach) */
+    uint8_t *peers_tmp; /* all_reduce_direct's pieces of the peers' data */
     int yields;         /* sched_yield()s before sleeping in a barrier */
     int64_t spin_ns;    /* how long a wait spins before it sleeps */
     uint64_t maps_used; /* lookups in maps, for least-recently-used */
@@ -482,6 +488,7 @@ void mpc_coll_close(mpc_coll *c) {
     for (int i = 0; i < MPC_COLL_MAPS; i++)
         if (c->maps[i].addr != NULL)
             munmap(c->maps[i].addr, c->maps[i].len);
+    free(c->peers_tmp);
     while (c->held != NULL) {
         mpc_coll_held *h = c->held;
         c->held = h->next;
@@ -969,6 +976,42 @@ static uint8_t *peer_buffer(mpc_coll *c, int q, const mpc_coll_ref *ref) {
     return addr;
 }
 
+/* ------------------------------------------------------------------ */
+/* Copies between ranks' memory (NOTE [ Copies between ranks' memory ]) */
+/* ------------------------------------------------------------------ */
+
+/* Copies n bytes between `mine` here and `theirs` in rank q's memory
+ * (into q's when `into`).  Returns 0, or the error, having broken the
+ * group: a peer that exited is named as such, any other failure (a buffer
+ * that is not there any more) names the peer and the kernel's reason. */
+static int cma_copy(mpc_coll *c, int q, void *mine, uint64_t theirs, uint64_t n, int into,
+                    const char *what) {
+    pid_t pid = c->h->ranks[q].pid;
+    uint8_t *at = mine;
+    while (n > 0) {
+        size_t k = n < MPC_COLL_CMA_STEP ? (size_t)n : MPC_COLL_CMA_STEP;
+        struct iovec l = {at, k}, r = {(void *)(uintptr_t)theirs, k};
+        ssize_t done = into ? process_vm_writev(pid, &l, 1, &r, 1, 0)
+                            : process_vm_readv(pid, &l, 1, &r, 1, 0);
+        if (done < 0 && errno == EINTR)
+            continue;
+        if (done <= 0) {
+            int e = done < 0 ? errno : EFAULT;
+            if (e == ESRCH || check_peers(c, what) < 0) {
+                break_group(c, q, "rank %d (pid %d) exited during %s", q, pid, what);
+                return broken_error(c);
+            }
+            break_group(c, c->rank, "rank %d could not copy %s rank %d's memory during %s: %s",
+                        c->rank, into ? "into" : "from", q, what, strerror(e));
+            return broken_error(c);
+        }
+        at += done;
+        theirs += (uint64_t)done;
+        n -= (uint64_t)done;
+    }
+    return 0;
+}
+
 /* All-reduce when every rank's data lies in a group buffer: rank r reduces
  * slice r straight from every rank's buffer and writes the result into
  * every rank's buffer; a barrier closes the call.  Each rank reads and
@@ -1013,6 +1056,42 @@ static int all_reduce_mapped(mpc_coll *c, uint8_t *mine, uint64_t count, int dty
     return barrier(c, "all_reduce", deadline);
 }
 
+/* The all-reduce of a large buf when every rank can copy from and into
+ * the others (NOTE [ Copies between ranks' memory ]): as all_reduce_mapped,
+ * rank r reduces slice r, a piece at a time, reading the peers' pieces into
+ * memory of its own, and writes the result into every peer's buf. */
+static int all_reduce_direct(mpc_coll *c, uint8_t *mine, uint64_t count, int dtype, int op,
+                             uint64_t parity, int64_t deadline) {
+    int W = c->world, me = c->rank;
+    size_t es = dtype_size[dtype];
+    uint64_t per = piece_elems(MPC_COLL_AR_PIECE, es);
+    if (c->peers_tmp == NULL &&
+        (c->peers_tmp = malloc((size_t)W * per * es)) == NULL) {
+        break_group(c, me, "rank %d has no memory for an all_reduce's pieces", me);
+        return broken_error(c);
+    }
+    uint64_t lo[MPC_COLL_MAX_RANKS + 1];
+    slices(count, es, W, lo);
+    void *srcs[MPC_COLL_MAX_RANKS];
+    int r;
+    for (uint64_t off = lo[me]; off < lo[me + 1]; off += per) {
+        uint64_t n = lo[me + 1] - off < per ? lo[me + 1] - off : per;
+        for (int q = 0; q < W; q++) {
+            srcs[q] = q == me ? mine + off * es : c->peers_tmp + (uint64_t)q * per * es;
+            uint64_t at = c->h->ranks[q].addr[parity] + off * es;
+            if (q != me && (r = cma_copy(c, q, srcs[q], at, n * es, 0, "all_reduce")) < 0)
+                return r;
+        }
+        reduce(dtype, op, mine + off * es, srcs, W, n);
+        for (int q = 0; q < W; q++) {
+            uint64_t at = c->h->ranks[q].addr[parity] + off * es;
+            if (q != me && (r = cma_copy(c, q, mine + off * es, at, n * es, 1, "all_reduce")) < 0)
+                return r;
+        }
+    }
+    return barrier(c, "all_reduce", deadline);
+}
+
 int mpc_coll_all_reduce(mpc_coll *c, void *buf, uint64_t count, int dtype, int op,
                         const mpc_coll_buf *in, int64_t deadline) {
     int r = check_args(dtype, op, 1);
@@ -1022,6 +1101,7 @@ int mpc_coll_all_reduce(mpc_coll *c, void *buf, uint64_t count, int dtype, int o
     uint64_t parity = c->calls & 1;
     mpc_coll_ref *ref = &c->h->ranks[c->rank].ref[parity];
     ref->fd = -1;
+    c->h->ranks[c->rank].addr[parity] = (uint64_t)(uintptr_t)buf;
     if (in != NULL) {
         uint64_t off = (uint64_t)((uint8_t *)buf - in->addr);
         if ((uint8_t *)buf < in->addr || off > in->nbytes || count > (in->nbytes - off) / es)
@@ -1035,6 +1115,8 @@ int mpc_coll_all_reduce(mpc_coll *c, void *buf, uint64_t count, int dtype, int o
         mapped &= c->h->ranks[q].ref[parity].fd >= 0;
     if (mapped)
         return all_reduce_mapped(c, buf, count, dtype, op, parity, deadline);
+    if (W > 1 && count * es >= MPC_COLL_CMA_AR_MIN && cma_all(c))
+        return all_reduce_direct(c, buf, count, dtype, op, parity, deadline);
     void *srcs[MPC_COLL_MAX_RANKS];
     uint64_t per = piece_elems(c->chunk < MPC_COLL_AR_PIECE ? c->chunk : MPC_COLL_AR_PIECE, es);
     for (uint64_t off = 0; off < count; off += per) {
@@ -1196,42 +1278,6 @@ int mpc_coll_reduce(mpc_coll *c, void *buf, uint64_t count, int dtype, int op, i
             memcpy(mine, res, a * es);
             memcpy(mine + b * es, res + b * es, (n - b) * es);
         }
-    }
-    return 0;
-}
-
-/* ------------------------------------------------------------------ */
-/* Copies between ranks' memory (NOTE [ Copies between ranks' memory ]) */
-/* ------------------------------------------------------------------ */
-
-/* Copies n bytes between `mine` here and `theirs` in rank q's memory
- * (into q's when `into`).  Returns 0, or the error, having broken the
- * group: a peer that exited is named as such, any other failure (a buffer
- * that is not there any more) names the peer and the kernel's reason. */
-static int cma_copy(mpc_coll *c, int q, void *mine, uint64_t theirs, uint64_t n, int into,
-                    const char *what) {
-    pid_t pid = c->h->ranks[q].pid;
-    uint8_t *at = mine;
-    while (n > 0) {
-        size_t k = n < MPC_COLL_CMA_STEP ? (size_t)n : MPC_COLL_CMA_STEP;
-        struct iovec l = {at, k}, r = {(void *)(uintptr_t)theirs, k};
-        ssize_t done = into ? process_vm_writev(pid, &l, 1, &r, 1, 0)
-                            : process_vm_readv(pid, &l, 1, &r, 1, 0);
-        if (done < 0 && errno == EINTR)
-            continue;
-        if (done <= 0) {
-            int e = done < 0 ? errno : EFAULT;
-            if (e == ESRCH || check_peers(c, what) < 0) {
-                break_group(c, q, "rank %d (pid %d) exited during %s", q, pid, what);
-                return broken_error(c);
-            }
-            break_group(c, c->rank, "rank %d could not copy %s rank %d's memory during %s: %s",
-                        c->rank, into ? "into" : "from", q, what, strerror(e));
-            return broken_error(c);
-        }
-        at += done;
-        theirs += (uint64_t)done;
-        n -= (uint64_t)done;
     }
     return 0;
 }

@@ -618,6 +618,12 @@ def test_a_rank_that_may_not_copy_directly_makes_the_movers_stage(staged_pair):
     """Every rank then stages (they choose alike), and a send to that rank
     streams through the mailbox: the same bytes arrive."""
     assert staged_pair.run("result = g.direct()") == [False, False]
+    n = 3 * CHUNK // 4 + 5      # float32: past MPC_COLL_CMA_AR_MIN
+    res = staged_pair.run(f"x = data('float32', {n}, rank, 'staged')\n"
+                          f"g.all_reduce(x.ctypes.data, {n}, {_core.COLL_DTYPES['float32']}, "
+                          f"{_core.COLL_OPS['SUM']}, 60)\nresult = digest(x)")
+    want = reference("float32", "SUM", [data("float32", n, q, "staged") for q in range(2)])
+    assert res == [digest(want)] * 2
     _gather_and_scatter_move_every_piece(staged_pair)
     _all_to_all_equal_uneven_zero_and_large(staged_pair)
     _send_recv_in_order_small_and_large(staged_pair)
