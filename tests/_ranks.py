@@ -27,13 +27,11 @@ test asserts that every run left nothing behind.
 """
 import os
 import select
-import signal
 import socket
 import subprocess
 import sys
 import textwrap
 import time
-import traceback
 
 import pytest
 
@@ -317,3 +315,34 @@ def assert_served(run, by_mpcore):
             assert ident["type"] == MPCORE_PG, (run.mode, r, ident)
         else:
             assert ident == {"backend": "mpcore", "type": MPCORE_PG}, (run.mode, r, ident)
+
+
+def stack_tests(worlds, runs):
+    """The tests every stack module has, for its `runs` fixture: the gloo
+    reference runs (plain torch: mpcore never imported) and the runs in
+    `runs` ((mode, world) pairs) are served as they should be and finish;
+    afterwards nothing is left behind.  A module takes them as
+    `test_a, test_b, test_c = stack_tests(WORLDS, RUNS)`."""
+
+    @pytest.mark.parametrize("world", worlds)
+    def test_reference_run_is_gloo_and_finishes(runs, world):
+        run = runs.get("gloo", world)
+        assert_served(run, by_mpcore=False)
+        assert not any(run.value("_mpcore_imported"))
+        run.check_finished()
+
+    @pytest.mark.parametrize("mode,world", runs)
+    def test_served_by_mpcore_and_finishes(runs, mode, world):
+        run = runs.get(mode, world)
+        assert_served(run, by_mpcore=True)
+        if mode == "run-gloo":
+            # The program itself never imported mpcore: `mpcore run` did.
+            assert all(run.value("_mpcore_imported"))
+        run.check_finished()
+
+    def test_nothing_left_behind(runs):
+        assert runs.runs, "no run happened"
+        assert not runs.leftovers(), runs.leftovers()
+
+    return (test_reference_run_is_gloo_and_finishes, test_served_by_mpcore_and_finishes,
+            test_nothing_left_behind)

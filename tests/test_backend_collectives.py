@@ -13,7 +13,7 @@ NOTE [ One start per stack ] in _ranks.py says how the runs are shared.
 """
 import pytest
 
-from _ranks import RankRuns, assert_served, same
+from _ranks import RankRuns, same, stack_tests
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -192,23 +192,6 @@ def runs(tmp_path_factory):
     return RankRuns(tmp_path_factory, "collectives", COLLECTIVES, timeout=360)
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_reference_run_is_gloo_and_finishes(runs, world):
-    run = runs.get("gloo", world)
-    assert_served(run, by_mpcore=False)
-    run.check_finished()
-
-
-@pytest.mark.parametrize("mode,world", RUNS)
-def test_served_by_mpcore_and_finishes(runs, mode, world):
-    run = runs.get(mode, world)
-    assert_served(run, by_mpcore=True)
-    if mode == "run-gloo":
-        # The program itself never imported mpcore: `mpcore run` did.
-        assert all(run.value("_mpcore_imported"))
-    run.check_finished()
-
-
 def test_get_backend_under_run(runs):
     """A program that asked for "gloo" under `mpcore run` gets mpcore's
     group, and torch still names the backend it asked for, so the
@@ -250,6 +233,5 @@ def test_mpcore_gives_what_gloo_gives(runs, world, check, mode):
         same(got[r]["got"], got[r]["want"], f"{mode} rank {r} {check} vs reference", **tol)
 
 
-def test_nothing_left_behind(runs):
-    assert runs.runs, "no run happened"
-    assert not runs.leftovers(), runs.leftovers()
+test_reference_run_is_gloo_and_finishes, test_served_by_mpcore_and_finishes, \
+    test_nothing_left_behind = stack_tests(WORLDS, RUNS)

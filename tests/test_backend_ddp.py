@@ -12,7 +12,7 @@ NOTE [ One start per stack ] in _ranks.py.
 """
 import pytest
 
-from _ranks import RankRuns, assert_served, same
+from _ranks import RankRuns, same, stack_tests
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -102,21 +102,6 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_reference_run_is_gloo_and_finishes(runs, world):
-    run = runs.get("gloo", world)
-    assert_served(run, by_mpcore=False)
-    assert not any(run.value("_mpcore_imported"))
-    run.check_finished()
-
-
-@pytest.mark.parametrize("mode,world", RUNS)
-def test_served_by_mpcore_and_finishes(runs, mode, world):
-    run = runs.get(mode, world)
-    assert_served(run, by_mpcore=True)
-    run.check_finished()
-
-
-@pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("config", CONFIGS)
 def test_gloo_run_trains_like_one_process(runs, world, config):
     run = runs.get("gloo", world)
@@ -138,6 +123,5 @@ def test_mpcore_trains_as_gloo_does(runs, mode, world, config):
         same(got[r]["params"], ref[r]["params"], f"{mode} rank {r} params")
 
 
-def test_nothing_left_behind(runs):
-    assert runs.runs, "no run happened"
-    assert not runs.leftovers(), runs.leftovers()
+test_reference_run_is_gloo_and_finishes, test_served_by_mpcore_and_finishes, \
+    test_nothing_left_behind = stack_tests(WORLDS, RUNS)

@@ -14,7 +14,7 @@ gloo gives.  NOTE [ One start per stack ] in _ranks.py.
 """
 import pytest
 
-from _ranks import MPCORE_PG, RankRuns, assert_served, same
+from _ranks import MPCORE_PG, RankRuns, same, stack_tests
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -153,7 +153,7 @@ finish()
 
 
 def checks(world):
-    out = [f"mesh/1d/0", "distribute/1d/0", "distribute/1d/1", "distribute/1d/2", "partial/1d",
+    out = ["mesh/1d/0", "distribute/1d/0", "distribute/1d/1", "distribute/1d/2", "partial/1d",
            "matmul/1d", "tensor_parallel_mlp"]
     if world == 4:
         out += ["mesh/2d/dp", "mesh/2d/tp", "partial/2d", "matmul/2d"] + \
@@ -173,20 +173,6 @@ def _expected(got, want, where):
     for i, (g, w) in enumerate(zip(got, want)):
         if w is not None:
             same(g, w, f"{where}[{i}]")
-
-
-@pytest.mark.parametrize("world", WORLDS)
-def test_reference_run_is_gloo_and_finishes(runs, world):
-    run = runs.get("gloo", world)
-    assert_served(run, by_mpcore=False)
-    run.check_finished()
-
-
-@pytest.mark.parametrize("mode,world", RUNS)
-def test_served_by_mpcore_and_finishes(runs, mode, world):
-    run = runs.get(mode, world)
-    assert_served(run, by_mpcore=True)
-    run.check_finished()
 
 
 @pytest.mark.parametrize("world,check", CASES)
@@ -217,6 +203,5 @@ def test_mpcore_gives_what_gloo_gives(runs, world, check, mode):
         same(got[r]["got"], ref[r]["got"], f"{mode} rank {r} {check}")
 
 
-def test_nothing_left_behind(runs):
-    assert runs.runs, "no run happened"
-    assert not runs.leftovers(), runs.leftovers()
+test_reference_run_is_gloo_and_finishes, test_served_by_mpcore_and_finishes, \
+    test_nothing_left_behind = stack_tests(WORLDS, RUNS)

@@ -10,7 +10,7 @@ not a no-op.  NOTE [ One start per stack ] in _ranks.py.
 """
 import pytest
 
-from _ranks import RankRuns, assert_served, same
+from _ranks import RankRuns, same, stack_tests
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -102,20 +102,6 @@ def runs(tmp_path_factory):
     return RankRuns(tmp_path_factory, "fsdp", FSDP, timeout=300)
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_reference_run_is_gloo_and_finishes(runs, world):
-    run = runs.get("gloo", world)
-    assert_served(run, by_mpcore=False)
-    run.check_finished()
-
-
-@pytest.mark.parametrize("mode,world", [("mpcore", 2), ("run-gloo", 2)])
-def test_served_by_mpcore_and_finishes(runs, mode, world):
-    run = runs.get(mode, world)
-    assert_served(run, by_mpcore=True)
-    run.check_finished()
-
-
 @pytest.mark.parametrize("world,opt", CASES)
 def test_gloo_run_trains_like_one_process(runs, world, opt):
     """The reference itself: FSDP over gloo trains as the unsharded MLP does
@@ -143,6 +129,5 @@ def test_mpcore_trains_as_gloo_does(runs, mode, world, opt):
         same(got[r]["params"], ref[r]["params"], f"{mode} rank {r} params")
 
 
-def test_nothing_left_behind(runs):
-    assert runs.runs, "no run happened"
-    assert not runs.leftovers(), runs.leftovers()
+test_reference_run_is_gloo_and_finishes, test_served_by_mpcore_and_finishes, \
+    test_nothing_left_behind = stack_tests(WORLDS, [("mpcore", 2), ("run-gloo", 2)])
