@@ -258,6 +258,7 @@ struct mpc_coll {
     void *arg;
     int direct;         /* may copy between ranks' memory (mpc_coll_attach) */
     uint8_t *peers_tmp; /* all_reduce_direct's pieces of the peers' data */
+    int label[MPC_COLL_MAX_RANKS]; /* what messages call each rank (mpc_coll_set_labels) */
     int yields;         /* sched_yield()s before sleeping in a barrier */
     int64_t spin_ns;    /* how long a wait spins before it sleeps */
     uint64_t maps_used; /* lookups in maps, for least-recently-used */
@@ -429,8 +430,10 @@ int mpc_coll_attach(int fd, int rank, int world, int direct, mpc_coll **out) {
         free(c);
         return mpc_fail(EINVAL, "the group's region has an unexpected size");
     }
-    for (int i = 0; i < MPC_COLL_MAX_RANKS; i++)
+    for (int i = 0; i < MPC_COLL_MAX_RANKS; i++) {
         c->pidfds[i] = -1;
+        c->label[i] = i;
+    }
     c->bar = atomic_load(&c->h->ranks[rank].bar);
     cpu_set_t cpus;
     if (sched_getaffinity(0, sizeof cpus, &cpus) == 0 && world > CPU_COUNT(&cpus))
@@ -446,6 +449,14 @@ int mpc_coll_attach(int fd, int rank, int world, int direct, mpc_coll **out) {
     *out = c;
     return 0;
 }
+
+void mpc_coll_set_labels(mpc_coll *c, const int *labels) {
+    for (int q = 0; q < c->world; q++)
+        c->label[q] = labels[q];
+}
+
+/* What messages call rank q of the group (q itself when out of range). */
+static int lbl(const mpc_coll *c, int q) { return q >= 0 && q < c->world ? c->label[q] : q; }
 
 void mpc_coll_set_interrupt(mpc_coll *c, int (*fn)(void *), void *arg) {
     c->interrupted = fn;
@@ -549,7 +560,8 @@ static int check_peers(mpc_coll *c, const char *what) {
             continue;
         struct pollfd p = {c->pidfds[r], POLLIN, 0};
         if (poll(&p, 1, 0) > 0) {
-            break_group(c, r, "rank %d (pid %d) exited during %s", r, c->h->ranks[r].pid, what);
+            break_group(c, r, "rank %d (pid %d) exited during %s", lbl(c, r), c->h->ranks[r].pid,
+                        what);
             return broken_error(c);
         }
     }
@@ -606,14 +618,14 @@ static int barrier(mpc_coll *c, const char *what, int64_t deadline) {
          * overhead) would otherwise cost a futex sleep and wake-up. */
         int r = mpc_wait_change_spin(&h->gen, g, c->spin_ns, until);
         if (r == -EINTR && c->interrupted != NULL && c->interrupted(c->arg)) {
-            break_group(c, c->rank, "rank %d was interrupted during %s", c->rank, what);
+            break_group(c, c->rank, "rank %d was interrupted during %s", lbl(c, c->rank), what);
             return -EINTR;
         }
         if (r == -ETIMEDOUT) {
             /* a signal that came while this rank spun or looked at its
              * peers was not an EINTR: look for it here too */
             if (c->interrupted != NULL && c->interrupted(c->arg)) {
-                break_group(c, c->rank, "rank %d was interrupted during %s", c->rank, what);
+                break_group(c, c->rank, "rank %d was interrupted during %s", lbl(c, c->rank), what);
                 return -EINTR;
             }
             if ((r = check_peers(c, what)) < 0)
@@ -625,7 +637,7 @@ static int barrier(mpc_coll *c, const char *what, int64_t deadline) {
                 for (int q = 0; q < c->world && n < sizeof missing - 8; q++)
                     if (atomic_load(&h->ranks[q].bar) < target)
                         n += (size_t)snprintf(missing + n, sizeof missing - n, "%s%d",
-                                              n ? ", " : "", q);
+                                              n ? ", " : "", lbl(c, q));
                 break_group(c, c->rank, "%s timed out waiting for ranks %s", what, missing);
                 return mpc_fail(ETIMEDOUT, "%s timed out waiting for ranks %s", what,
                                 missing);
@@ -636,7 +648,7 @@ static int barrier(mpc_coll *c, const char *what, int64_t deadline) {
 
 /* Writes what a call asked for into out, as the errors give it: "reduce
  * of 1000 float32 with SUM to rank 0". */
-static void describe(char *out, size_t n, const mpc_coll_call *x) {
+static void describe(const mpc_coll *c, char *out, size_t n, const mpc_coll_call *x) {
     uint32_t k = x->kind < MPC_COLL_KINDS ? x->kind : 0;
     int reduces = k == MPC_COLL_ALL_REDUCE || k == MPC_COLL_REDUCE_SCATTER || k == MPC_COLL_REDUCE;
     int p = snprintf(out, n, "%s", kind_names[k]);
@@ -647,9 +659,9 @@ static void describe(char *out, size_t n, const mpc_coll_call *x) {
         p += snprintf(out + p, n - (size_t)p, " with %s",
                       x->op < MPC_OP_COUNT ? op_names[x->op] : "?");
     if ((k == MPC_COLL_BROADCAST || k == MPC_COLL_SCATTER) && p >= 0 && (size_t)p < n)
-        snprintf(out + p, n - (size_t)p, " from rank %d", x->root);
+        snprintf(out + p, n - (size_t)p, " from rank %d", lbl(c, x->root));
     if ((k == MPC_COLL_REDUCE || k == MPC_COLL_GATHER) && p >= 0 && (size_t)p < n)
-        snprintf(out + p, n - (size_t)p, " to rank %d", x->root);
+        snprintf(out + p, n - (size_t)p, " to rank %d", lbl(c, x->root));
 }
 
 /* Posts what this rank asks for, meets the others, and checks that they
@@ -672,10 +684,10 @@ static int begin(mpc_coll *c, uint32_t kind, uint32_t op, uint32_t dtype, int32_
             o.count == me.count)
             continue;
         char a[128], b[128];
-        describe(a, sizeof a, &me);
-        describe(b, sizeof b, &o);
-        return mpc_fail(EINVAL, "ranks disagree: rank %d called %s, rank %d called %s", c->rank,
-                        a, q, b);
+        describe(c, a, sizeof a, &me);
+        describe(c, b, sizeof b, &o);
+        return mpc_fail(EINVAL, "ranks disagree: rank %d called %s, rank %d called %s",
+                        lbl(c, c->rank), a, lbl(c, q), b);
     }
     return 0;
 }
@@ -998,11 +1010,11 @@ static int cma_copy(mpc_coll *c, int q, void *mine, uint64_t theirs, uint64_t n,
         if (done <= 0) {
             int e = done < 0 ? errno : EFAULT;
             if (e == ESRCH || check_peers(c, what) < 0) {
-                break_group(c, q, "rank %d (pid %d) exited during %s", q, pid, what);
+                break_group(c, q, "rank %d (pid %d) exited during %s", lbl(c, q), pid, what);
                 return broken_error(c);
             }
             break_group(c, c->rank, "rank %d could not copy %s rank %d's memory during %s: %s",
-                        c->rank, into ? "into" : "from", q, what, strerror(e));
+                        lbl(c, c->rank), into ? "into" : "from", lbl(c, q), what, strerror(e));
             return broken_error(c);
         }
         at += done;
@@ -1027,7 +1039,8 @@ static int all_reduce_mapped(mpc_coll *c, uint8_t *mine, uint64_t count, int dty
         const mpc_coll_ref *ref = &c->h->ranks[q].ref[parity];
         bufs[q] = q == c->rank ? mine : peer_buffer(c, q, ref);
         if (bufs[q] == NULL) {
-            break_group(c, c->rank, "rank %d could not map rank %d's buffer: %s", c->rank, q,
+            break_group(c, c->rank, "rank %d could not map rank %d's buffer: %s", lbl(c, c->rank),
+                        lbl(c, q),
                         mpc_errmsg());
             return broken_error(c);
         }
@@ -1067,7 +1080,7 @@ static int all_reduce_direct(mpc_coll *c, uint8_t *mine, uint64_t count, int dty
     uint64_t per = piece_elems(MPC_COLL_AR_PIECE, es);
     if (c->peers_tmp == NULL &&
         (c->peers_tmp = malloc((size_t)W * per * es)) == NULL) {
-        break_group(c, me, "rank %d has no memory for an all_reduce's pieces", me);
+        break_group(c, me, "rank %d has no memory for an all_reduce's pieces", lbl(c, me));
         return broken_error(c);
     }
     uint64_t lo[MPC_COLL_MAX_RANKS + 1];
@@ -1370,7 +1383,8 @@ int mpc_coll_all_to_all(mpc_coll *c, void *out, const void *in, const uint64_t *
             if (s != t)
                 return mpc_fail(EINVAL, "ranks disagree in all_to_all: rank %d sends %llu bytes "
                                         "to rank %d, which expects %llu bytes from rank %d",
-                                i, (unsigned long long)s, j, (unsigned long long)t, i);
+                                lbl(c, i), (unsigned long long)s, lbl(c, j),
+                                (unsigned long long)t, lbl(c, i));
             if (i != j && s > most)
                 most = s;
         }
@@ -1451,7 +1465,7 @@ static int p2p_wait(mpc_coll *c, uint32_t g, const char *what, int peer, int64_t
     if (r == 0 || (r == -EINTR && (c->interrupted == NULL || !c->interrupted(c->arg))))
         return 0;
     if (r == -EINTR || (r == -ETIMEDOUT && c->interrupted != NULL && c->interrupted(c->arg))) {
-        break_group(c, c->rank, "rank %d was interrupted during %s", c->rank, what);
+        break_group(c, c->rank, "rank %d was interrupted during %s", lbl(c, c->rank), what);
         return -EINTR;
     }
     if (r != -ETIMEDOUT)
@@ -1461,10 +1475,11 @@ static int p2p_wait(mpc_coll *c, uint32_t g, const char *what, int peer, int64_t
     if (deadline >= 0 && mpc_now_ns() >= deadline) {
         char whom[32];
         if (peer >= 0)
-            snprintf(whom, sizeof whom, "rank %d", peer);
+            snprintf(whom, sizeof whom, "rank %d", lbl(c, peer));
         else
             snprintf(whom, sizeof whom, "any rank");
-        break_group(c, c->rank, "rank %d's %s timed out waiting for %s", c->rank, what, whom);
+        break_group(c, c->rank, "rank %d's %s timed out waiting for %s", lbl(c, c->rank), what,
+                    whom);
         return mpc_fail(ETIMEDOUT, "%s timed out waiting for %s", what, whom);
     }
     return 0;
@@ -1533,7 +1548,7 @@ int mpc_coll_send(mpc_coll *c, const void *buf, uint64_t nbytes, int dst, uint32
     if (atomic_load(&c->h->broken))
         return broken_error(c);
     char what[64];
-    snprintf(what, sizeof what, "send to rank %d", dst);
+    snprintf(what, sizeof what, "send to rank %d", lbl(c, dst));
     mpc_coll_box *bx = box(c, c->rank, dst);
     uint8_t *rg = ring(c, c->rank, dst);
     uint64_t cap = c->at.ring, head = atomic_load_explicit(&bx->head, memory_order_relaxed);
@@ -1583,7 +1598,7 @@ int mpc_coll_send(mpc_coll *c, const void *buf, uint64_t nbytes, int dst, uint32
 static int take(mpc_coll *c, int from, void *buf, const mpc_coll_msg *m, int64_t deadline) {
     int me = c->rank;
     char what[64];
-    snprintf(what, sizeof what, "recv from rank %d", from);
+    snprintf(what, sizeof what, "recv from rank %d", lbl(c, from));
     mpc_coll_box *bx = box(c, from, me);
     const uint8_t *rg = ring(c, from, me);
     uint64_t cap = c->at.ring, nbytes = m->nbytes;
@@ -1623,7 +1638,8 @@ static int size_mismatch(const mpc_coll *c, uint64_t nbytes, uint32_t tag, int q
                          uint64_t has) {
     return mpc_fail(EINVAL, "rank %d's recv of %llu bytes with tag %u from rank %d does not "
                             "match the message rank %d sent it with that tag: %llu bytes",
-                    c->rank, (unsigned long long)nbytes, tag, q, q, (unsigned long long)has);
+                    lbl(c, c->rank), (unsigned long long)nbytes, tag, lbl(c, q), lbl(c, q),
+                    (unsigned long long)has);
 }
 
 int mpc_coll_recv(mpc_coll *c, void *buf, uint64_t nbytes, int src, uint32_t tag,
@@ -1634,7 +1650,7 @@ int mpc_coll_recv(mpc_coll *c, void *buf, uint64_t nbytes, int src, uint32_t tag
                                 "this group of %d, nor -1 (any)", me, src, W);
     char what[64];
     if (src >= 0)
-        snprintf(what, sizeof what, "recv from rank %d (tag %u)", src, tag);
+        snprintf(what, sizeof what, "recv from rank %d (tag %u)", lbl(c, src), tag);
     else
         snprintf(what, sizeof what, "recv from any rank (tag %u)", tag);
     uint64_t cap = c->at.ring;
@@ -1669,7 +1685,8 @@ int mpc_coll_recv(mpc_coll *c, void *buf, uint64_t nbytes, int src, uint32_t tag
             mpc_coll_msg m;
             memcpy(&m, ring(c, q, me) + tail % cap, sizeof m);
             if (m.magic != MPC_COLL_MSG_MAGIC && m.magic != MPC_COLL_CMA_MAGIC)
-                return mpc_fail(EIO, "rank %d's mailbox from rank %d is corrupt", me, q);
+                return mpc_fail(EIO, "rank %d's mailbox from rank %d is corrupt", lbl(c, me),
+                                lbl(c, q));
             if (m.tag == tag) {
                 if (m.nbytes != nbytes)
                     return size_mismatch(c, nbytes, tag, q, m.nbytes);
@@ -1683,7 +1700,7 @@ int mpc_coll_recv(mpc_coll *c, void *buf, uint64_t nbytes, int src, uint32_t tag
             if (h == NULL)
                 return mpc_fail(ENOMEM, "rank %d has no memory to hold a %llu-byte message "
                                         "from rank %d with tag %u while it waits for tag %u",
-                                me, (unsigned long long)m.nbytes, q, m.tag, tag);
+                                lbl(c, me), (unsigned long long)m.nbytes, lbl(c, q), m.tag, tag);
             *h = (mpc_coll_held){NULL, q, m.tag, m.nbytes};
             int r = take(c, q, h->data, &m, deadline);
             if (r < 0) {

@@ -721,6 +721,11 @@ int mpc_coll_watch(mpc_coll *c);
  * large data movers copy directly), else 0.  Never fails. */
 int mpc_coll_direct(const mpc_coll *c);
 
+/* What the group's messages call its ranks: labels[q] for rank q (world
+ * entries; the global ranks of a subgroup), where they say "rank q" by
+ * default.  Every rank should set the same.  Never fails. */
+void mpc_coll_set_labels(mpc_coll *c, const int *labels);
+
 /* fn(arg) is called when a wait is interrupted by a signal; non-zero means
  * give up: the call then breaks the group and returns -EINTR. */
 void mpc_coll_set_interrupt(mpc_coll *c, int (*fn)(void *), void *arg);

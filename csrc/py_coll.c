@@ -121,6 +121,32 @@ static PyObject *Group_watch(PyObject *op, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Group_set_labels(PyObject *op, PyObject *arg) {
+    mpc_coll *c = group_of(op);
+    if (c == NULL)
+        return NULL;
+    int world = mpc_coll_world(c), labels[MPC_COLL_MAX_RANKS];
+    PyObject *seq = PySequence_Fast(arg, "set_labels takes a sequence of ints");
+    if (seq == NULL)
+        return NULL;
+    if (PySequence_Fast_GET_SIZE(seq) != world) {
+        Py_DECREF(seq);
+        return PyErr_Format(PyExc_ValueError, "set_labels takes one label per rank (%d), not %zd",
+                            world, PySequence_Fast_GET_SIZE(seq));
+    }
+    for (int q = 0; q < world; q++) {
+        long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, q));
+        if (v == -1 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        labels[q] = (int)v;
+    }
+    Py_DECREF(seq);
+    mpc_coll_set_labels(c, labels);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Group_direct(PyObject *op, PyObject *unused) {
     mpc_coll *c = group_of(op);
     if (c == NULL)
@@ -356,6 +382,8 @@ static PyObject *Group_close(PyObject *op, PyObject *unused) {
 static PyMethodDef Group_methods[] = {
     {"watch", Group_watch, METH_NOARGS, "watch(): from now on, a peer that exits breaks the group"},
     {"pid", Group_pid, METH_O, "pid(rank) -> the pid that rank attached with"},
+    {"set_labels", Group_set_labels, METH_O,
+     "set_labels(ranks): the group's messages call rank q ranks[q] (a subgroup's global ranks)"},
     {"direct", Group_direct, METH_NOARGS,
      "direct() -> whether large data movers copy straight between the ranks' memory"},
     {"all_reduce", Group_all_reduce, METH_VARARGS,

@@ -1049,7 +1049,18 @@ def create(store, rank, world, timeout):
     return ProcessGroupMpcore(store, rank, world, timeout_s, shm, gloo)
 
 
+def _create_extended(opts, backend_options):
+    """torch's extended creator call: create(), then the group's messages
+    name its ranks by their global ranks (the default group's are its own)."""
+    pg = create(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+    ranks = list(opts.global_ranks_in_group)
+    if pg.shm is not None and len(ranks) == opts.group_size:
+        pg.shm.core.set_labels(ranks)
+    return pg
+
+
 def register():
     """Registers the backend with torch.distributed (once)."""
     if "MPCORE" not in dist.Backend._plugins:
-        dist.Backend.register_backend("mpcore", create, devices=["cpu"])
+        dist.Backend.register_backend("mpcore", _create_extended, extended_api=True,
+                                      devices=["cpu"])
