@@ -97,7 +97,7 @@ class Work(_dist.Work, dist.Work):
         s = _dist._seconds(timeout)
         if not s or s <= 0:
             self._run_here()
-        if not self._done.wait(s if s and s > 0 else None):
+        if not self._wait_done(s if s and s > 0 else None):
             raise TimeoutError(f"Work.wait: the collective did not complete within {s:g} s "
                                "(it goes on; wait again or look at the group's timeout)")
         if self._exc is not None:

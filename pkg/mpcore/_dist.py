@@ -156,22 +156,26 @@ def _await(store, prefix, rank, world_size, deadline, timeout_s, where, what):
 # --- the shared-memory group --------------------------------------------------
 
 class Work:
-    """What an async_op collective returns: torch's Work surface."""
+    """What an async_op collective returns: torch's Work surface.  `_latch`
+    is a lock held from the start until the call is done, so that waiting
+    is one acquire (an Event costs a Condition and more, per call)."""
 
     def __init__(self, tensors):
         self._tensors = tensors
-        self._done = threading.Event()
+        self._latch = threading.Lock()
+        self._latch.acquire()
+        self._done = False
         self._exc = None
         self._future = None
-        self._lock = threading.Lock()
         self._lane = None
 
     def _finish(self, exc=None):
-        with self._lock:
-            self._exc = exc
-            self._done.set()
+        self._exc = exc
+        with _futures:
+            self._done = True
             fut = self._future
-        if fut is not None:
+        self._latch.release()
+        if fut is not None:   # asked for before: settled here (else by get_future)
             self._settle(fut)
 
     def _settle(self, fut):
@@ -180,9 +184,17 @@ class Work:
         else:
             fut.set_result(self._tensors)
 
+    def _wait_done(self, timeout=None):
+        """True once the call is done; False when timeout (seconds) passed."""
+        if not self._done:
+            if not self._latch.acquire(timeout=-1 if timeout is None else timeout):
+                return False
+            self._latch.release()
+        return True
+
     def wait(self, timeout=None):
         self._run_here()
-        self._done.wait()
+        self._wait_done()
         if self._exc is not None:
             raise self._exc
         return True
@@ -191,14 +203,14 @@ class Work:
         """Runs the call on the waiting thread when its lane has not begun
         it (NOTE [ A waiter runs its own call ])."""
         lane = self._lane
-        if lane is not None and not self._done.is_set():
+        if lane is not None and not self._done:
             lane.run_if_next(self)
 
     def is_completed(self):
-        return self._done.is_set()
+        return self._done
 
     def is_success(self):
-        return self._done.is_set() and self._exc is None
+        return self._done and self._exc is None
 
     def exception(self):
         return self._exc
@@ -209,12 +221,18 @@ class Work:
 
     def get_future(self):
         import torch
-        with self._lock:
-            if self._future is None:
-                self._future = torch.futures.Future()
-                if self._done.is_set():
-                    self._settle(self._future)
-            return self._future
+        with _futures:
+            fut = self._future
+            if fut is not None:
+                return fut
+            fut = self._future = torch.futures.Future()
+            done = self._done
+        if done:   # made after the call finished: settled here, once
+            self._settle(fut)
+        return fut
+
+
+_futures = threading.Lock()   # orders a Work's future against its completion
 
 
 class _Lane:
