@@ -216,13 +216,17 @@ def _op_job(torch, dist, groups, rank, world, target_s, op, nbytes, group):
 
 
 def _funcol_job(torch, dist, rank, world, target_s, nbytes):
-    """torch.distributed._functional_collectives.all_reduce and its wait."""
+    """torch.distributed._functional_collectives.all_reduce and its wait;
+    also, in alternating runs of the same n, the same call on a group of
+    this rank alone: what torch's functional layer and the backend cost
+    with no peer to meet ("alone")."""
     import torch.distributed._functional_collectives as funcol
     g = dist.group.WORLD
+    alone = [dist.new_group([q]) for q in range(world)][rank]
     t = torch.full((nbytes // 4,), float(rank + 1))
 
-    def call():
-        y = funcol.all_reduce(t, "sum", g)
+    def call(group=g):
+        y = funcol.all_reduce(t, "sum", group)
         return funcol.wait_tensor(y)
     y = call()
     want = world * (world + 1) / 2
@@ -231,7 +235,10 @@ def _funcol_job(torch, dist, rank, world, target_s, nbytes):
     t.zero_()
     for _ in range(20):
         call()
-    return _timed(torch, dist, call, target_s, 50)
+        call(alone)
+    out = _timed(torch, dist, call, target_s, 50, {"alone": lambda: call(alone)})
+    out["alone_per_call_s"] = out.pop("alone_s") / out["n"]
+    return out
 
 
 def _layer_job(torch, dist, impl, rank, world, target_s, nbytes):
@@ -252,14 +259,18 @@ def _layer_job(torch, dist, impl, rank, world, target_s, nbytes):
     op_sum = getattr(_core, "COLL_OPS", {}).get("SUM", 0)
     addr, count, timeout = t.data_ptr(), t.numel(), _c.DIST_TIMEOUT_S
     call_core = lambda: core.all_reduce(addr, count, f32, op_sum, timeout)   # noqa: E731
+    pg, opts = dist.group.WORLD, dist.AllreduceOptions()
+    opts.asyncOp = False      # as dist.all_reduce asks
+    call_method = lambda: pg.allreduce([t], opts)   # noqa: E731
     t.fill_(rank + 1)
     call_core()
     _expect((t == world * (world + 1) / 2).all(), "the core's all_reduce")
     t.zero_()
     for _ in range(50):
         call_core()
-    out = _timed(torch, dist, call_dist, target_s, 50, {"core": call_core})
+    out = _timed(torch, dist, call_dist, target_s, 50, {"core": call_core, "method": call_method})
     out["core_per_call_s"] = out.pop("core_s") / out["n"]
+    out["method_per_call_s"] = out.pop("method_s") / out["n"]
     return out
 
 
@@ -399,7 +410,7 @@ def op_row(env, target_s, jobs, nbytes):
 def funcol_row(env, target_s, jobs, nbytes):
     r, s = _result(env, target_s, tuple(jobs[0]))
     extra = _extra(r)
-    extra.update(bytes=nbytes)
+    extra.update(bytes=nbytes, alone_us=s["alone_per_call_s"] * 1e6)
     return _c.Measurement(s["per_call_s"] * 1e6, s["n"], s["elapsed_s"], extra)
 
 
@@ -409,7 +420,9 @@ def layer_row(env, target_s, jobs, nbytes):
     extra.update(bytes=nbytes, dist_us=s["per_call_s"] * 1e6)
     if "core_per_call_s" in s:
         extra.update(core_us=s["core_per_call_s"] * 1e6,
-                     layer_us=(s["per_call_s"] - s["core_per_call_s"]) * 1e6)
+                     method_us=s["method_per_call_s"] * 1e6,
+                     layer_us=(s["method_per_call_s"] - s["core_per_call_s"]) * 1e6,
+                     torch_us=(s["per_call_s"] - s["method_per_call_s"]) * 1e6)
     return _c.Measurement(s["per_call_s"] * 1e6, s["n"], s["elapsed_s"], extra)
 
 
@@ -452,6 +465,11 @@ def _op_notes(row):
     out = []
     ex = {impl: _c._best_row_extra(row, impl) for impl in ("torch", "mpcore")}
     m = ex["mpcore"]
+    if m and "alone_us" in m:
+        t = ex["torch"]
+        out.append(f"the same call on a group of one rank (no peer: torch's functional layer "
+                   f"and the backend): mpcore {_us(m['alone_us'])}"
+                   + (f", gloo {_us(t['alone_us'])}" if t and "alone_us" in t else ""))
     goal = TARGETS.get(m["bytes"]) if m else None
     if goal and row["ratio"] is not None:
         out.append(f"target >= {goal:g}x gloo: {_met(row['ratio'] >= goal)}")
@@ -481,9 +499,12 @@ def _layer_notes(row):
     m = _c._best_row_extra(row, "mpcore")
     if not m or "core_us" not in m:
         return []
-    return [f"mpcore: dist.all_reduce {_us(m['dist_us'])}, the core's own all_reduce "
+    return [f"mpcore: dist.all_reduce {_us(m['dist_us'])}, the backend's allreduce method "
+            f"called directly {_us(m['method_us'])}, the core's own all_reduce "
             f"{_us(m['core_us'])}: the backend layer adds {_us(m['layer_us'])} "
-            f"(target <= {LAYER_TARGET_US:g} us: {_met(m['layer_us'] <= LAYER_TARGET_US)})"]
+            f"(target <= {LAYER_TARGET_US:g} us: {_met(m['layer_us'] <= LAYER_TARGET_US)}); "
+            f"torch's dist.all_reduce function adds {_us(m['torch_us'])} on top (the same "
+            "function serves gloo)"]
 
 
 # --- the rows -----------------------------------------------------------------
