@@ -120,6 +120,15 @@ static PyObject *Group_watch(PyObject *op, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Group_break(PyObject *op, PyObject *arg) {
+    mpc_coll *c = group_of(op);
+    const char *why = c ? PyUnicode_AsUTF8(arg) : NULL;
+    if (why == NULL)
+        return NULL;
+    mpc_coll_break(c, why);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Group_pid(PyObject *op, PyObject *arg) {
     mpc_coll *c = group_of(op);
     long rank = c ? PyLong_AsLong(arg) : -1;
@@ -347,6 +356,8 @@ static PyObject *Group_close(PyObject *op, PyObject *unused) {
 
 static PyMethodDef Group_methods[] = {
     {"watch", Group_watch, METH_NOARGS, "watch(): from now on, a peer that exits breaks the group"},
+    {"break_group", Group_break, METH_O,
+     "break_group(why): every rank's current and later calls fail with why"},
     {"pid", Group_pid, METH_O, "pid(rank) -> the pid that rank attached with"},
     {"all_reduce", Group_all_reduce, METH_VARARGS,
      "all_reduce(address, count, dtype, op, timeout=None, buffer=None): in place; buffer:\n"

@@ -29,7 +29,9 @@ functions: the dispatcher is the one way in.
 
 NOTE [ What the core cannot serve ]
 - Ranks on several machines: the group has no region (ShmGroup is None),
-  and a gloo ProcessGroup on the same store serves every call.  It is
+  and a HierGroup (_hier.py, NOTE [ Hierarchical groups ]) serves every
+  call: shared memory inside each host, gloo among the hosts' leaders, and
+  a flat gloo ProcessGroup on the same store for the rest.  It is
   made eagerly, in the creator, because it is then the group's only
   transport, and because gloo's connect is collective over all ranks of
   the group: made on first need, a need that only some ranks reach (a
@@ -1042,8 +1044,9 @@ def create(store, rank, world, timeout):
     timeout_s = _dist._seconds(timeout)
     shm = _dist.join(store, "mpcore/", rank, world, timeout_s)
     gloo = None
-    if shm is None:  # NOTE [ What the core cannot serve ]
-        gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world, timeout)
+    if shm is None:  # NOTE [ What the core cannot serve ], NOTE [ Hierarchical groups ]
+        from . import _hier
+        gloo = _hier.create(store, rank, world, timeout)
     return ProcessGroupMpcore(store, rank, world, timeout_s, shm, gloo)
 
 
