@@ -278,6 +278,23 @@ def run_checks(tag, ranks, mp, gl):
             guarded(f"{k}/send_recv", p2p)
 
 
+def run_pieces(tag, ranks, mp, gl):
+    """all_reduce of tensors larger than a piece of the leaders' exchange."""
+    if RANK not in ranks:
+        return
+    me = ranks.index(RANK)
+    n = 700000
+    for dtype in (torch.float32, torch.int64):
+        name = f"{tag}/{str(dtype).split('.')[1]}/{n}/all_reduce_pieces"
+
+        def ar(dtype=dtype, name=name):
+            x, y = data(me, n, dtype), data(me, n, dtype)
+            dist.all_reduce(x, group=mp)
+            dist.all_reduce(y, group=gl)
+            check(name, x, y)
+        guarded(name, ar)
+
+
 def main():
     md.init_process_group("mpcore", timeout=datetime.timedelta(seconds=60))
     hosts_of = {}
@@ -295,6 +312,7 @@ def main():
             hosts_of[name] = transport(mp)
     for name, (ranks, mp, gl) in groups.items():
         run_checks(name, ranks, mp, gl)
+    run_pieces("world", *groups["world"])
     _write(f"rank{RANK}.json", {"results": RESULTS, "transport": hosts_of})
 
     # 2. the fault: all-reduce until a rank is killed

@@ -154,6 +154,8 @@ def test_every_operation_matches_gloo(job):
                                 continue
                             assert f"{group}/{dt}/{n}/{op}" in res, (group, dt, n, op)
     assert "world/int64/5/broadcast/3" in job.results[3]["results"]
+    for dt in ("float32", "int64"):  # several pieces among the leaders
+        assert f"world/{dt}/700000/all_reduce_pieces" in job.results[0]["results"]
     assert "inside/int64/70000/reduce_scatter" in job.results[2]["results"]
 
 

@@ -81,6 +81,15 @@ from . import _dist
 
 _RED = ReduceOp.RedOpType
 _CAUSE_WAIT_S = 1.0
+# NOTE [ Pieces of a large all-reduce ]
+# A leader all-reduces a large tensor among the leaders piece by piece, as
+# soon as each piece is reduced on its host, and its host's ranks wait for
+# the broadcast of the first piece only: the host's shared-memory reduce of
+# piece i + 1 runs while gloo's threads send piece i, and the broadcast of
+# piece i while gloo sends the rest.  Every rank of a host makes the same
+# calls in the same order (all the reduces, then all the broadcasts), and
+# gloo keeps the order of the leaders' calls.
+_PIECE = 2 << 20
 # dtypes that both the core and gloo reduce
 _GLOO_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
                 torch.uint8, torch.int32, torch.int64)
@@ -193,13 +202,19 @@ class HierGroup:
 
     def _gloo(self, which, call):
         """call(group).wait() on the leaders' or the flat gloo group."""
+        self._gloo_wait(which, self._gloo_start(which, call))
+
+    def _gloo_start(self, which, call):
+        """call(group) on the leaders' or the flat gloo group: its Work."""
         g = self.leaders if which == "leaders" else self.flat
         try:
-            work = call(g)
+            return call(g)
         except Exception as e:
             if which == "flat":  # gloo refused the call's arguments: nothing was sent
                 raise _Refused(e) from None
             raise
+
+    def _gloo_wait(self, which, work):
         try:
             work.wait()
         except Exception as e:
@@ -267,17 +282,28 @@ class HierGroup:
                    and t.layout == torch.strided for t in tensors)
 
     def _all_reduce_one(self, t, plan, timeout):
+        """t (contiguous) becomes the reduction over the group, in pieces
+        (NOTE [ Pieces of a large all-reduce ])."""
         dc, oc, gop, avg = plan
-        if self._L > 1:
-            self._loc("reduce", t.data_ptr(), t.numel(), dc, oc, 0, timeout)
-        if self.leaders is not None:
-            o = dist.AllreduceOptions()
-            o.reduceOp = gop
-            self._gloo("leaders", lambda g: g.allreduce([t], o))
-            if avg:
-                t.div_(self._world)
-        if self._L > 1:
-            self._loc("broadcast", t.data_ptr(), t.numel() * t.element_size(), 0, timeout)
+        flat = t.view(-1)
+        es = t.element_size()
+        step = max(1, _PIECE // es)
+        pieces = [flat[i:i + step] for i in range(0, flat.numel(), step)] or [flat]
+        works = []
+        for p in pieces:
+            if self._L > 1:
+                self._loc("reduce", p.data_ptr(), p.numel(), dc, oc, 0, timeout)
+            if self.leaders is not None:
+                o = dist.AllreduceOptions()
+                o.reduceOp = gop
+                works.append(self._gloo_start("leaders", lambda g, p=p, o=o: g.allreduce([p], o)))
+        for i, p in enumerate(pieces):
+            if self.leaders is not None:
+                self._gloo_wait("leaders", works[i])
+                if avg:
+                    p.div_(self._world)
+            if self._L > 1:
+                self._loc("broadcast", p.data_ptr(), p.numel() * es, 0, timeout)
 
     def allreduce(self, tensors, opts=None):
         opts = opts if opts is not None else dist.AllreduceOptions()
