@@ -310,9 +310,10 @@ def main():
     for name, (ranks, mp, gl) in groups.items():
         if RANK in ranks:
             hosts_of[name] = transport(mp)
-    for name, (ranks, mp, gl) in groups.items():
-        run_checks(name, ranks, mp, gl)
-    run_pieces("world", *groups["world"])
+    if not os.environ.get("MPCORE_TEST_NO_CHECKS"):
+        for name, (ranks, mp, gl) in groups.items():
+            run_checks(name, ranks, mp, gl)
+        run_pieces("world", *groups["world"])
     _write(f"rank{RANK}.json", {"results": RESULTS, "transport": hosts_of})
 
     # 2. the fault: all-reduce until a rank is killed

@@ -2,10 +2,11 @@
 two "nodes" of this machine: two network namespaces joined by a veth pair,
 each rank with a hostname of its node's (tests/_netns.py), 2 ranks per node.
 
-One job serves the whole module (NOTE [ One start per stack ] in _ranks.py):
-the ranks (tests/_multinode_rank.py) compare every operation of the backend
-with gloo on the same ranks, then all-reduce in a loop until the test
-SIGKILLs rank 3; the job is then over, and the tests read what it recorded.
+One job serves most of the module (NOTE [ One start per stack ] in
+_ranks.py): the ranks (tests/_multinode_rank.py) compare every operation of
+the backend with gloo on the same ranks, then all-reduce in a loop until the
+test SIGKILLs rank 3; the job is then over, and the tests read what it
+recorded.  A second, shorter job only loops, and loses rank 2, a leader.
 
 Needs root and iproute2 (`ip`): skipped without them, failed in CI.
 """
@@ -68,11 +69,10 @@ def _read(out, name):
         return json.load(f)
 
 
-@pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    why = _netns.missing()
-    require(why is None, why)
-    out = str(tmp_path_factory.mktemp("multinode"))
+def _run_job(out, killed, checks=True):
+    """Runs the job on two fresh nodes, SIGKILLs rank `killed` once every
+    rank is in its all-reduce loop, and yields what it recorded; the nodes
+    and every process are gone when it returns, even on failure."""
     nodes = _netns.Nodes()
     procs, logs = [], []
     j = Job()
@@ -84,6 +84,8 @@ def job(tmp_path_factory):
                        LOCAL_WORLD_SIZE=str(PER_NODE), MASTER_ADDR=nodes.addr(0),
                        MASTER_PORT="29500", GLOO_SOCKET_IFNAME=nodes.ifname(k),
                        MPCORE_TEST_DEADLINE=str(JOB_TIMEOUT))
+            if not checks:
+                env["MPCORE_TEST_NO_CHECKS"] = "1"
             logs.append(os.path.join(out, f"log{r}"))
             with open(logs[-1], "w") as log:
                 procs.append(subprocess.Popen(nodes.command(k, [sys.executable, PROGRAM, out]),
@@ -94,7 +96,7 @@ def job(tmp_path_factory):
                     [f"loop{r}" for r in range(WORLD)], procs, deadline, logs)
         j.results = {r: _read(out, f"rank{r}.json") for r in range(WORLD)}
         # every rank is in its all-reduce loop: kill one
-        pid = _read(out, f"loop{KILLED}")["pid"]
+        pid = _read(out, f"loop{killed}")["pid"]
         j.t_kill = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         j.codes = [p.wait(timeout=max(1, deadline - time.monotonic())) for p in procs]
@@ -106,7 +108,7 @@ def job(tmp_path_factory):
         j.in_namespaces = [(pid, _comm(pid)) for pid in nodes.pids()]
         nodes.close()
         j.nodes_left = nodes.leftovers()
-        yield j
+        return j
     finally:
         for p in procs:
             if p.poll() is None:
@@ -118,6 +120,25 @@ def job(tmp_path_factory):
                 except OSError:
                     pass
         nodes.close()
+
+
+def _require_nodes():
+    why = _netns.missing()
+    require(why is None, why)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """Every check, then rank 3 (not its node's leader) killed."""
+    _require_nodes()
+    return _run_job(str(tmp_path_factory.mktemp("multinode")), KILLED)
+
+
+@pytest.fixture(scope="module")
+def leader_job(tmp_path_factory):
+    """No checks; rank 2, node 1's leader, killed."""
+    _require_nodes()
+    return _run_job(str(tmp_path_factory.mktemp("multinode-leader")), 2, checks=False)
 
 
 def test_groups_across_nodes_are_hierarchical(job):
@@ -159,18 +180,27 @@ def test_every_operation_matches_gloo(job):
     assert "inside/int64/70000/reduce_scatter" in job.results[2]["results"]
 
 
-def test_a_rank_killed_mid_all_reduce_fails_every_node_within_2s(job):
-    survivors = [r for r in range(WORLD) if r != KILLED]
+def _assert_failed_in_time(job, killed):
+    survivors = [r for r in range(WORLD) if r != killed]
     assert sorted(job.fails) == survivors, (job.fails, job.logs)
     for r in survivors:
         f = job.fails[r]
-        assert f"rank {KILLED} " in f["error"] and "exited" in f["error"], (r, f)
+        assert f"rank {killed} " in f["error"] and "exited" in f["error"], (r, f)
         assert f["iterations"] >= 20
         assert f["t"] - job.t_kill < 2.0, (r, f["t"] - job.t_kill, f["error"])
     assert [job.codes[r] for r in survivors] == [0] * len(survivors), job.logs
-    assert job.codes[KILLED] == -signal.SIGKILL
+    assert job.codes[killed] == -signal.SIGKILL
 
 
-def test_nothing_left_behind(job):
-    assert job.in_namespaces == [], job.in_namespaces
-    assert job.nodes_left == [], job.nodes_left
+def test_a_rank_killed_mid_all_reduce_fails_every_node_within_2s(job):
+    _assert_failed_in_time(job, KILLED)
+
+
+def test_a_leader_killed_mid_all_reduce_fails_every_node_within_2s(leader_job):
+    _assert_failed_in_time(leader_job, 2)
+
+
+def test_nothing_left_behind(job, leader_job):
+    for j in (job, leader_job):
+        assert j.in_namespaces == [], j.in_namespaces
+        assert j.nodes_left == [], j.nodes_left
