@@ -29,6 +29,13 @@ def missing():
     for tool, package in (("ip", "iproute2"), ("unshare", "util-linux")):
         if shutil.which(tool) is None:
             return f"the multi-node tests need `{tool}` (Debian package {package})"
+    probe = f"mpcprobe{os.getpid()}"
+    r = _ip("netns", "add", probe, check=False)
+    if r.returncode != 0:
+        return ("the multi-node tests need to make network namespaces (root with "
+                f"CAP_SYS_ADMIN, e.g. a privileged container): `ip netns add` said "
+                f"{r.stderr.strip()!r}")
+    _ip("netns", "del", probe, check=False)
     return None
 
 

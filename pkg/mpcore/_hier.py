@@ -101,7 +101,7 @@ _GLOO_OPS = {_RED.SUM: ReduceOp.SUM, _RED.PRODUCT: ReduceOp.PRODUCT, _RED.MIN: R
 def hosts_of(store, world):
     """The host id of every rank of the group, as _dist.join published
     them in the group's store."""
-    return [store.get(f"mpcore/host/{r}").decode() for r in range(world)]
+    return [h.decode() for h in store.multi_get([f"mpcore/host/{r}" for r in range(world)])]
 
 
 class HierGroup:
@@ -269,6 +269,7 @@ class HierGroup:
         for t in tensors:
             if (not isinstance(t, torch.Tensor) or t.device.type != "cpu"
                     or t.layout != torch.strided or t.dtype not in _GLOO_DTYPES
+                    or t.numel() == 0
                     or (avg and not t.is_floating_point())):
                 return None
             codes = self._b._CORE.get((t.dtype, base))
@@ -278,8 +279,10 @@ class HierGroup:
         return plans
 
     def _cpu(self, tensors):
+        """True when the hierarchy can move the tensors (CPU, dense, not
+        empty)."""
         return all(isinstance(t, torch.Tensor) and t.device.type == "cpu"
-                   and t.layout == torch.strided for t in tensors)
+                   and t.layout == torch.strided and t.numel() > 0 for t in tensors)
 
     def _all_reduce_one(self, t, plan, timeout):
         """t (contiguous) becomes the reduction over the group, in pieces
