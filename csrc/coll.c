@@ -552,6 +552,10 @@ static void break_group(mpc_coll *c, int who, const char *fmt, ...) {
     }
 }
 
+void mpc_coll_break(mpc_coll *c, const char *why) {
+    break_group(c, c->rank, "%s", why);
+}
+
 /* Looks at the peers; breaks the group if one exited.  Returns 0 or the
  * error to return. */
 static int check_peers(mpc_coll *c, const char *what) {

@@ -730,6 +730,11 @@ void mpc_coll_set_labels(mpc_coll *c, const int *labels);
  * give up: the call then breaks the group and returns -EINTR. */
 void mpc_coll_set_interrupt(mpc_coll *c, int (*fn)(void *), void *arg);
 
+/* Breaks the group on behalf of this rank, with `why` as the message that
+ * every rank's current and later calls fail with (the first break's
+ * message is kept); wakes every waiting rank.  Never fails. */
+void mpc_coll_break(mpc_coll *c, const char *why);
+
 /* The pid of a rank (as it attached), or -1.  Never fails. */
 int mpc_coll_pid(const mpc_coll *c, int rank);
 

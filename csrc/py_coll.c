@@ -154,6 +154,15 @@ static PyObject *Group_direct(PyObject *op, PyObject *unused) {
     return PyBool_FromLong(mpc_coll_direct(c));
 }
 
+static PyObject *Group_break(PyObject *op, PyObject *arg) {
+    mpc_coll *c = group_of(op);
+    const char *why = c ? PyUnicode_AsUTF8(arg) : NULL;
+    if (why == NULL)
+        return NULL;
+    mpc_coll_break(c, why);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Group_pid(PyObject *op, PyObject *arg) {
     mpc_coll *c = group_of(op);
     long rank = c ? PyLong_AsLong(arg) : -1;
@@ -381,6 +390,8 @@ static PyObject *Group_close(PyObject *op, PyObject *unused) {
 
 static PyMethodDef Group_methods[] = {
     {"watch", Group_watch, METH_NOARGS, "watch(): from now on, a peer that exits breaks the group"},
+    {"break_group", Group_break, METH_O,
+     "break_group(why): every rank's current and later calls fail with why"},
     {"pid", Group_pid, METH_O, "pid(rank) -> the pid that rank attached with"},
     {"set_labels", Group_set_labels, METH_O,
      "set_labels(ranks): the group's messages call rank q ranks[q] (a subgroup's global ranks)"},

@@ -29,7 +29,9 @@ functions: the dispatcher is the one way in.
 
 NOTE [ What the core cannot serve ]
 - Ranks on several machines: the group has no region (ShmGroup is None),
-  and a gloo ProcessGroup on the same store serves every call.  It is
+  and a HierGroup (_hier.py, NOTE [ Hierarchical groups ]) serves every
+  call: shared memory inside each host, gloo among the hosts' leaders, and
+  a flat gloo ProcessGroup on the same store for the rest.  It is
   made eagerly, in the creator, because it is then the group's only
   transport, and because gloo's connect is collective over all ranks of
   the group: made on first need, a need that only some ranks reach (a
@@ -52,6 +54,7 @@ import functools
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
+from torch._C._distributed_c10d import AllgatherOptions as _AllgatherOptions  # not re-exported
 
 from . import _core, _dist
 
@@ -574,7 +577,7 @@ class ProcessGroupMpcore(dist.ProcessGroup):
 
     # -- all-gather -------------------------------------------------------------------------
     def allgather(self, output_lists, inputs, opts=None):
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else _AllgatherOptions()
         if self._gloo is not None:
             return self._gloo.allgather(output_lists, inputs, opts)
         if len(inputs) != 1 or len(output_lists) != 1:
@@ -604,7 +607,7 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         return self._run(opts.asyncOp, output_lists, run, keep=(src, flat))
 
     def _allgather_base(self, output, input, opts=None):
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else _AllgatherOptions()
         if self._gloo is not None:
             return self._gloo._allgather_base(output, input, opts)
         if output.dtype != input.dtype or output.numel() != input.numel() * self._world:
@@ -627,12 +630,12 @@ class ProcessGroupMpcore(dist.ProcessGroup):
     all_gather_single = _allgather_base
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else _AllgatherOptions()
         return self._chain([functools.partial(self.allgather, [o], [i])
                             for o, i in zip(output_lists, inputs)], opts.asyncOp, output_lists)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else _AllgatherOptions()
         return self._chain([functools.partial(self._allgather_base, o, i)
                             for o, i in zip(outputs, inputs)], opts.asyncOp, outputs)
 
@@ -1044,8 +1047,9 @@ def create(store, rank, world, timeout):
     timeout_s = _dist._seconds(timeout)
     shm = _dist.join(store, "mpcore/", rank, world, timeout_s)
     gloo = None
-    if shm is None:  # NOTE [ What the core cannot serve ]
-        gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world, timeout)
+    if shm is None:  # NOTE [ What the core cannot serve ], NOTE [ Hierarchical groups ]
+        from . import _hier
+        gloo = _hier.create(store, rank, world, timeout)
     return ProcessGroupMpcore(store, rank, world, timeout_s, shm, gloo)
 
 
