@@ -1595,6 +1595,21 @@ int mpc_coll_send(mpc_coll *c, const void *buf, uint64_t nbytes, int dst, uint32
     return 0;
 }
 
+int mpc_coll_try_send(mpc_coll *c, const void *buf, uint64_t nbytes, int dst, uint32_t tag) {
+    if (dst < 0 || dst >= c->world || dst == c->rank)
+        return mpc_coll_send(c, buf, nbytes, dst, tag, -1); /* its error */
+    if (atomic_load(&c->h->broken))
+        return broken_error(c);
+    mpc_coll_box *bx = box(c, c->rank, dst);
+    uint64_t used = atomic_load_explicit(&bx->head, memory_order_relaxed) -
+                    atomic_load_explicit(&bx->tail, memory_order_acquire);
+    if (MPC_COLL_ALIGN + up64(nbytes) > c->at.ring - used)
+        return 0;
+    /* only this sender moves head, and tail only grows: it all fits */
+    int r = mpc_coll_send(c, buf, nbytes, dst, tag, -1);
+    return r < 0 ? r : 1;
+}
+
 /* Takes the next message out of from's mailbox (its header m) into buf:
  * streaming it as the sender puts it in, or copying it from the sender's
  * memory and then taking out the header.  Returns 0 or the error (the

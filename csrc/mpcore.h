@@ -826,6 +826,11 @@ int mpc_coll_all_to_all(mpc_coll *c, void *out, const void *in, const uint64_t *
  * may not. */
 int mpc_coll_send(mpc_coll *c, const void *buf, uint64_t nbytes, int dst, uint32_t tag,
                   int64_t deadline_ns);
+
+/* send, only when the whole message fits in dst's mailbox now: returns 1
+ * once it is there, 0 (having done nothing) when it does not fit, or
+ * send's errors.  Never waits. */
+int mpc_coll_try_send(mpc_coll *c, const void *buf, uint64_t nbytes, int dst, uint32_t tag);
 int mpc_coll_recv(mpc_coll *c, void *buf, uint64_t nbytes, int src, uint32_t tag,
                   int64_t deadline_ns);
 

@@ -360,6 +360,21 @@ static PyObject *Group_send(PyObject *op, PyObject *args) {
     RUN(op, mpc_coll_send(c, (const void *)(uintptr_t)addr, n, dst, t, dl));
 }
 
+static PyObject *Group_try_send(PyObject *op, PyObject *args) {
+    unsigned long long addr, n;
+    int dst, rc;
+    long long tag = 0;
+    uint32_t t;
+    mpc_coll *c = group_of(op);
+    if (c == NULL || !PyArg_ParseTuple(args, "KKi|L:try_send", &addr, &n, &dst, &tag) ||
+        tag_of(tag, &t) < 0)
+        return NULL;
+    WAIT(rc, mpc_coll_try_send(c, (const void *)(uintptr_t)addr, n, dst, t));
+    if (rc < 0)
+        return coll_raise(op, rc);
+    return PyBool_FromLong(rc);
+}
+
 static PyObject *Group_recv(PyObject *op, PyObject *args) {
     unsigned long long addr, n;
     int src;
@@ -420,6 +435,9 @@ static PyMethodDef Group_methods[] = {
      "counts per rank; in and out hold the pieces for/from ranks 0..world-1 end to end"},
     {"send", Group_send, METH_VARARGS,
      "send(address, nbytes, dst, tag=0, timeout=None)"},
+    {"try_send", Group_try_send, METH_VARARGS,
+     "try_send(address, nbytes, dst, tag=0) -> True once sent, False (nothing done) when the "
+     "message does not fit in dst's mailbox now; never waits"},
     {"recv", Group_recv, METH_VARARGS,
      "recv(address, nbytes, src, tag=0, timeout=None) -> the source rank; src=-1: any"},
     {"close", Group_close, METH_NOARGS, "close(): unmaps the group"},

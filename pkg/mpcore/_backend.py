@@ -943,6 +943,12 @@ class ProcessGroupMpcore(dist.ProcessGroup):
 
     # -- point to point --------------------------------------------------------------------------
     def send(self, tensors, dst, tag):
+        """NOTE [ A send that fits the mailbox ]
+        A message that fits in the peer's mailbox right now needs neither
+        the peer nor a wait: when nothing else to that peer is queued or
+        running (so that messages stay in order), it is put there on the
+        calling thread, and the call returns a completed Work.  Otherwise it
+        goes to its lane (NOTE [ Lanes ] in _dist.py)."""
         if self._gloo is not None:
             return self._gloo.send(tensors, dst, tag)
         self._no_cuda("send", tensors)
@@ -950,12 +956,19 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         self._check_peer("send to", dst)
         src = [_Dense(t).t for t in tensors]
         core = self._core()
+        lane = f"mpcore-send-{dst}"
+        if len(src) == 1:
+            # NOTE [ A send that fits the mailbox ]
+            t = src[0]
+            if self.shm._lane(lane).run_if_idle(core.try_send, t.data_ptr(), _nbytes(t), dst,
+                                                tag):
+                return self._p2p(_Done(tensors))
 
         def run(timeout):
             for t in src:
                 core.send(t.data_ptr(), _nbytes(t), dst, tag, timeout)
         # NOTE [ Lanes ] in _dist.py
-        return self._p2p(self.shm.run(True, tensors, run, keep=src, lane=f"mpcore-send-{dst}"))
+        return self._p2p(self.shm.run(True, tensors, run, keep=src, lane=lane))
 
     def recv(self, tensors, src, tag):
         return self._recv(tensors, src, tag)

@@ -297,6 +297,21 @@ class _Lane:
                     continue
             self._call(item)
 
+    def run_if_idle(self, fn, *args):
+        """fn(*args) now, on this thread, when the lane runs and holds
+        nothing (so it keeps its order); returns its result, or None
+        without calling it."""
+        with self.cond:
+            if self.running or self.queue or threading.current_thread() is self.thread:
+                return None
+            self.running = True
+        try:
+            return fn(*args)
+        finally:
+            with self.cond:
+                self.running = False
+                self.cond.notify_all()
+
     def run_if_next(self, work):
         with self.cond:
             if (not self.queue or self.queue[0][0] is not work
