@@ -116,15 +116,41 @@ def _agent_store(host, port, world_size, td):
     our own would fail to bind that port).  The agent's store outlives a
     restart, so each attempt (TORCHELASTIC_RESTART_COUNT) works under a
     prefix of its own, and a restarted rank never sees a key of the
-    attempt before it."""
+    attempt before it (a region named there by a rank that is gone, a
+    barrier's count).  torch's own env:// handler gets the same prefix
+    (serve_agent_store), since torch adds none."""
     from torch.distributed import PrefixStore, TCPStore
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     try:
         store = TCPStore(host, port, world_size, False, td)
     except Exception as e:
         raise TimeoutError(f"could not reach the launcher's store at {host}:{port} within "
                            f"{td.total_seconds():g} s ({e})") from None
-    return PrefixStore(f"mpcore/attempt_{attempt}/", store)
+    return PrefixStore(_attempt_prefix(), store)
+
+
+def _attempt_prefix():
+    return f"mpcore/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
+def serve_agent_store():
+    """Makes torch's env:// rendezvous put the store of a rank under
+    torchelastic's agent in its attempt's key space (NOTE [ The agent's
+    store ]).  Idempotent."""
+    import importlib
+    from torch.distributed import PrefixStore
+    rdzv = importlib.import_module("torch.distributed.rendezvous")  # the module, not the function
+    torch_env = rdzv._rendezvous_handlers.get("env")
+    if torch_env is None or getattr(torch_env, "_mpcore", False):
+        return
+
+    def env_handler(url, *args, **kwargs):
+        for store, rank, world_size in torch_env(url, *args, **kwargs):
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                store = PrefixStore(_attempt_prefix(), store)
+            yield store, rank, world_size
+
+    env_handler._mpcore = True
+    rdzv._rendezvous_handlers["env"] = env_handler
 
 
 def next_prefix():

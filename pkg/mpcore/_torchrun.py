@@ -167,6 +167,24 @@ def _summary(e, name):
     return 1
 
 
+def _rendezvous_timeout(config, args, e):
+    """A clear line for a rendezvous that did not complete (torch raises
+    RendezvousTimeoutError without a message); the exit code."""
+    import socket
+    if config.rdzv_backend == "static":
+        which = (f"node rank {args.node_rank} of {config.max_nodes} came; every node rank "
+                 f"of 0..{config.max_nodes - 1} must start a launcher")
+    else:
+        which = (f"this node ({socket.gethostname()}) came; fewer than the "
+                 f"{config.min_nodes} node(s) --nnodes {args.nnodes} asks for joined")
+    timeout = config.rdzv_configs.get("join_timeout", config.rdzv_configs.get("timeout", 600))
+    detail = f" ({e})" if str(e) else ""
+    print(f"mpcore run: the rendezvous {config.run_id!r} at {config.rdzv_endpoint} "
+          f"({config.rdzv_backend}) timed out after {timeout} s: {which}{detail}",
+          file=sys.stderr)
+    return 1
+
+
 def _die_by(signum):
     sys.stdout.flush()
     sys.stderr.flush()
@@ -183,6 +201,8 @@ def main(argv):
     _settle(tdr, args)
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed import DistStoreError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
     from torch.distributed.launcher.api import elastic_launch
     import logging
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
@@ -197,6 +217,9 @@ def main(argv):
         elastic_launch(config=config, entrypoint=entry)(*entry_args)
     except ChildFailedError as e:
         return _summary(e, args.training_script)
+    except (RendezvousTimeoutError, DistStoreError) as e:
+        # DistStoreError: the static rendezvous's TCPStore, waiting for nodes
+        return _rendezvous_timeout(config, args, e)
     except SignalException as e:
         print(f"mpcore run: got {signal.Signals(e.sigval).name}; the ranks were sent it",
               file=sys.stderr)
