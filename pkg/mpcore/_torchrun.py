@@ -186,6 +186,14 @@ def _rendezvous_timeout(config, args, e):
 
 
 def _die_by(signum):
+    """Ends the launcher by the signal it got, once the exit-time
+    finalizers of multiprocessing (the semaphores of the ranks' queues)
+    have run, as they would at a normal exit."""
+    try:
+        from multiprocessing import util
+        util._run_finalizers(0)
+    except Exception:
+        pass
     sys.stdout.flush()
     sys.stderr.flush()
     signal.signal(signum, signal.SIG_DFL)
