@@ -1519,7 +1519,7 @@ add_case("run-mlp", "program: MLP training, 200 steps", "ms", False, program_tre
               "CPU time. Target >= 1x.")
 
 add_case("run-launch-4", "launcher: 4 ranks to first line", "ms", False, launch_first_lines,
-         timeout_s=PROG_TIMEOUT_S + 30,
+         timeout_s=PROG_TIMEOUT_S + 30, in_quick=False,
          note="From starting `torchrun --nproc-per-node 4 prog.py` (torch) or `mpcore run "
               "--nproc-per-node 4 prog.py` (mpcore) to every rank's first line; prog.py "
               "imports torch, then prints. Target >= 5x.")
