@@ -67,6 +67,49 @@ def _rank_report(e, tb):
     sys.exit(1)
 
 
+def _torch_return_queue():
+    """The queue torch's worker wrapper (elastic.multiprocessing.api._wrap,
+    which called this rank's program) puts the return value on, or None."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if (code.co_name == "_wrap" and "elastic" in code.co_filename
+                and "ret_val_" in frame.f_locals):
+            return frame.f_locals["ret_val_"]
+        frame = frame.f_back
+    return None
+
+
+def _end_as_python_would(queue):
+    """NOTE [ A rank whose program is done ends at once ]
+    torch's wrapper of a function entry point puts the return value on a
+    queue, then waits until every rank has returned before it lets the
+    process end.  While the agent shuts the job down it no longer lets
+    them go, so a rank whose program ended on the launcher's SIGTERM (a
+    handler that saves and exits, the graceful case) would sit there
+    until SIGKILL at the end of the grace.  torchrun's ranks are programs
+    that end when they end; so are these: the rank puts its return value
+    (None) on torch's queue itself (the queue's ring is shared memory the
+    agent holds, so the value outlives the rank), then ends as the
+    interpreter would (non-daemon threads joined, atexit handlers run,
+    output flushed) with exit code 0."""
+    import atexit
+    import threading
+    queue.put(None)
+    try:
+        threading._shutdown()
+    finally:
+        try:
+            atexit._run_exitfuncs()
+        finally:
+            for f in (sys.stdout, sys.stderr):
+                try:
+                    f.flush()
+                except Exception:
+                    pass
+            os._exit(0)
+
+
 def rank_main(module, target, *argv):
     """One rank: runs the program as `mpcore run` runs it (NOTE [ torchrun
     on the zygote ]); `module` is true for `-m target`."""
@@ -75,14 +118,21 @@ def rank_main(module, target, *argv):
     # As torchrun's `python -u`.
     sys.stdout.reconfigure(write_through=True)
     sys.stderr.reconfigure(write_through=True)
-    if module:
-        _launcher._run_module(target, [target, *argv], report=_rank_report)
-    else:
-        if not os.path.exists(target):
-            print(f"mpcore run: can't open file {target!r}: No such file or directory",
-                  file=sys.stderr)
-            sys.exit(2)
-        _launcher._run_script(target, [target, *argv], report=_rank_report)
+    queue = _torch_return_queue()
+    try:
+        if module:
+            _launcher._run_module(target, [target, *argv], report=_rank_report)
+        else:
+            if not os.path.exists(target):
+                print(f"mpcore run: can't open file {target!r}: No such file or directory",
+                      file=sys.stderr)
+                sys.exit(2)
+            _launcher._run_script(target, [target, *argv], report=_rank_report)
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise
+    if queue is not None:
+        _end_as_python_would(queue)
 
 
 # --- the launcher --------------------------------------------------------------
