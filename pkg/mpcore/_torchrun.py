@@ -32,6 +32,7 @@ __main__, sys.argv, sys.path[0], mpcore serving torch).
   a key space of its attempt (NOTE [ The agent's store ] in _dist.py).
 """
 import json
+import logging
 import os
 import signal
 import sys
@@ -257,12 +258,11 @@ def main(argv):
     _boot.activate_run(launcher=True)  # the zygote forks once torch is imported
     tdr, args = _parse(argv)
     _settle(tdr, args)
+    from torch.distributed import DistStoreError
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed import DistStoreError
     from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
     from torch.distributed.launcher.api import elastic_launch
-    import logging
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
         _plain_failure_line)
     torch_handles = {s.strip() for s in str(args.signals_to_handle).split(",")}
@@ -277,6 +277,9 @@ def main(argv):
         return _summary(e, args.training_script)
     except (RendezvousTimeoutError, DistStoreError) as e:
         # DistStoreError: the static rendezvous's TCPStore, waiting for nodes
+        if isinstance(e, DistStoreError) and (config.rdzv_backend != "static"
+                                              or "waiting for clients" not in str(e)):
+            raise
         return _rendezvous_timeout(config, args, e)
     except SignalException as e:
         print(f"mpcore run: got {signal.Signals(e.sigval).name}; the ranks were sent it",
