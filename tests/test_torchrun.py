@@ -127,7 +127,9 @@ def side_by_side(tmp_path_factory):
     args = ["--nproc-per-node", "2", "prog.py", "a", "--b=c"]
     jobs = {"torchrun": Job([TORCHRUN, *args], d, _env(sc), "torchrun"),
             "mpcore1": Job([MPCORE, "run", *args], d, _env(sc), "mpcore1"),
-            "mpcore2": Job([MPCORE, "run", *args], d, _env(sc), "mpcore2")}
+            # the same flags spelt as torchrun also takes them: underscores, PET_* defaults
+            "mpcore2": Job([MPCORE, "run", "--max_restarts=0", *args[2:]], d,
+                           _env(sc, PET_NPROC_PER_NODE="2"), "mpcore2")}
     try:
         for job in jobs.values():
             job.wait()
@@ -175,7 +177,9 @@ def test_omp_threads_and_agent_store(side_by_side):
 def test_two_jobs_at_once_on_one_node(side_by_side):
     a, b = rank_lines(side_by_side["mpcore1"]), rank_lines(side_by_side["mpcore2"])
     assert side_by_side["mpcore2"].p.returncode == 0, side_by_side["mpcore2"].err
-    assert [d["sum"] for d in b.values()] == [3.0, 3.0]
+    assert [d["sum"] for d in b.values()] == [3.0, 3.0]  # 2 ranks, from PET_NPROC_PER_NODE
+    for r in ("0", "1"):
+        _same_but_per_job(a[r]["env"], b[r]["env"], r)
     assert a["0"]["env"]["MASTER_PORT"] != b["0"]["env"]["MASTER_PORT"]
     assert a["0"]["env"]["TORCHELASTIC_RUN_ID"] != b["0"]["env"]["TORCHELASTIC_RUN_ID"]
     assert not side_by_side["left"], side_by_side["left"]
