@@ -1371,6 +1371,51 @@ def program_tree(env, target_s, program):
                        {"cpu_s": r["cpu_s"], "tree_s": r["tree_s"], "program": program})
 
 
+LAUNCH_NPROCS = 4
+LAUNCH_PROGRAM = """
+import os, time
+import torch  # noqa: F401  (a training program's first line)
+os.write(1, f"first {os.environ['RANK']} {time.time()!r}\\n".encode())
+"""
+
+
+def launch_first_lines(env, target_s):
+    """From starting `torchrun --nproc-per-node 4 prog.py` (torch) or `mpcore
+    run --nproc-per-node 4 prog.py` (mpcore) to the last rank's first line
+    (the ranks' own clock, time.time(), against the one read before the
+    start); the launcher's whole run in extra."""
+    import signal
+    import subprocess
+    path = os.path.join(os.path.dirname(_prog_path()), "launch_first.py")
+    if not os.path.exists(path):
+        with open(path, "w") as f:
+            f.write(LAUNCH_PROGRAM)
+    bindir = os.path.dirname(sys.executable)
+    head = ([os.path.join(bindir, "torchrun")] if env.impl == "torch"
+            else [os.path.join(bindir, "mpcore"), "run"])
+    cmd = head + ["--nproc-per-node", str(LAUNCH_NPROCS), path]
+    penv = {k: v for k, v in os.environ.items()
+            if k not in ("MPCORE_RUN", "MPCORE_KEEPER", "MPCORE_ZYGOTE")}
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=penv, cwd=os.path.dirname(path), start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=PROG_TIMEOUT_S)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+    wall = time.time() - t0
+    firsts = [float(line.split()[2]) for line in out.splitlines() if line.startswith("first ")]
+    if proc.returncode != 0 or len(firsts) != LAUNCH_NPROCS:
+        tail = " | ".join(err.strip().splitlines()[-3:])
+        raise RuntimeError(f"{' '.join(cmd[:2])}: exit code {proc.returncode}, "
+                           f"{len(firsts)} first lines: {tail}")
+    last = max(firsts) - t0
+    return Measurement(last * 1e3, 1, last, {"launcher_wall_s": wall})
+
+
 def _tree_notes(row):
     ex = {impl: _best_row_extra(row, impl) for impl in IMPLS}
     if not all(ex.values()):
@@ -1473,6 +1518,11 @@ add_case("run-mlp", "program: MLP training, 200 steps", "ms", False, program_tre
               "for 200 steps: `python prog.py` against `mpcore run prog.py`; wall and tree "
               "CPU time. Target >= 1x.")
 
+add_case("run-launch-4", "launcher: 4 ranks to first line", "ms", False, launch_first_lines,
+         timeout_s=PROG_TIMEOUT_S + 30, in_quick=False,
+         note="From starting `torchrun --nproc-per-node 4 prog.py` (torch) or `mpcore run "
+              "--nproc-per-node 4 prog.py` (mpcore) to every rank's first line; prog.py "
+              "imports torch, then prints. Target >= 5x.")
 
 for _world in AR_WORLDS:
     for _tag, _label, _nbytes in AR_SIZES:

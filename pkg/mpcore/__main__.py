@@ -2,6 +2,7 @@
 import sys
 
 USAGE = """usage: mpcore run [-m module | script.py] [args...]
+       mpcore run --nproc-per-node N [torchrun's flags] [-m module | script.py] [args...]
        mpcore bench [--json FILE] [--plot FILE.png] [--quick] [--only NAME,...]"""
 
 

@@ -99,9 +99,12 @@ def parse_init_method(init_method, rank, world_size):
 
 
 def make_store(host, port, rank, world_size, timeout_s):
-    """The job's TCPStore (rank 0 serves it) without waiting for workers."""
+    """The job's TCPStore (rank 0 serves it) without waiting for workers;
+    under torchelastic's agent, the agent's (NOTE [ The agent's store ])."""
     from torch.distributed import TCPStore
     td = datetime.timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return _agent_store(host, port, world_size, td)
     try:
         return TCPStore(host, port, world_size, rank == 0, td, wait_for_workers=False)
     except Exception as e:
@@ -109,6 +112,52 @@ def make_store(host, port, rank, world_size, timeout_s):
             raise
         raise TimeoutError(f"rank {rank} could not reach rank 0's store at {host}:{port} within "
                            f"{timeout_s:g} s: rank 0 did not come ({e})") from None
+
+
+def _agent_store(host, port, world_size, td):
+    """NOTE [ The agent's store ]
+    Under torchelastic's agent (torchrun, `mpcore run --nproc-per-node`),
+    TORCHELASTIC_USE_AGENT_STORE=True says that the agent already serves
+    the store at MASTER_ADDR:MASTER_PORT: every rank, rank 0 included, is
+    a client of it, as torch's own env:// handler makes it (a server of
+    our own would fail to bind that port).  The agent's store outlives a
+    restart, so each attempt (TORCHELASTIC_RESTART_COUNT) works under a
+    prefix of its own, and a restarted rank never sees a key of the
+    attempt before it (a region named there by a rank that is gone, a
+    barrier's count).  torch's own env:// handler gets the same prefix
+    (serve_agent_store), since torch adds none."""
+    from torch.distributed import PrefixStore, TCPStore
+    try:
+        store = TCPStore(host, port, world_size, False, td)
+    except Exception as e:
+        raise TimeoutError(f"could not reach the launcher's store at {host}:{port} within "
+                           f"{td.total_seconds():g} s ({e})") from None
+    return PrefixStore(_attempt_prefix(), store)
+
+
+def _attempt_prefix():
+    return f"mpcore/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
+def serve_agent_store():
+    """Makes torch's env:// rendezvous put the store of a rank under
+    torchelastic's agent in its attempt's key space (NOTE [ The agent's
+    store ]).  Idempotent."""
+    import importlib
+    from torch.distributed import PrefixStore
+    rdzv = importlib.import_module("torch.distributed.rendezvous")  # the module, not the function
+    torch_env = rdzv._rendezvous_handlers.get("env")
+    if torch_env is None or getattr(torch_env, "_mpcore", False):
+        return
+
+    def env_handler(url, *args, **kwargs):
+        for store, rank, world_size in torch_env(url, *args, **kwargs):
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                store = PrefixStore(_attempt_prefix(), store)
+            yield store, rank, world_size
+
+    env_handler._mpcore = True
+    rdzv._rendezvous_handlers["env"] = env_handler
 
 
 def next_prefix():

@@ -12,7 +12,8 @@ import sys
 import types
 from importlib.machinery import SourceFileLoader
 
-USAGE = "usage: mpcore run [-m module | script.py] [args...]"
+USAGE = ("usage: mpcore run [-m module | script.py] [args...]\n"
+         "       mpcore run --nproc-per-node N [torchrun's flags] [-m module | script.py] [args...]")
 
 
 def _report(e, tb):
@@ -28,7 +29,7 @@ def _report(e, tb):
     sys.exit(1)
 
 
-def _run_script(path, argv):
+def _run_script(path, argv, report=_report):
     with open(path, "rb") as f:
         source = f.read()
     full = os.path.abspath(path)
@@ -47,10 +48,10 @@ def _run_script(path, argv):
         raise
     except BaseException as e:
         # Drop the launcher's frame: the traceback starts in the program.
-        _report(e, e.__traceback__.tb_next)
+        report(e, e.__traceback__.tb_next)
 
 
-def _run_module(name, argv):
+def _run_module(name, argv, report=_report):
     sys.argv = argv
     sys.path[0:1] = [os.getcwd()]
     try:
@@ -59,13 +60,17 @@ def _run_module(name, argv):
         raise
     except BaseException as e:
         # python -m shows runpy's frames; only ours are dropped.
-        _report(e, e.__traceback__.tb_next)
+        report(e, e.__traceback__.tb_next)
 
 
 def run(args):
     if not args or (args[0] == "-m" and len(args) < 2):
         print(USAGE, file=sys.stderr)
         return 2
+    if args[0].startswith("-") and args[0] != "-m":
+        # torchrun's command line (NOTE [ torchrun on the zygote ])
+        from ._torchrun import main
+        return main(args)
     from . import _boot
     _boot.activate_run(launcher=True)
     if args[0] == "-m":

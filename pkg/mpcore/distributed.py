@@ -103,6 +103,7 @@ def install():
     for the CPU (NOTE [ Which backend a group gets ]), and torch's
     monitored_barrier serve it (NOTE [ monitored_barrier ]).  Idempotent."""
     _backend.register()
+    _dist.serve_agent_store()
     if _c10d.BackendConfig is not _BackendConfig:
         _c10d.BackendConfig = _BackendConfig
     _td.Backend.default_device_backend_map["cpu"] = "mpcore"

@@ -1,0 +1,288 @@
+"""`mpcore run` with torchrun's command line: `mpcore run --nproc-per-node N
+[torchrun's flags] script.py args` (or `-m module args`).
+
+NOTE [ torchrun on the zygote ]
+The launcher is torchrun's own machinery, with one thing changed: where
+torchrun execs `python -u script.py` once per rank, each rank here is a
+child of mpcore's zygote (spawn semantics at fork speed: torch is already
+imported) that runs the program as `mpcore run script.py` would (a fresh
+__main__, sys.argv, sys.path[0], mpcore serving torch).
+- The flags, their dash and underscore spellings and their PET_*
+  environment defaults are torch.distributed.run's own parser; what
+  run() does with them (--standalone, a free port on a single node unless
+  a port is given, master port 29500 otherwise) is copied from it.
+- Rendezvous, the agent's TCPStore, the workers' environment, restarts,
+  monitoring, the shutdown grace (--shutdown-timeout,
+  TORCH_ELASTIC_SHUTDOWN_TIMEOUT) and the failure summary are torch's
+  elastic agent's.  The program is given to it as a function
+  (rank_main), so the agent runs it through torch.multiprocessing's
+  start_processes, which under `mpcore run` is mpcore's: the zygote.
+  --no-python runs the binary as torchrun does (by exec).
+- Every rank dies with the launcher however it dies: the zygote SIGKILLs
+  the children of a requester whose connection closes (NOTE [ Zygote ]).
+- A rank's uncaught exception is printed with the rank on every line and
+  written to its TORCHELASTIC_ERROR_FILE in torchelastic's format (what
+  @record writes), so the summary carries the traceback without @record.
+- SIGUSR1 and SIGUSR2 (unless named in --signals-to-handle, which gives
+  torch's meaning: stop) are passed on to every rank and the job goes on;
+  the signals torch handles (SIGTERM, SIGINT, SIGHUP, SIGQUIT) are sent to
+  the ranks, which get --shutdown-timeout seconds before SIGKILL, and the
+  launcher then dies by the same signal.
+- Under the agent's store a restarted rank's init_process_group works in
+  a key space of its attempt (NOTE [ The agent's store ] in _dist.py).
+"""
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+
+_FORWARDED = ("SIGUSR1", "SIGUSR2")
+
+
+# --- the rank's side -----------------------------------------------------------
+
+def _rank_report(e, tb):
+    """A rank's uncaught exception: printed with its rank on every line,
+    written to the error file in torchelastic's format; exit 1."""
+    from . import _launcher
+    if isinstance(e, KeyboardInterrupt):
+        _launcher._report(e, tb)  # dies by SIGINT, as python does
+    e.__traceback__ = tb
+    text = "".join(traceback.format_exception(type(e), e, tb))
+    rank = os.environ.get("RANK", "?")
+    sys.stderr.write("".join(f"[rank{rank}]: {line}\n" for line in text.splitlines()))
+    sys.stderr.flush()
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path and not os.path.exists(path):  # a program's own @record wrote it already
+        data = {"message": {"message": f"{type(e).__name__}: {e}",
+                            "extraInfo": {"py_callstack": text,
+                                          "timestamp": str(int(time.time()))}}}
+        try:
+            with open(path, "w") as f:
+                json.dump(data, f)
+        except OSError:
+            pass
+    sys.exit(1)
+
+
+def _torch_return_queue():
+    """The queue torch's worker wrapper (elastic.multiprocessing.api._wrap,
+    which called this rank's program) puts the return value on, or None."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if (code.co_name == "_wrap" and "elastic" in code.co_filename
+                and "ret_val_" in frame.f_locals):
+            return frame.f_locals["ret_val_"]
+        frame = frame.f_back
+    return None
+
+
+def _end_as_python_would(queue):
+    """NOTE [ A rank whose program is done ends at once ]
+    torch's wrapper of a function entry point puts the return value on a
+    queue, then waits until every rank has returned before it lets the
+    process end.  While the agent shuts the job down it no longer lets
+    them go, so a rank whose program ended on the launcher's SIGTERM (a
+    handler that saves and exits, the graceful case) would sit there
+    until SIGKILL at the end of the grace.  torchrun's ranks are programs
+    that end when they end; so are these: the rank puts its return value
+    (None) on torch's queue itself (the queue's ring is shared memory the
+    agent holds, so the value outlives the rank), then ends as the
+    interpreter would (non-daemon threads joined, atexit handlers run,
+    output flushed) with exit code 0."""
+    import atexit
+    import threading
+    queue.put(None)
+    try:
+        threading._shutdown()
+    finally:
+        try:
+            atexit._run_exitfuncs()
+        finally:
+            for f in (sys.stdout, sys.stderr):
+                try:
+                    f.flush()
+                except Exception:
+                    pass
+            os._exit(0)
+
+
+def rank_main(module, target, *argv):
+    """One rank: runs the program as `mpcore run` runs it (NOTE [ torchrun
+    on the zygote ]); `module` is true for `-m target`."""
+    from . import _boot, _launcher
+    _boot.activate_run()
+    # As torchrun's `python -u`.
+    sys.stdout.reconfigure(write_through=True)
+    sys.stderr.reconfigure(write_through=True)
+    queue = _torch_return_queue()
+    try:
+        if module:
+            _launcher._run_module(target, [target, *argv], report=_rank_report)
+        else:
+            if not os.path.exists(target):
+                print(f"mpcore run: can't open file {target!r}: No such file or directory",
+                      file=sys.stderr)
+                sys.exit(2)
+            _launcher._run_script(target, [target, *argv], report=_rank_report)
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise
+    if queue is not None:
+        _end_as_python_would(queue)
+
+
+# --- the launcher --------------------------------------------------------------
+
+def _forward(signum, frame):
+    """Passes a signal on to every rank still running."""
+    import multiprocessing.process as mpp
+    for p in list(mpp._children):
+        popen = getattr(p, "_popen", None)
+        if popen is not None and popen.returncode is None and popen.pid:
+            try:
+                os.kill(popen.pid, signum)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _plain_failure_line(record):
+    """torch logs a failed rank of a function entry point with the
+    launcher's own traceback (the rank's is printed by the rank and is in
+    the summary); formatting it also imports torch._dynamo, seconds of
+    CPU.  The line stays, as torchrun prints it for a binary."""
+    if str(record.msg).startswith("failed (exitcode"):
+        record.exc_info = None
+        record.exc_text = None
+    return True
+
+
+def _parse(argv):
+    import torch.distributed.run as tdr
+    parser = tdr.get_args_parser()
+    parser.prog = "mpcore run"
+    return tdr, parser.parse_args(argv)
+
+
+def _settle(tdr, args):
+    """What torch.distributed.run.run() does to the arguments before
+    config_from_args."""
+    import uuid
+    if args.standalone:
+        args.rdzv_backend = "c10d"
+        args.rdzv_endpoint = "localhost:0"
+        args.rdzv_id = str(uuid.uuid4())
+    elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
+        _, max_nodes = tdr.parse_min_max_nnodes(args.nnodes)
+        if max_nodes == 1:
+            # a free port: two jobs on one host never clash
+            args.rdzv_backend = "c10d"
+            args.rdzv_endpoint = "localhost:0"
+            args.rdzv_id = str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+
+
+def _entrypoint(args, cmd, cmd_args):
+    """torchrun's (cmd, args) for `python -u [-m] target args`, as
+    rank_main and its args; others (--no-python, --run-path) unchanged."""
+    if args.no_python or args.run_path or not isinstance(cmd, str):
+        return cmd, cmd_args
+    rest = list(cmd_args)
+    if rest[:1] == ["-u"]:
+        del rest[0]
+    module = rest[:1] == ["-m"]
+    if module:
+        del rest[0]
+    return rank_main, [module, *rest]
+
+
+def _summary(e, name):
+    """torchrun's ending for a failed job (what @record does in its main),
+    without the launcher's frames; the exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import (
+        ChildFailedError, get_error_handler)
+    e = ChildFailedError(name, e.failures)
+    _, failure = e.get_first_failure()
+    if failure.error_file and os.path.isfile(failure.error_file):
+        try:
+            get_error_handler().dump_error_file(failure.error_file, failure.exitcode)
+        except Exception:
+            pass
+    sys.stderr.write("".join(traceback.format_exception_only(type(e), e)))
+    sys.stderr.flush()
+    return 1
+
+
+def _rendezvous_timeout(config, args, e):
+    """A clear line for a rendezvous that did not complete (torch raises
+    RendezvousTimeoutError without a message); the exit code."""
+    import socket
+    if config.rdzv_backend == "static":
+        which = (f"node rank {args.node_rank} of {config.max_nodes} came; every node rank "
+                 f"of 0..{config.max_nodes - 1} must start a launcher")
+    else:
+        which = (f"this node ({socket.gethostname()}) came; fewer than the "
+                 f"{config.min_nodes} node(s) --nnodes {args.nnodes} asks for joined")
+    timeout = config.rdzv_configs.get("join_timeout", config.rdzv_configs.get("timeout", 600))
+    detail = f" ({e})" if str(e) else ""
+    print(f"mpcore run: the rendezvous {config.run_id!r} at {config.rdzv_endpoint} "
+          f"({config.rdzv_backend}) timed out after {timeout} s: {which}{detail}",
+          file=sys.stderr)
+    return 1
+
+
+def _die_by(signum):
+    """Ends the launcher by the signal it got, once the exit-time
+    finalizers of multiprocessing (the semaphores of the ranks' queues)
+    have run, as they would at a normal exit."""
+    try:
+        from multiprocessing import util
+        util._run_finalizers(0)
+    except Exception:
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    return 128 + signum
+
+
+def main(argv):
+    """`mpcore run` with torchrun's flags; returns the exit code."""
+    from . import _boot
+    _boot.activate_run(launcher=True)  # the zygote forks once torch is imported
+    tdr, args = _parse(argv)
+    _settle(tdr, args)
+    from torch.distributed import DistStoreError
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+    from torch.distributed.launcher.api import elastic_launch
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
+        _plain_failure_line)
+    torch_handles = {s.strip() for s in str(args.signals_to_handle).split(",")}
+    for name in _FORWARDED:
+        if name not in torch_handles:
+            signal.signal(getattr(signal, name), _forward)
+    config, cmd, cmd_args = tdr.config_from_args(args)
+    entry, entry_args = _entrypoint(args, cmd, cmd_args)
+    try:
+        elastic_launch(config=config, entrypoint=entry)(*entry_args)
+    except ChildFailedError as e:
+        return _summary(e, args.training_script)
+    except (RendezvousTimeoutError, DistStoreError) as e:
+        # DistStoreError: the static rendezvous's TCPStore, waiting for nodes
+        if isinstance(e, DistStoreError) and (config.rdzv_backend != "static"
+                                              or "waiting for clients" not in str(e)):
+            raise
+        return _rendezvous_timeout(config, args, e)
+    except SignalException as e:
+        print(f"mpcore run: got {signal.Signals(e.sigval).name}; the ranks were sent it",
+              file=sys.stderr)
+        return _die_by(e.sigval)
+    return 0
