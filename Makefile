@@ -24,7 +24,10 @@ demo: install
 	done
 	$(VENV)/bin/mpcore bench --quick
 
+# tests/test_multinode.py plays two machines in network namespaces: it needs `ip` and `unshare`.
 test: install
+	@command -v ip >/dev/null && command -v unshare >/dev/null || \
+	  (apt-get update -qq && apt-get install -y -qq iproute2 util-linux)
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 bench: install
