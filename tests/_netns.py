@@ -6,7 +6,9 @@ pair (node 0 is 10.77.0.1/24 on its end of every pair; node k is
 and each process started on a node also gets a UTS namespace with the
 hostname "node<k>", so that mpcore's host id (hostname and boot id)
 differs between nodes and the traffic between them crosses a real network
-interface.  Nothing is routed anywhere else.
+interface, and a mount namespace whose /etc/hosts resolves every node's
+name to its address, as a cluster's would (torch's rendezvous looks its
+own host name up).  Nothing is routed anywhere else.
 
 It needs root and iproute2's `ip` (Debian: apt-get install iproute2), and
 util-linux's `unshare`.  Names carry the test process's pid, so that runs
@@ -17,6 +19,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 
 BASE_ADDR = "10.77.0"
@@ -55,6 +58,10 @@ class Nodes:
         self.ns = [f"{tag}n{k}" for k in range(2)]
         self.ifs = [f"{tag}v{k}"[:15] for k in range(2)]
         self._made = []
+        fd, self.hosts = tempfile.mkstemp(prefix=f"{tag}-hosts-")
+        with os.fdopen(fd, "w") as f:
+            f.write("127.0.0.1 localhost\n" +
+                    "".join(f"{self.addr(k)} node{k}\n" for k in range(2)))
         try:
             for ns in self.ns:
                 _ip("netns", "add", ns)
@@ -78,9 +85,11 @@ class Nodes:
 
     def command(self, k, argv):
         """argv run on node k: in its network namespace, with a UTS
-        namespace named node<k> (the command execs: its pid is argv's)."""
-        return ["ip", "netns", "exec", self.ns[k], "unshare", "--uts", "sh", "-c",
-                f'hostname node{k} && exec "$@"', "sh", *argv]
+        namespace named node<k> and a mount namespace with the nodes'
+        /etc/hosts (the command execs: its pid is argv's)."""
+        return ["ip", "netns", "exec", self.ns[k], "unshare", "--uts", "--mount", "sh", "-c",
+                f'hostname node{k} && mount --bind {self.hosts} /etc/hosts && exec "$@"',
+                "sh", *argv]
 
     def pids(self):
         """The pids of the processes in the nodes' namespaces."""
@@ -112,3 +121,7 @@ class Nodes:
             _ip("netns", "del", ns, check=False)
             self._made.remove(ns)
         _ip("link", "del", self.ifs[0], check=False)  # if it never moved into a namespace
+        try:
+            os.unlink(self.hosts)
+        except FileNotFoundError:
+            pass
