@@ -1307,17 +1307,26 @@ static int check_root_size(const mpc_coll *c, int root, uint64_t nbytes) {
     return 0;
 }
 
-int mpc_coll_gather(mpc_coll *c, void *out, const void *in, uint64_t nbytes, int root,
+/* The root posts its `world` buffers' addresses (one per rank) in its words
+ * of the call's parity, where peers copy to or from them. */
+static void post_addresses(mpc_coll *c, const void *const *bufs) {
+    uint64_t *mine = a2a_sizes(c, c->calls & 1, c->rank);
+    for (int q = 0; q < c->world; q++)
+        mine[q] = (uint64_t)(uintptr_t)bufs[q];
+}
+
+int mpc_coll_gather(mpc_coll *c, void *const *outs, const void *in, uint64_t nbytes, int root,
                     int64_t deadline) {
     int r = check_root_size(c, root, nbytes);
     int me = c->rank;
-    c->h->ranks[me].addr[c->calls & 1] = (uint64_t)(uintptr_t)out;
+    if (r == 0 && me == root)
+        post_addresses(c, (const void *const *)outs);
     if (r < 0 || (r = begin(c, MPC_COLL_GATHER, 0, MPC_DT_U8, root, nbytes, deadline)) < 0)
         return r;
     if (me == root)
-        memmove((uint8_t *)out + (uint64_t)me * nbytes, in, nbytes); /* in may lie there */
+        memmove(outs[me], in, nbytes); /* in may lie there */
     if (nbytes >= MPC_COLL_CMA_MIN && cma_all(c)) {
-        uint64_t to = c->h->ranks[root].addr[(c->calls - 1) & 1] + (uint64_t)me * nbytes;
+        uint64_t to = a2a_sizes(c, (c->calls - 1) & 1, root)[me];
         if (me != root && (r = cma_copy(c, root, (void *)in, to, nbytes, 1, "gather")) < 0)
             return r;
         return barrier(c, "gather", deadline);
@@ -1332,22 +1341,23 @@ int mpc_coll_gather(mpc_coll *c, void *out, const void *in, uint64_t nbytes, int
         if (me == root)
             for (int q = 0; q < c->world; q++)
                 if (q != me)
-                    memcpy((uint8_t *)out + (uint64_t)q * nbytes + off, stage(c, p, q), n);
+                    memcpy((uint8_t *)outs[q] + off, stage(c, p, q), n);
     }
     return 0;
 }
 
-int mpc_coll_scatter(mpc_coll *c, void *out, const void *in, uint64_t nbytes, int root,
+int mpc_coll_scatter(mpc_coll *c, void *out, const void *const *ins, uint64_t nbytes, int root,
                      int64_t deadline) {
     int r = check_root_size(c, root, nbytes);
     int me = c->rank;
-    c->h->ranks[me].addr[c->calls & 1] = (uint64_t)(uintptr_t)in;
+    if (r == 0 && me == root)
+        post_addresses(c, ins);
     if (r < 0 || (r = begin(c, MPC_COLL_SCATTER, 0, MPC_DT_U8, root, nbytes, deadline)) < 0)
         return r;
     if (me == root)
-        memmove(out, (const uint8_t *)in + (uint64_t)me * nbytes, nbytes); /* out may lie there */
+        memmove(out, ins[me], nbytes); /* out may lie there */
     if (nbytes >= MPC_COLL_CMA_MIN && cma_all(c)) {
-        uint64_t from = c->h->ranks[root].addr[(c->calls - 1) & 1] + (uint64_t)me * nbytes;
+        uint64_t from = a2a_sizes(c, (c->calls - 1) & 1, root)[me];
         if (me != root && (r = cma_copy(c, root, out, from, nbytes, 0, "scatter")) < 0)
             return r;
         return barrier(c, "scatter", deadline);
@@ -1358,7 +1368,7 @@ int mpc_coll_scatter(mpc_coll *c, void *out, const void *in, uint64_t nbytes, in
         if (me == root) /* rank q's slice goes into rank q's staging area */
             for (int q = 0; q < c->world; q++)
                 if (q != me)
-                    memcpy(stage(c, p, q), (const uint8_t *)in + (uint64_t)q * nbytes + off, n);
+                    memcpy(stage(c, p, q), (const uint8_t *)ins[q] + off, n);
         if ((r = barrier(c, "scatter", deadline)) < 0)
             return r;
         if (me != root)

@@ -788,10 +788,10 @@ int mpc_coll_reduce_scatter(mpc_coll *c, void *out, const void *in, uint64_t cou
  * move bytes and take data of any type.
  *   reduce: root's buf (count elements) becomes the reduction over the
  *     ranks; the other ranks' buf is left as it was.
- *   gather: root's out (world * nbytes) gets every rank's in, in rank
- *     order; out is not touched (and may be NULL) elsewhere.
- *   scatter: every rank's out (nbytes) gets its slice of root's in
- *     (world * nbytes); in is not read (and may be NULL) elsewhere.
+ *   gather: on the root, outs[q] (nbytes) gets rank q's in; outs is not
+ *     read (and may be NULL) elsewhere.
+ *   scatter: every rank's out (nbytes) gets the root's ins[rank]; ins is
+ *     not read (and may be NULL) elsewhere.
  *   all_to_all: send[j] bytes of in (the pieces for ranks 0..world-1 end
  *     to end) go to rank j, and out gets recv[i] bytes from each rank i, end
  *     to end; in and out must not overlap.  send and recv hold `world`
@@ -799,9 +799,9 @@ int mpc_coll_reduce_scatter(mpc_coll *c, void *out, const void *in, uint64_t cou
  *     from it, every rank returns -EINVAL naming both ranks and sizes. */
 int mpc_coll_reduce(mpc_coll *c, void *buf, uint64_t count, int dtype, int op, int root,
                     int64_t deadline_ns);
-int mpc_coll_gather(mpc_coll *c, void *out, const void *in, uint64_t nbytes, int root,
+int mpc_coll_gather(mpc_coll *c, void *const *outs, const void *in, uint64_t nbytes, int root,
                     int64_t deadline_ns);
-int mpc_coll_scatter(mpc_coll *c, void *out, const void *in, uint64_t nbytes, int root,
+int mpc_coll_scatter(mpc_coll *c, void *out, const void *const *ins, uint64_t nbytes, int root,
                      int64_t deadline_ns);
 int mpc_coll_all_to_all(mpc_coll *c, void *out, const void *in, const uint64_t *send,
                         const uint64_t *recv, int64_t deadline_ns);

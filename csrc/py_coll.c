@@ -257,43 +257,17 @@ static PyObject *Group_reduce(PyObject *op, PyObject *args) {
     RUN(op, mpc_coll_reduce(c, (void *)(uintptr_t)addr, count, dtype, rop, root, dl));
 }
 
-static PyObject *Group_gather(PyObject *op, PyObject *args) {
-    unsigned long long out, in, n;
-    int root;
-    PyObject *timeout = Py_None;
-    mpc_coll *c = group_of(op);
-    if (c == NULL || !PyArg_ParseTuple(args, "KKKi|O:gather", &out, &in, &n, &root, &timeout))
-        return NULL;
-    int64_t dl = deadline_of(timeout);
-    if (dl == -2)
-        return NULL;
-    RUN(op, mpc_coll_gather(c, (void *)(uintptr_t)out, (const void *)(uintptr_t)in, n, root, dl));
-}
-
-static PyObject *Group_scatter(PyObject *op, PyObject *args) {
-    unsigned long long out, in, n;
-    int root;
-    PyObject *timeout = Py_None;
-    mpc_coll *c = group_of(op);
-    if (c == NULL || !PyArg_ParseTuple(args, "KKKi|O:scatter", &out, &in, &n, &root, &timeout))
-        return NULL;
-    int64_t dl = deadline_of(timeout);
-    if (dl == -2)
-        return NULL;
-    RUN(op, mpc_coll_scatter(c, (void *)(uintptr_t)out, (const void *)(uintptr_t)in, n, root, dl));
-}
-
-/* Reads a sequence of `world` byte counts into sizes.  Returns 0, or -1
- * with a ValueError or TypeError naming `what`. */
+/* Reads a sequence of `world` byte counts (or addresses) into sizes.
+ * Returns 0, or -1 with a ValueError or TypeError naming `what`. */
 static int sizes_of(PyObject *seq, int world, const char *what, uint64_t *sizes) {
-    PyObject *fast = PySequence_Fast(seq, "all_to_all: sizes must be a sequence");
+    PyObject *fast = PySequence_Fast(seq, "sizes or addresses must be a sequence");
     if (fast == NULL)
         return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     if (n != world) {
         Py_DECREF(fast);
-        PyErr_Format(PyExc_ValueError, "all_to_all: %s has %zd sizes, not one per rank (%d)",
-                     what, n, world);
+        PyErr_Format(PyExc_ValueError, "%s has %zd entries, not one per rank (%d)", what, n,
+                     world);
         return -1;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -305,14 +279,64 @@ static int sizes_of(PyObject *seq, int world, const char *what, uint64_t *sizes)
         }
         if (v < 0) {
             Py_DECREF(fast);
-            PyErr_Format(PyExc_ValueError, "all_to_all: %s[%zd] is %lld, a negative size", what,
-                         i, v);
+            PyErr_Format(PyExc_ValueError, "%s[%zd] is %lld, a negative number", what, i, v);
             return -1;
         }
         sizes[i] = (uint64_t)v;
     }
     Py_DECREF(fast);
     return 0;
+}
+
+/* The root's buffers of a gather or scatter: `bufs` is one address (a
+ * buffer of world * nbytes, rank q's piece at q * nbytes) or a sequence of
+ * `world` addresses.  Returns 0, or -1 with the exception set. */
+static int buffers_of(PyObject *bufs, int world, uint64_t nbytes, const char *what,
+                      void **out) {
+    if (PyLong_Check(bufs)) {
+        unsigned long long base = PyLong_AsUnsignedLongLong(bufs);
+        if (base == (unsigned long long)-1 && PyErr_Occurred())
+            return -1;
+        for (int q = 0; q < world; q++)
+            out[q] = base ? (void *)(uintptr_t)(base + (uint64_t)q * nbytes) : NULL;
+        return 0;
+    }
+    uint64_t a[MPC_COLL_MAX_RANKS];
+    if (sizes_of(bufs, world, what, a) < 0)
+        return -1;
+    for (int q = 0; q < world; q++)
+        out[q] = (void *)(uintptr_t)a[q];
+    return 0;
+}
+
+static PyObject *Group_gather(PyObject *op, PyObject *args) {
+    unsigned long long in, n;
+    int root;
+    PyObject *outs, *timeout = Py_None;
+    void *bufs[MPC_COLL_MAX_RANKS];
+    mpc_coll *c = group_of(op);
+    if (c == NULL || !PyArg_ParseTuple(args, "OKKi|O:gather", &outs, &in, &n, &root, &timeout) ||
+        buffers_of(outs, mpc_coll_world(c), n, "gather's outputs", bufs) < 0)
+        return NULL;
+    int64_t dl = deadline_of(timeout);
+    if (dl == -2)
+        return NULL;
+    RUN(op, mpc_coll_gather(c, bufs, (const void *)(uintptr_t)in, n, root, dl));
+}
+
+static PyObject *Group_scatter(PyObject *op, PyObject *args) {
+    unsigned long long out, n;
+    int root;
+    PyObject *ins, *timeout = Py_None;
+    void *bufs[MPC_COLL_MAX_RANKS];
+    mpc_coll *c = group_of(op);
+    if (c == NULL || !PyArg_ParseTuple(args, "KOKi|O:scatter", &out, &ins, &n, &root, &timeout) ||
+        buffers_of(ins, mpc_coll_world(c), n, "scatter's inputs", bufs) < 0)
+        return NULL;
+    int64_t dl = deadline_of(timeout);
+    if (dl == -2)
+        return NULL;
+    RUN(op, mpc_coll_scatter(c, (void *)(uintptr_t)out, (const void *const *)bufs, n, root, dl));
 }
 
 static PyObject *Group_all_to_all(PyObject *op, PyObject *args) {
@@ -324,7 +348,8 @@ static PyObject *Group_all_to_all(PyObject *op, PyObject *args) {
         return NULL;
     int world = mpc_coll_world(c);
     uint64_t s[MPC_COLL_MAX_RANKS], r[MPC_COLL_MAX_RANKS];
-    if (sizes_of(send, world, "send_sizes", s) < 0 || sizes_of(recv, world, "recv_sizes", r) < 0)
+    if (sizes_of(send, world, "all_to_all's send_sizes", s) < 0 ||
+        sizes_of(recv, world, "all_to_all's recv_sizes", r) < 0)
         return NULL;
     int64_t dl = deadline_of(timeout);
     if (dl == -2)
@@ -425,11 +450,11 @@ static PyMethodDef Group_methods[] = {
      "reduce(address, count, dtype, op, root, timeout=None): root's data becomes the\n"
      "reduction; the others' stays"},
     {"gather", Group_gather, METH_VARARGS,
-     "gather(out_address, in_address, nbytes, root, timeout=None): out (world * nbytes)\n"
-     "is written on root only"},
+     "gather(outs, in_address, nbytes, root, timeout=None): on root, outs (one address of\n"
+     "world * nbytes, or world addresses of nbytes) gets every rank's in; ignored elsewhere"},
     {"scatter", Group_scatter, METH_VARARGS,
-     "scatter(out_address, in_address, nbytes, root, timeout=None): in (world * nbytes)\n"
-     "is read on root only"},
+     "scatter(out_address, ins, nbytes, root, timeout=None): out gets the root's ins[rank]\n"
+     "(one address of world * nbytes, or world addresses of nbytes); ins read on root only"},
     {"all_to_all", Group_all_to_all, METH_VARARGS,
      "all_to_all(out_address, in_address, send_sizes, recv_sizes, timeout=None): byte\n"
      "counts per rank; in and out hold the pieces for/from ranks 0..world-1 end to end"},

@@ -515,6 +515,26 @@ def job_work(stage):
         return {"wait": r, "exc": str(w.exception()), "done": w.is_completed()}
 
 
+def job_large_gather_scatter(n):
+    """gather and scatter of n float32 per rank between separate tensors
+    (large: copied straight between the ranks' tensors), one output on the
+    root not contiguous; every root."""
+    out = {}
+    for root in range(WORLD):
+        mine = torch.arange(n, dtype=torch.float32) + 1e6 * RANK
+        outs = ([torch.zeros(n) for _ in range(WORLD - 1)] + [torch.zeros(n, 2)[:, 0]]
+                if RANK == root else None)
+        dist.gather(mine, outs, dst=root)
+        out[f"gather {root}"] = (all(torch.equal(o, torch.arange(n, dtype=torch.float32) + 1e6 * q)
+                                     for q, o in enumerate(outs)) if RANK == root else None)
+        parts = ([torch.arange(n, dtype=torch.float32) - 7.0 * q for q in range(WORLD)]
+                 if RANK == root else None)
+        got = torch.zeros(n)
+        dist.scatter(got, parts, src=root)
+        out[f"scatter {root}"] = torch.equal(got, torch.arange(n, dtype=torch.float32) - 7.0 * RANK)
+    return out
+
+
 def job_dead_rank(victim):
     """Every rank of the world; a subgroup of the others and the victim.
     The victim is killed by the test while the others wait in collectives."""
@@ -792,6 +812,12 @@ MOVERS = ["broadcast", "all_gather", "all_gather_into_tensor", "gather", "scatte
 def test_movers(pool, kind, what):
     _assert_all(pool.run("movers", kind=kind, what=what), min_gloo=("float32",) if what not in (
         "send_recv", "batch_isend_irecv", "all_to_all") else ())   # gloo: no list all_to_all
+
+
+def test_large_gather_and_scatter_between_separate_tensors(pool):
+    for r, res in enumerate(pool.run("large_gather_scatter", n=300_001)):
+        for k, v in res.items():
+            assert v is (True if k.endswith(f" {r}") or k.startswith("scatter") else None), (r, k, v)
 
 
 @pytest.mark.parametrize("what", ["broadcast", "all_gather_into_tensor", "scatter"])

@@ -522,7 +522,7 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         for d in dense:
             t = d.t
             dt, code = DTYPES.get(t.dtype), OPS.get(red)
-            if (hasattr(core, "reduce") and dt is not None and code is not None
+            if (dt is not None and code is not None
                     and (red != _RED.AVG or t.dtype in _FLOATS)
                     and (red not in _BITWISE or not t.is_floating_point())):
                 calls.append(functools.partial(core.reduce, t.data_ptr(), t.numel(), dt, code,
@@ -752,20 +752,14 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         _check_cpu("gather", [inp] + list(outs))
         src = _Dense(inp).t
         core = self._core()
-        mine = self._rank == root
-        flat = torch.empty((self._world,) + tuple(inp.shape), dtype=inp.dtype) \
-            if (mine or not hasattr(core, "gather")) else None
+        dsts = [_Dense(t, read=False) for t in outs]   # the root's, straight into each
+        addrs = [d.t.data_ptr() for d in dsts] if dsts else 0
 
         def run(timeout):
-            if hasattr(core, "gather"):
-                core.gather(flat.data_ptr() if mine else 0, src.data_ptr(), _nbytes(src), root,
-                            timeout)
-            else:
-                core.all_gather(flat.data_ptr(), src.data_ptr(), _nbytes(src), timeout)
-            if mine:
-                for i, t in enumerate(outs):
-                    t.copy_(flat[i])
-        return self._run(opts.asyncOp, output_lists, run, keep=(src, flat))
+            core.gather(addrs, src.data_ptr(), _nbytes(src), root, timeout)
+            for d in dsts:
+                d.back()
+        return self._run(opts.asyncOp, output_lists, run, keep=(src, dsts))
 
     def scatter(self, outputs, input_lists, opts=None):
         opts = opts if opts is not None else dist.ScatterOptions()
@@ -790,21 +784,13 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         dst = _Dense(out, read=False)
         core = self._core()
         n = _nbytes(dst.t)
-        if hasattr(core, "scatter"):
-            flat = torch.stack([t.contiguous() for t in ins]) if mine else None
+        srcs = [t.contiguous() for t in ins]    # the root's, straight from each
+        addrs = [t.data_ptr() for t in srcs] if srcs else 0
 
-            def run(timeout):
-                core.scatter(dst.t.data_ptr(), flat.data_ptr() if mine else 0, n, root, timeout)
-                dst.back()
-        else:
-            flat = torch.stack([t.contiguous() for t in ins]) if mine else \
-                torch.empty((self._world,) + tuple(out.shape), dtype=out.dtype)
-
-            def run(timeout):
-                core.broadcast(flat.data_ptr(), n * self._world, root, timeout)
-                dst.t.copy_(flat[self._rank])
-                dst.back()
-        return self._run(opts.asyncOp, outputs, run, keep=(flat, dst))
+        def run(timeout):
+            core.scatter(dst.t.data_ptr(), addrs, n, root, timeout)
+            dst.back()
+        return self._run(opts.asyncOp, outputs, run, keep=(srcs, dst))
 
     # -- all-to-all ------------------------------------------------------------------------
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
@@ -842,37 +828,11 @@ class ProcessGroupMpcore(dist.ProcessGroup):
 
     def _all_to_all(self, dst, src, send, recv, async_op, result, keep=()):
         core = self._core()
-        if hasattr(core, "all_to_all"):
-            def run(timeout):
-                core.all_to_all(dst.t.data_ptr(), src.data_ptr(), send, recv, timeout)
-                dst.back()
-        else:
-            run = functools.partial(self._gathered_all_to_all, dst, src, send, recv)
-        return self._run(async_op, result, run, keep=keep + (dst, src))
 
-    def _gathered_all_to_all(self, dst, src, send, recv, timeout):
-        """all-to-all over all-gathers, for a core without all_to_all."""
-        core, w, r = self._core(), self._world, self._rank
-        sizes = torch.tensor(send, dtype=torch.int64)
-        table = torch.empty((w, w), dtype=torch.int64)
-        core.all_gather(table.data_ptr(), sizes.data_ptr(), 8 * w, timeout)
-        for i in range(w):
-            if table[i, r].item() != recv[i]:
-                raise ValueError(f"mpcore: all_to_all: rank {i} sends {table[i, r].item()} bytes "
-                                 f"to rank {r}, which expects {recv[i]}")
-        most = int(table.sum(1).max().item())
-        padded = torch.zeros(max(most, 1), dtype=torch.uint8)
-        mine = src.view(torch.uint8).reshape(-1) if src.numel() else padded[:0]
-        padded[:mine.numel()] = mine
-        every = torch.empty((w, padded.numel()), dtype=torch.uint8)
-        core.all_gather(every.data_ptr(), padded.data_ptr(), padded.numel(), timeout)
-        out = dst.t.view(torch.uint8).reshape(-1) if dst.t.numel() else None
-        at = 0
-        for i in range(w):
-            off = int(table[i, :r].sum().item())
-            out[at:at + recv[i]] = every[i, off:off + recv[i]] if recv[i] else out[at:at]
-            at += recv[i]
-        dst.back()
+        def run(timeout):
+            core.all_to_all(dst.t.data_ptr(), src.data_ptr(), send, recv, timeout)
+            dst.back()
+        return self._run(async_op, result, run, keep=keep + (dst, src))
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else dist.AllToAllOptions()
