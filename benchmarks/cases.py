@@ -1334,8 +1334,6 @@ def run_tree(impl, program, timeout_s=PROG_TIMEOUT_S):
     """Runs RUN_PROGRAMS[program] as `python prog.py` (torch) or `mpcore run
     prog.py` (mpcore) under _TREE_WRAPPER, in a new session; returns the
     wrapper's dict (wall_s, tree_s, cpu_s)."""
-    import signal
-    import subprocess
     path = os.path.join(os.path.dirname(_prog_path()), f"run_{program.replace('-', '_')}.py")
     if not os.path.exists(path):
         with open(path, "w") as f:
@@ -1348,8 +1346,22 @@ def run_tree(impl, program, timeout_s=PROG_TIMEOUT_S):
     for k in ("MPCORE_RUN", "MPCORE_KEEPER", "MPCORE_ZYGOTE"):
         env.pop(k, None)
     cmd = [sys.executable, wrapper] + _prog_command(impl, path)
+    proc, out, err = _run_session(cmd, env, os.path.dirname(path), timeout_s)
+    r = json.loads(out.strip().splitlines()[-1]) if proc.returncode == 0 and out.strip() else None
+    if r is None or r["rc"] != 0:
+        tail = " | ".join(err.strip().splitlines()[-3:])
+        raise RuntimeError(f"{program} ({impl}): exit code "
+                           f"{r['rc'] if r else proc.returncode}: {tail}")
+    return r
+
+
+def _run_session(cmd, env, cwd, timeout_s):
+    """Runs cmd in a session of its own to the end (or timeout_s), then
+    kills whatever of the session is left; (proc, stdout, stderr)."""
+    import signal
+    import subprocess
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, cwd=os.path.dirname(path), start_new_session=True)
+                            env=env, cwd=cwd, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout_s)
     finally:
@@ -1357,12 +1369,7 @@ def run_tree(impl, program, timeout_s=PROG_TIMEOUT_S):
             os.killpg(proc.pid, signal.SIGKILL)
         except OSError:
             pass
-    r = json.loads(out.strip().splitlines()[-1]) if proc.returncode == 0 and out.strip() else None
-    if r is None or r["rc"] != 0:
-        tail = " | ".join(err.strip().splitlines()[-3:])
-        raise RuntimeError(f"{program} ({impl}): exit code "
-                           f"{r['rc'] if r else proc.returncode}: {tail}")
-    return r
+    return proc, out, err
 
 
 def program_tree(env, target_s, program):
@@ -1384,8 +1391,6 @@ def launch_first_lines(env, target_s):
     run --nproc-per-node 4 prog.py` (mpcore) to the last rank's first line
     (the ranks' own clock, time.time(), against the one read before the
     start); the launcher's whole run in extra."""
-    import signal
-    import subprocess
     path = os.path.join(os.path.dirname(_prog_path()), "launch_first.py")
     if not os.path.exists(path):
         with open(path, "w") as f:
@@ -1397,15 +1402,7 @@ def launch_first_lines(env, target_s):
     penv = {k: v for k, v in os.environ.items()
             if k not in ("MPCORE_RUN", "MPCORE_KEEPER", "MPCORE_ZYGOTE")}
     t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=penv, cwd=os.path.dirname(path), start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=PROG_TIMEOUT_S)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
+    proc, out, err = _run_session(cmd, penv, os.path.dirname(path), PROG_TIMEOUT_S)
     wall = time.time() - t0
     firsts = [float(line.split()[2]) for line in out.splitlines() if line.startswith("first ")]
     if proc.returncode != 0 or len(firsts) != LAUNCH_NPROCS:

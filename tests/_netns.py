@@ -125,3 +125,43 @@ class Nodes:
             os.unlink(self.hosts)
         except FileNotFoundError:
             pass
+
+
+# --- what the node tests share ---------------------------------------------------
+
+def tail(path, n=4000):
+    """The end of a log file."""
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-n:]
+    except OSError:
+        return "(no log)"
+
+
+def wait_files(out, names, procs, deadline, logs):
+    """Waits until every file in names exists under out; fails naming the
+    processes (by index) that exited or the files still missing at the
+    deadline, with the end of each log."""
+    while True:
+        missing = [n for n in names if not os.path.exists(os.path.join(out, n))]
+        if not missing:
+            return
+        dead = [i for i, p in enumerate(procs) if p.poll() is not None]
+        if dead or time.monotonic() > deadline:
+            raise AssertionError(f"the job did not write {missing}; exited: {dead}\n" +
+                                 "\n".join(f"--- {i}:\n{tail(log)}" for i, log in enumerate(logs)))
+        time.sleep(0.05)  # the ranks write files; there is no event to wait on across namespaces
+
+
+def kill_sessions(procs, session_members):
+    """SIGKILLs what is left of procs (each the leader of a session) and of
+    their sessions."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        for pid, _ in session_members(p.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass

@@ -34,28 +34,6 @@ class Job:
     pass
 
 
-def _wait_files(out, names, procs, deadline, logs):
-    """Waits until every file in names exists under out; fails naming the
-    ranks that exited or the files still missing at the deadline."""
-    while True:
-        missing = [n for n in names if not os.path.exists(os.path.join(out, n))]
-        if not missing:
-            return
-        dead = [r for r, p in enumerate(procs) if p.poll() is not None]
-        if dead or time.monotonic() > deadline:
-            raise AssertionError(f"the job did not write {missing}; exited: {dead}\n" +
-                                 "\n".join(f"--- rank {r}:\n{_tail(logs[r])}" for r in range(WORLD)))
-        time.sleep(0.05)  # the ranks write files; there is no event to wait on across namespaces
-
-
-def _tail(path, n=4000):
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()[-n:]
-    except OSError:
-        return "(no log)"
-
-
 def _comm(pid):
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -92,7 +70,7 @@ def _run_job(out, killed, checks=True):
                                               env=env, stdout=log, stderr=subprocess.STDOUT,
                                               start_new_session=True))
         deadline = time.monotonic() + JOB_TIMEOUT
-        _wait_files(out, [f"rank{r}.json" for r in range(WORLD)] +
+        _netns.wait_files(out, [f"rank{r}.json" for r in range(WORLD)] +
                     [f"loop{r}" for r in range(WORLD)], procs, deadline, logs)
         j.results = {r: _read(out, f"rank{r}.json") for r in range(WORLD)}
         # every rank is in its all-reduce loop: kill one
@@ -102,7 +80,7 @@ def _run_job(out, killed, checks=True):
         j.codes = [p.wait(timeout=max(1, deadline - time.monotonic())) for p in procs]
         j.fails = {r: _read(out, f"fail{r}.json") for r in range(WORLD)
                    if os.path.exists(os.path.join(out, f"fail{r}.json"))}
-        j.logs = {r: _tail(logs[r]) for r in range(WORLD)}
+        j.logs = {r: _netns.tail(logs[r]) for r in range(WORLD)}
         for p in procs:  # everything the ranks started is gone too
             wait_session_gone(p.pid, timeout=30)
         j.in_namespaces = [(pid, _comm(pid)) for pid in nodes.pids()]
@@ -110,15 +88,7 @@ def _run_job(out, killed, checks=True):
         j.nodes_left = nodes.leftovers()
         return j
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-            for pid, _ in session_members(p.pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
+        _netns.kill_sessions(procs, session_members)
         nodes.close()
 
 

@@ -60,27 +60,6 @@ PROGRAM = textwrap.dedent(r'''
 ''')
 
 
-def _tail(path, n=4000):
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()[-n:]
-    except OSError:
-        return "(no log)"
-
-
-def _wait_files(out, names, procs, deadline, logs):
-    while True:
-        missing = [n for n in names if not os.path.exists(os.path.join(out, n))]
-        if not missing:
-            return
-        dead = [k for k, p in enumerate(procs) if p.poll() is not None]
-        if dead or time.monotonic() > deadline:
-            raise AssertionError(f"the job did not write {missing}; launchers exited: {dead}\n" +
-                                 "\n".join(f"--- node {k}:\n{_tail(logs[k])}"
-                                           for k in range(NODES)))
-        time.sleep(0.05)  # the ranks write files; there is no event to wait on across namespaces
-
-
 class Job:
     pass
 
@@ -109,7 +88,7 @@ def job(tmp_path_factory):
                 procs.append(subprocess.Popen(nodes.command(k, argv), env=env, stdout=log,
                                               stderr=subprocess.STDOUT, start_new_session=True))
         deadline = time.monotonic() + JOB_TIMEOUT
-        _wait_files(out, [f"rank{r}.json" for r in range(WORLD)] +
+        _netns.wait_files(out, [f"rank{r}.json" for r in range(WORLD)] +
                     [f"loop{r}" for r in range(WORLD)], procs, deadline, logs)
         j.ranks = {}
         for r in range(WORLD):
@@ -126,21 +105,13 @@ def job(tmp_path_factory):
                     j.fails[r] = json.load(f)
         for p in procs:
             wait_session_gone(p.pid, timeout=30)
-        j.logs = [_tail(path) for path in logs]
+        j.logs = [_netns.tail(path) for path in logs]
         j.in_namespaces = nodes.pids()
         nodes.close()
         j.nodes_left = nodes.leftovers()
         return j
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-            for pid, _ in session_members(p.pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
+        _netns.kill_sessions(procs, session_members)
         nodes.close()
 
 
