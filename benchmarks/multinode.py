@@ -4,13 +4,18 @@ against flat gloo, over the same veth link between two network namespaces
 (tests/_netns.py: each node has its own network and hostname).
 
     sudo .venv/bin/python benchmarks/multinode.py [--sizes 4096,16777216] [--seconds 2]
+                                                  [--ddp-steps 5]
 
 Needs root and iproute2.  Each backend is one job of 4 ranks that times
 every size: a check of the result, warm-up calls, then runs of "barrier, n
 all-reduces" (n chosen so that a run takes about --seconds / 4), each
 rank's time all-reduced with MAX on the group under test; the figure is
-the best of 4 runs, per call.  Prints one row per size, and JSON with
---json PATH.
+the best of 4 runs, per call.  Then (unless --ddp-steps 0) torch's own
+DistributedDataParallel of the 10M-parameter MLP of mpcore bench's DDP
+rows, batch 32 a rank: the best of 3 runs of --ddp-steps steps, per step
+(on the mpcore side torch's DDP reaches the hierarchical group through the
+backend).  Prints one row per size and the DDP row, and JSON with --json
+PATH.
 """
 import argparse
 import json
@@ -28,6 +33,7 @@ RANK = r'''
 import json, os, sys, time, torch
 import torch.distributed as dist
 backend, sizes, seconds, out = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+steps = int(sys.argv[5])
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 torch.set_num_threads(1)
 if backend == "mpcore":
@@ -59,6 +65,33 @@ for nbytes in sizes:
             break
         n *= 2
     res[nbytes] = min(run(n) for _ in range(4)) / n
+if steps:
+    # torch's own DDP of the 10M-parameter MLP of mpcore bench's ddp rows, batch 32 a rank
+    layers = (1024, 2048, 2048, 1024, 1024, 512)
+    torch.manual_seed(0)
+    mods = []
+    for a, b in zip(layers, layers[1:]):
+        mods += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(*mods[:-1]))
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(32, layers[0], generator=g), torch.randn(32, layers[-1], generator=g)
+
+    def step():
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+
+    def steps_time(n):
+        dist.barrier()
+        t = time.perf_counter()
+        for _ in range(n):
+            step()
+        e = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+        dist.all_reduce(e, op=dist.ReduceOp.MAX)
+        return e.item()
+    steps_time(2)
+    res["ddp_step"] = min(steps_time(steps) for _ in range(3)) / steps
 if rank == 0:
     with open(out, "w") as f:
         json.dump(res, f)
@@ -66,7 +99,7 @@ dist.destroy_process_group()
 '''
 
 
-def run_job(nodes, backend, sizes, seconds, tmp):
+def run_job(nodes, backend, sizes, seconds, steps, tmp):
     out = os.path.join(tmp, f"{backend}.json")
     procs = []
     for r in range(4):
@@ -76,18 +109,20 @@ def run_job(nodes, backend, sizes, seconds, tmp):
                    GLOO_SOCKET_IFNAME=nodes.ifname(k))
         procs.append(subprocess.Popen(
             nodes.command(k, [sys.executable, "-c", RANK, backend, json.dumps(sizes),
-                              str(seconds), out]), env=env))
+                              str(seconds), out, str(steps)]), env=env))
     codes = [p.wait(timeout=600) for p in procs]
     if codes != [0] * 4:
         raise SystemExit(f"{backend}: ranks exited with {codes}")
     with open(out) as f:
-        return {int(k): v for k, v in json.load(f).items()}
+        return {(int(k) if k.isdigit() else k): v for k, v in json.load(f).items()}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="4096,16777216")
     ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--ddp-steps", type=int, default=5,
+                    help="steps per timed run of torch's DDP (10M-parameter MLP); 0: none")
     ap.add_argument("--json")
     a = ap.parse_args()
     why = _netns.missing()
@@ -97,8 +132,8 @@ def main():
     nodes = _netns.Nodes(f"mpb{os.getpid()}")
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            gloo = run_job(nodes, "gloo", sizes, a.seconds, tmp)
-            mp = run_job(nodes, "mpcore", sizes, a.seconds, tmp)
+            gloo = run_job(nodes, "gloo", sizes, a.seconds, a.ddp_steps, tmp)
+            mp = run_job(nodes, "mpcore", sizes, a.seconds, a.ddp_steps, tmp)
     finally:
         nodes.close()
     rows = []
@@ -106,6 +141,11 @@ def main():
     for s in sizes:
         rows.append({"bytes": s, "gloo_s": gloo[s], "mpcore_s": mp[s], "speedup": gloo[s] / mp[s]})
         print(f"{s:>32} {gloo[s] * 1e6:>10.1f}us {mp[s] * 1e6:>10.1f}us {gloo[s] / mp[s]:>8.2f}x")
+    if a.ddp_steps:
+        g, m = gloo["ddp_step"], mp["ddp_step"]
+        rows.append({"ddp_step": True, "gloo_s": g, "mpcore_s": m, "speedup": g / m})
+        print(f"{'torch DDP step, 10M-param MLP':>32} {g * 1e3:>10.1f}ms {m * 1e3:>10.1f}ms "
+              f"{g / m:>8.2f}x")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
