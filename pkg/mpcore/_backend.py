@@ -509,6 +509,19 @@ class ProcessGroupMpcore(dist.ProcessGroup):
     # -- reduce -----------------------------------------------------------------------
     def reduce(self, tensors, opts=None):
         opts = opts if opts is not None else dist.ReduceOptions()
+        shm = self.shm
+        if len(tensors) == 1 and shm is not None:   # as allreduce's
+            t, root = tensors[0], opts.rootRank
+            row = _CORE_ROWS.get(t.dtype)
+            codes = row[opts.reduceOp.op.value] if row is not None else None
+            if codes is not None and t.is_cpu and t.is_contiguous() and 0 <= root < self._world:
+                if opts.asyncOp:
+                    return shm.run(True, tensors, shm.core.reduce, t.data_ptr(), t.numel(),
+                                   codes[0], codes[1], root, keep=(t,))
+                if shm._queued:
+                    shm.drain()
+                shm.core.reduce(t.data_ptr(), t.numel(), codes[0], codes[1], root, shm.timeout)
+                return _Done(tensors)
         if self._gloo is not None:
             return self._gloo.reduce(tensors, opts)
         self._no_cuda("reduce", tensors)
@@ -552,6 +565,12 @@ class ProcessGroupMpcore(dist.ProcessGroup):
     # -- broadcast -----------------------------------------------------------------------
     def broadcast(self, tensors, opts=None):
         opts = opts if opts is not None else dist.BroadcastOptions()
+        shm = self.shm
+        if len(tensors) == 1 and shm is not None:   # one contiguous CPU tensor: the core's call
+            t, root = tensors[0], opts.rootRank
+            if t.is_cpu and t.is_contiguous() and 0 <= root < self._world:
+                return self._run(opts.asyncOp, tensors, shm.core.broadcast, t.data_ptr(),
+                                 _nbytes(t), root, keep=(t,))
         if self._gloo is not None:
             return self._gloo.broadcast(tensors, opts)
         root = opts.rootRank
@@ -564,10 +583,6 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         _check_cpu("broadcast", tensors)
         dense = [_Dense(t) for t in tensors]
         core = self._core()
-        if len(dense) == 1 and dense[0].orig is None:
-            t = dense[0].t
-            return self._run(opts.asyncOp, tensors, core.broadcast, t.data_ptr(), _nbytes(t),
-                             root, keep=(t,))
 
         def run(timeout):
             for d in dense:
@@ -608,6 +623,12 @@ class ProcessGroupMpcore(dist.ProcessGroup):
 
     def _allgather_base(self, output, input, opts=None):
         opts = opts if opts is not None else _AllgatherOptions()
+        shm = self.shm
+        if (shm is not None and output.dtype == input.dtype and output.is_cpu and input.is_cpu
+                and output.numel() == input.numel() * self._world
+                and output.is_contiguous() and input.is_contiguous()):   # the core's call
+            return self._run(opts.asyncOp, [output], shm.core.all_gather, output.data_ptr(),
+                             input.data_ptr(), _nbytes(input), keep=(input, output))
         if self._gloo is not None:
             return self._gloo._allgather_base(output, input, opts)
         if output.dtype != input.dtype or output.numel() != input.numel() * self._world:
@@ -621,9 +642,6 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         _check_cpu("all_gather_into_tensor", [output, input])
         src, dst = _Dense(input), _Dense(output, read=False)
         core = self._core()
-        if dst.orig is None:
-            return self._run(opts.asyncOp, [output], core.all_gather, dst.t.data_ptr(),
-                             src.t.data_ptr(), _nbytes(src.t), keep=(src, dst))
         return self._run(opts.asyncOp, [output], core.all_gather, dst.t.data_ptr(),
                          src.t.data_ptr(), _nbytes(src.t), keep=(src, dst), after=dst.back)
 
