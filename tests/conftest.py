@@ -123,7 +123,7 @@ def mpcore_processes(all_groups=False):
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if comm != "mpcore-keeper" or fields[0] == "Z":
+        if comm != "mpcore-keeper" or fields[0] in _EXITED:
             continue
         if all_groups or int(fields[3]) == mygroup:
             out.append(int(pid))
@@ -225,6 +225,15 @@ def _state(pid):
         return None
 
 
+# A process being reaped passes from Z through X (dead) before it leaves /proc.
+_EXITED = ("Z", "X")
+
+
+def exited(pid):
+    """True once `pid` has exited: a zombie, being reaped, or gone."""
+    return _state(pid) in (None, *_EXITED)
+
+
 def _comm(pid):
     try:
         with open(f"/proc/{pid}/comm") as f:
@@ -261,7 +270,7 @@ class Scenario:
         out = []
         for p in os.listdir("/proc"):
             if p.isdigit() and int(p) != self.me and self.tagged(int(p)):
-                if _state(int(p)) not in (None, "Z"):
+                if not exited(int(p)):
                     out.append(int(p))
         return out
 
@@ -365,7 +374,7 @@ def wait_session_gone(sid, timeout=30):
     deadline = time.monotonic() + timeout
     # A process may start another while we wait (a zygote's throwaway fork):
     # list again until none is running.
-    running = [pid for pid, s in session_members(sid) if s != "Z"]
+    running = [pid for pid, s in session_members(sid) if s not in _EXITED]
     while running and time.monotonic() < deadline:
         for pid in running:
             try:
@@ -376,12 +385,12 @@ def wait_session_gone(sid, timeout=30):
                 select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
             finally:
                 os.close(fd)
-        running = [pid for pid, s in session_members(sid) if s != "Z"]
+        running = [pid for pid, s in session_members(sid) if s not in _EXITED]
     left = session_members(sid)
-    while left and all(s == "Z" for _, s in left) and time.monotonic() < deadline:
+    while left and all(s in _EXITED for _, s in left) and time.monotonic() < deadline:
         time.sleep(0.02)
         left = session_members(sid)
-    alive = [(pid, s) for pid, s in left if s != "Z"]
+    alive = [(pid, s) for pid, s in left if s not in _EXITED]
     for pid, _ in alive:
         try:
             os.kill(pid, signal.SIGKILL)

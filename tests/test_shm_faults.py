@@ -17,7 +17,7 @@ import signal
 
 import pytest
 
-from conftest import TESTS_ON_PATH, memory_amounts, program_result as result, run_in_memcg
+from conftest import TESTS_ON_PATH, exited, memory_amounts, program_result as result, run_in_memcg
 
 # --------------------------------------------------------------------------
 # 1. Ten thousand tensors held under RLIMIT_NOFILE = 128
@@ -428,12 +428,5 @@ def test_keeper_exits_with_program(leak_check, scenario, how):
         child = result(r, "CHILD ")
         assert child["ok"], "the child lost its tensor when the main process was killed"
     scenario.check_clean()
-    assert _state_or_gone(keeper), f"keeper {keeper} is still running"
+    assert exited(keeper), f"keeper {keeper} is still running"
 
-
-def _state_or_gone(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True

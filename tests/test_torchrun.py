@@ -20,7 +20,7 @@ import time
 import pytest
 
 from _ranks import left_behind
-from conftest import Scenario
+from conftest import Scenario, exited
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -314,16 +314,9 @@ def test_signals_forwarded_and_grace(tmp_path, scenario):
     assert killed == [str(pids[1])], job.err
     assert "leaked" not in job.err
     for pid in pids.values():
-        assert _zombie_or_gone(pid)
+        assert exited(pid)
     assert not left_behind(sc)
 
-
-def _zombie_or_gone(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 def test_ranks_die_with_a_sigkilled_launcher(tmp_path, scenario):
@@ -335,7 +328,7 @@ def test_ranks_die_with_a_sigkilled_launcher(tmp_path, scenario):
     job.p.wait()
     left = sc.wait_tree(timeout=10)
     assert not left, sc.describe(left)
-    assert all(_zombie_or_gone(p) for p in pids)
+    assert all(exited(p) for p in pids)
     assert not left_behind(sc)
 
 

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from conftest import run_program
+from conftest import exited, run_program
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -89,12 +89,7 @@ def test_zygote_lives_as_long_as_its_program(leak_check):
     import time
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{zpid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
-            break
-        if state == "Z":
+        if exited(zpid):
             break
         time.sleep(0.05)
     else:
@@ -127,17 +122,10 @@ def test_requester_killed_children_die(leak_check):
     deadline = time.monotonic() + 1.0
     alive = pids
     while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if _running(p)]
+        alive = [p for p in alive if not exited(p)]
         time.sleep(0.01)
     assert not alive, f"children still running 1 s after their parent was killed: {alive}"
 
-
-def _running(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_child_output_on_a_terminal_is_line_buffered(tmp_path, leak_check):
@@ -210,11 +198,7 @@ def _wait_gone(pid):
     import time
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return
-        except FileNotFoundError:
+        if exited(pid):
             return
         time.sleep(0.05)
     os.kill(pid, 9)
