@@ -587,6 +587,11 @@ void mpc_pool_free(mpc_pool *p);
  * dropped.  Never fails. */
 void mpc_pool_reset(mpc_pool *p);
 
+/* Makes `worker` the first one the round robin looks at for the next task
+ * (a resumed epoch goes on after the worker of its last batch).  Returns 0,
+ * or -EINVAL (with a message) when there is no such worker. */
+int mpc_pool_start_at(mpc_pool *p, int worker);
+
 /* Chooses the worker for the next task (round robin over the active ones;
  * with in_order == 0, one with fewer than its share in flight) and records
  * the task.  Returns 0 and sets *worker and *task; -EAGAIN when no worker

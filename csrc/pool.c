@@ -160,6 +160,13 @@ void mpc_pool_reset(mpc_pool *p) {
     }
 }
 
+int mpc_pool_start_at(mpc_pool *p, int worker) {
+    if (worker < 0 || worker >= p->nworkers)
+        return mpc_fail(EINVAL, "no worker %d in a pool of %d", worker, p->nworkers);
+    p->cursor = worker;
+    return 0;
+}
+
 /* Doubles the task ring, keeping each live task at its new place. */
 static int grow(mpc_pool *p) {
     uint64_t cap = p->cap * 2;

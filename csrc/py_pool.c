@@ -238,6 +238,17 @@ static PyObject *Pool_deactivate(PyObject *op, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Pool_start_at(PyObject *op, PyObject *arg) {
+    int w = (int)PyLong_AsLong(arg);
+    if (w == -1 && PyErr_Occurred())
+        return NULL;
+    mpc_clear_error();
+    int rc = mpc_pool_start_at(((PoolObject *)op)->pool, w);
+    if (rc < 0)
+        return mpc_py_raise(mpc_type_state(Py_TYPE(op)), rc);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Pool_active(PyObject *op, PyObject *arg) {
     int w = (int)PyLong_AsLong(arg);
     if (w == -1 && PyErr_Occurred())
@@ -294,6 +305,8 @@ static PyMethodDef Pool_methods[] = {
     {"delivered", Pool_delivered, METH_O, "delivered(worker): a result was handed out"},
     {"deactivate", Pool_deactivate, METH_O, "deactivate(worker): no more tasks for it"},
     {"active", Pool_active, METH_O, "active(worker) -> bool"},
+    {"start_at", Pool_start_at, METH_O,
+     "start_at(worker): the round robin looks at that worker first for the next task"},
     {"reset", Pool_reset, METH_NOARGS, "reset(): a new epoch; kept results are dropped"},
     {"watch", Pool_watch, METH_VARARGS,
      "watch(worker, pid): a POOL_DIED message comes when that process ends (from the\n"

@@ -1,13 +1,13 @@
-"""DataLoader's construction rules and single-process iteration without
-torch (with torch, torch's DataLoader is the base): the arguments, checks
-and messages of torch's DataLoader, and the state every iterator starts
-from (torch's _BaseDataLoaderIter), over _standalone.py's samplers."""
+"""DataLoader's construction rules without torch (with torch, torch's
+DataLoader is the base): the arguments, checks and messages of torch's
+DataLoader, and the state every iterator starts from (torch's
+_BaseDataLoaderIter), over _standalone.py's samplers.  The iterators are
+_single.py's and _loader.py's."""
 import math
 import os
 import warnings
 from typing import Generic, TypeVar
 
-from ._fetch import Fetcher
 from ._standalone import (
     ITERABLE, MAP, BatchSampler, IterableDataset, RandomSampler, SequentialSampler,
     _InfiniteConstantSampler, base_seed, default_collate, default_convert,
@@ -17,8 +17,8 @@ _T_co = TypeVar("_T_co", covariant=True)
 
 
 class DataLoaderBase(Generic[_T_co]):
-    """DataLoader's arguments, checks and single-process iteration, as
-    torch's DataLoader has them."""
+    """DataLoader's arguments and checks, as torch's DataLoader has them;
+    the subclass supplies _get_iterator."""
 
     __initialized = False
 
@@ -123,9 +123,6 @@ class DataLoaderBase(Generic[_T_co]):
             return self._iterator
         return self._get_iterator()
 
-    def _get_iterator(self):
-        return _single_process(self)
-
     def __len__(self):
         if self._dataset_kind == ITERABLE:
             length = self._IterableDataset_len_called = len(self.dataset)
@@ -150,17 +147,6 @@ class DataLoaderBase(Generic[_T_co]):
                 "excessive worker creation might get DataLoader running slow or even freeze, "
                 "lower the worker number to avoid potential slowness/freeze if necessary.",
                 stacklevel=2)
-
-
-def _single_process(loader):
-    fetcher = Fetcher(loader._dataset_kind, loader.dataset, loader._auto_collation,
-                       loader.drop_last)
-    for index in loader._index_sampler:
-        try:
-            data = fetcher.fetch(index)
-        except StopIteration:
-            return
-        yield loader.collate_fn(data)
 
 
 class DataLoaderIterBase:
@@ -204,3 +190,11 @@ class DataLoaderIterBase:
         self._sampler_iter = iter(self._index_sampler)
         self._num_yielded = 0
         self._IterableDataset_len_called = loader._IterableDataset_len_called
+
+    def _next_index(self):
+        return next(self._sampler_iter)  # may raise StopIteration
+
+    def __next__(self):
+        data = self._next_data()
+        self._num_yielded += 1
+        return data

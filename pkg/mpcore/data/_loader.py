@@ -45,13 +45,16 @@ import multiprocessing as _mp
 import pickle
 import queue
 import signal
+import sys
 import time
 import warnings
+import weakref
 from multiprocessing import context as _mpctx
 from typing import TypeVar
 
 from .. import _context, _core, _queue, _shm
-from . import _collate, _compat, _worker
+from . import _collate, _compat, _state, _worker
+from ._single import SingleIter
 
 torch = _compat.torch
 _INDEX_CAPACITY = 64 << 10  # bytes of each worker's task ring
@@ -107,12 +110,91 @@ class DataLoader(_Base[_T_co]):
         self.__multiprocessing_context = multiprocessing_context
 
     def _get_iterator(self):
+        state = self.__dict__.pop("_mpcore_next_state", None)
+        self.__dict__.pop("_mpcore_retired", None)
         if self.num_workers == 0:
-            return super()._get_iterator()
-        self.check_worker_number_rationality()
-        it = _PoolIter(self)
-        self.__dict__["_mpcore_stats"] = it._stats
+            it = SingleIter(self, state)
+        else:
+            self.check_worker_number_rationality()
+            it = _PoolIter(self, state)
+            self.__dict__["_mpcore_stats"] = it._stats
+        self.__dict__["_mpcore_iter"] = weakref.ref(it)
         return it
+
+    def __iter__(self):
+        # NOTE [ Resumable loading ] (_state.py): the iterator that
+        # state_dict() made before iteration began, or one that resumes
+        # from a loaded state; a state taken at the end of an epoch resumes
+        # at the start of the next.
+        d = self.__dict__
+        it = d.pop("_mpcore_pending", None)
+        if it is None:
+            if "_mpcore_next_state" in d and self._iterator is not None:
+                self._iterator._shutdown_workers()
+                self._iterator = None
+            it = super().__iter__()
+        if it._finished:
+            if self.persistent_workers and self.num_workers > 0:
+                it._reset(self)
+            else:
+                it = self._get_iterator()
+        if self.persistent_workers and self.num_workers > 0:
+            self._iterator = it
+        it._handed_out = True
+        return it
+
+    def state_dict(self):
+        """Where loading stands, as torchdata's StatefulDataLoader saves it:
+        resume with load_state_dict() on a loader made with the same
+        arguments (in this program or another).  Cheap: nothing is asked of
+        the workers and nothing is pickled unless the dataset has a state
+        of its own (NOTE [ Resumable loading ] in _state.py)."""
+        it = _state.current(self)
+        if it is None:
+            retired = self.__dict__.get("_mpcore_retired")
+            if retired is not None:
+                return retired
+            it = self._iterator if self.persistent_workers and self.num_workers > 0 else None
+            if it is None:
+                it = self._get_iterator()
+                self.__dict__["_mpcore_pending"] = it
+                if self.persistent_workers and self.num_workers > 0:
+                    self._iterator = it
+        return it.state_dict()
+
+    def load_state_dict(self, state_dict):
+        """Resumes, at the next iter(), from a state_dict() of a loader made
+        with the same arguments (or torchdata's StatefulDataLoader's).  An
+        empty dict does nothing.  Raises ValueError for a state that is not
+        one, or that was taken with another num_workers; RuntimeError while
+        the program still holds an unfinished iterator of this loader (NOTE
+        [ A live iterator ])."""
+        if state_dict == {}:
+            return
+        _state.check(state_dict, self.num_workers)
+        it = _state.current(self)
+        if it is not None and getattr(it, "_handed_out", False) and not it._finished:
+            # NOTE [ A live iterator ]: an iterator the program still holds
+            # would go on from where it was, and the loaded state would be
+            # silently ignored by it; the loader's own references (its
+            # persistent iterator) and this frame's do not count.
+            held = sys.getrefcount(it) - 2 - (self._iterator is it)
+            if held > 0:
+                raise RuntimeError(
+                    f"DataLoader.load_state_dict() called while an iterator of this loader is "
+                    f"live ({it._num_yielded} batches into its epoch): it would ignore the "
+                    "loaded state. Load the state before iter(loader), or let go of the "
+                    "iterator first (finish it, or del it)")
+        del it
+        d = self.__dict__
+        d.pop("_mpcore_retired", None)
+        pending = d.pop("_mpcore_pending", None)
+        for old in (pending, self._iterator):
+            if isinstance(old, _PoolIter):
+                old._shutdown_workers()
+        self._iterator = None
+        d["_mpcore_iter"] = None
+        d["_mpcore_next_state"] = state_dict
 
     def stats(self):
         """How the last multi-process iteration went: time the loop waited
@@ -163,18 +245,33 @@ def _start_method(ctx):
     return ctx.get_start_method()
 
 
-class _PoolIter(_IterBase):
+class _PoolIter(_state.Position, _IterBase):
     """Multi-process iteration over a DataLoader (NOTE [ One loader,
     torch's rules ]); the books are a _core.Pool.  The base (torch's
     _BaseDataLoaderIter, or _base.DataLoaderIterBase without torch) draws
-    the seeds in torch's order and seeds DataPipe graphs (NOTE [ DataPipes ])."""
+    the seeds in torch's order and seeds DataPipe graphs (NOTE [ DataPipes ]).
+    `state`: a state_dict() to resume from (NOTE [ Resumable loading ])."""
 
-    def __init__(self, loader):
+    def __init__(self, loader, state=None):
         self._shutdown = True
         super().__init__(loader)
+        self._loader_ref = _state.loader_ref(loader)
         self._prefetch_factor = loader.prefetch_factor
         n = self._num_workers
         self._stats = _Stats(n, self._prefetch_factor)
+        kind = self._dataset_kind
+        self._worker_states = [_state.initial_worker_state(i, kind) for i in range(n)]
+        saved = [None] * n
+        if state is not None:
+            snap = state[_state.SNAPSHOT]
+            main = snap[_state.MAIN]
+            self._base_seed = main[_state.BASE_SEED]
+            if main.get(_state.SHARED_SEED) is not None:
+                self._shared_seed = main[_state.SHARED_SEED]
+            for i in range(n):
+                saved[i] = snap[_state.WORKERS][_state.worker_key(i)]
+                if saved[i] is not None:
+                    self._worker_states[i] = saved[i]
 
         worker_init_fn = loader.worker_init_fn
         if isinstance(self._dataset, (_compat.IterDataPipe, _compat.MapDataPipe)):
@@ -198,7 +295,7 @@ class _PoolIter(_IterBase):
                     args=(self._dataset_kind, self._dataset, self._index_queues[i],
                           self._results, self._auto_collation, self._collate_fn,
                           self._drop_last, self._base_seed, worker_init_fn, i, n,
-                          parent, self._shared_seed),
+                          parent, self._shared_seed, saved[i]),
                     daemon=True)
                 w.start()
                 self._workers.append(w)
@@ -208,7 +305,7 @@ class _PoolIter(_IterBase):
                 except ProcessLookupError:  # already gone, and reaped by the zygote
                     w.join(_EXIT_CODE_WAIT)
                     raise RuntimeError(_death(w)) from None
-            self._reset(loader, first_iter=True)
+            self._reset(loader, first_iter=True, state=state)
         except BaseException:
             self._shutdown_workers()
             raise
@@ -222,26 +319,79 @@ class _PoolIter(_IterBase):
     def __getstate__(self):
         raise NotImplementedError("{} cannot be pickled", self.__class__.__name__)
 
-    def _reset(self, loader, first_iter=False):
+    def _reset(self, loader, first_iter=False, state=None):
         super()._reset(loader, first_iter)  # the sampler, and the epoch's shared seed
+        self._start_epoch()
+        self._last_worker = self._num_workers - 1
         self._pool.reset()
         if not first_iter:
+            kind = self._dataset_kind
+            self._worker_states = [_state.initial_worker_state(i, kind)
+                                   for i in range(self._num_workers)]
             resume = pickle.dumps(_worker.Resume(self._shared_seed), 4)
             for ring in self._index_rings:
                 ring.put([], resume)
             waiting = self._num_workers
             while waiting > 0:
-                _, kind, _, refs, _ = self._wait(self._pool.get_raw)
+                worker, kind, _, refs, payload = self._wait(self._pool.get_raw)
                 if kind == _worker.RESUME:
                     waiting -= 1
+                    if payload:
+                        self._worker_states[worker] = _queue.decode(refs, payload)
                 elif refs:
                     _core.drop_journaled(refs)  # a batch of the abandoned epoch
+        forward = 0
+        if state is not None:
+            forward = self._restore(state)
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
+        if forward:
+            _state.warn_fast_forward(forward)
+            _state.fast_forward(self, forward)
+        if state is not None:
+            for _ in range(state[_state.STEPS_SINCE]):
+                next(self)  # torchdata's snapshots may lag the state by some steps
+            self._finished = bool(state.get(_state.FINISHED, False))
+
+    def _restore(self, state):
+        """Puts the sampler, the counts and the round robin where `state`
+        has them; returns how many batches to make again and drop (an
+        IterableDataset without state), else 0."""
+        snap = state[_state.SNAPSHOT]
+        main = snap[_state.MAIN]
+        self._IterableDataset_len_called = main.get(_state.LEN_CALLED)
+        if main.get(_state.SHARED_SEED) is not None:
+            self._shared_seed = main[_state.SHARED_SEED]
+        _state.restore_sampler(self, main)
+        step = snap[_state.STEP]
+        if (self._dataset_kind == _compat.ITERABLE
+                and not any(_state.saved_state(w) for w in self._worker_states)):
+            return step
+        self._num_yielded = step
+        self._last_worker = snap[_state.LAST_WORKER]
+        self._pool.start_at((self._last_worker + 1) % self._num_workers)
+        return 0
+
+    def state_dict(self):
+        n = self._num_yielded
+        main = self._main_state(n)
+        main[_state.NUM_WORKERS] = self._num_workers
+        main[_state.BASE_SEED] = self._base_seed
+        return {
+            _state.SNAPSHOT: {
+                _state.STEP: n,
+                _state.LAST_WORKER: self._last_worker,
+                _state.MAIN: main,
+                _state.WORKERS: {_state.worker_key(i): s
+                                 for i, s in enumerate(self._worker_states)},
+            },
+            _state.STEPS_SINCE: 0,
+            _state.FINISHED: self._finished,
+        }
 
     def _try_put_index(self):
         try:
-            index = next(self._sampler_iter)
+            index = self._next_index()
         except StopIteration:
             return
         got = self._pool.dispatch()
@@ -254,7 +404,11 @@ class _PoolIter(_IterBase):
         stats = self._stats
         if stats.start is None:
             stats.start = time.perf_counter()
-        data = self._next_data()
+        try:
+            data = self._next_data()
+        except StopIteration:
+            self._finished = True
+            raise
         stats.last = time.perf_counter()
         self._num_yielded += 1
         if (self._dataset_kind == _compat.ITERABLE
@@ -283,6 +437,8 @@ class _PoolIter(_IterBase):
                 raise StopIteration
             worker, kind, _, refs, payload = got
             if kind == _worker.END:
+                if payload:
+                    self._worker_states[worker] = _queue.decode(refs, payload)
                 if not self._persistent_workers:
                     self._index_rings[worker].put([], _STOP)
                 self._try_put_index()
@@ -293,10 +449,10 @@ class _PoolIter(_IterBase):
 
     def _process(self, worker, kind, refs, payload):
         if kind == _worker.COLLATED:
-            skeleton, busy, n = pickle.loads(payload)
+            skeleton, busy, n, state = pickle.loads(payload)
             data = _collate.rebuild(skeleton, _shm.receive(refs, _shm.attach, refs[0]))
         else:
-            data, busy, n = _queue.decode(refs, payload)
+            data, busy, n, state = _queue.decode(refs, payload)
         stats = self._stats
         stats.delivered += 1
         stats.batches[worker] += 1
@@ -304,6 +460,9 @@ class _PoolIter(_IterBase):
         stats.busy_ns[worker] += busy
         if kind == _worker.ERROR:
             data.reraise()
+        self._last_worker = worker
+        if state is not None:
+            self._worker_states[worker] = state
         if self._pin_memory:
             from torch.utils.data._utils.pin_memory import pin_memory
             data = pin_memory(data, self._pin_memory_device)
@@ -364,6 +523,7 @@ class _PoolIter(_IterBase):
         _core.forget_idle()
 
     def __del__(self):
+        _state.retire(self)
         try:
             self._shutdown_workers()
         except Exception:

@@ -9,13 +9,18 @@ ring, each behind a header (task, worker, kind) whose one definition is
 mpc_pool_msg in C (mpcore.h); its size, offsets and kinds come from
 _core, and HEADER below is checked against them at import:
   COLLATED  refs = [the batch's block]; payload: pickle of
-            (skeleton, busy_ns, samples)  (NOTE [ Collating into a block ])
-  PICKLED   payload: an encoded (batch, busy_ns, samples), for batches
-            that default collation did not produce (collate_fn, strings
-            only, batch_size=None, or samples collate.c does not take)
-  ERROR     payload: an encoded (ExceptionWrapper, busy_ns, 0)
-  END       the worker's iterable ran out (IterableDataset)
-  RESUME    acknowledges a Resume
+            (skeleton, busy_ns, samples, state)  (NOTE [ Collating into a
+            block ])
+  PICKLED   payload: an encoded (batch, busy_ns, samples, state), for
+            batches that default collation did not produce (collate_fn,
+            strings only, batch_size=None, or samples collate.c does not
+            take)
+  ERROR     payload: an encoded (ExceptionWrapper, busy_ns, 0, None)
+  END       the worker's iterable ran out (IterableDataset); payload: an
+            encoded state, or nothing
+  RESUME    acknowledges a Resume; payload: an encoded state, or nothing
+`state` is the worker's dataset state after the task, for a dataset that
+has one, else None (NOTE [ Resumable loading ] in _state.py).
   DIED      (sent by the main process's watcher, never by a worker: the
             worker's process ended; NOTE [ Watching workers ] in pool.c)
 The seeds, worker info and the order of events are torch's worker loop's,
@@ -28,7 +33,7 @@ import struct
 import time
 
 from .. import _core, _queue
-from . import _collate, _compat
+from . import _collate, _compat, _state
 from ._fetch import Fetcher
 
 COLLATED, PICKLED, ERROR, END, RESUME, DIED = (
@@ -90,8 +95,8 @@ def _seed(base_seed, worker_id):
 
 
 def main(kind, dataset, index_queue, result_queue, auto_collation, collate_fn, drop_last,
-         base_seed, init_fn, worker_id, num_workers, parent, shared_seed=None):
-    """A worker's whole life."""
+         base_seed, init_fn, worker_id, num_workers, parent, shared_seed=None, state=None):
+    """A worker's whole life; `state`: its saved state, to resume from."""
     _compat.die_with_parent(parent)
     seed = _seed(base_seed, worker_id)
     # As torch's worker loop: a DataPipe graph's random operations take the
@@ -130,10 +135,18 @@ def main(kind, dataset, index_queue, result_queue, auto_collation, collate_fn, d
     try:
         if init_fn is not None:
             init_fn(worker_id)
+        _state.restore_dataset(state, dataset)
         fetcher = Fetcher(kind, dataset, auto_collation, drop_last)
+        _state.restore_fetcher(state, kind, fetcher)
     except Exception:
         init_error = _compat.wrap_exception(worker_id)
+    del state
     ended = False
+
+    def snapshot():
+        if _state.has_state(kind, fetcher, dataset):
+            return _state.worker_state(worker_id, kind, fetcher, dataset)
+        return None
     try:
         while True:
             try:
@@ -146,7 +159,8 @@ def main(kind, dataset, index_queue, result_queue, auto_collation, collate_fn, d
             if r is STOP:
                 return
             if type(r) is Resume:
-                send(0, RESUME)
+                send(0, RESUME, _state.worker_state(worker_id, kind, None, dataset)
+                     if _state.stateful(dataset) else None)
                 ended = False
                 if shared_rng is not None:
                     if r.seed is None:
@@ -159,7 +173,7 @@ def main(kind, dataset, index_queue, result_queue, auto_collation, collate_fn, d
                 continue
             task, index = r
             if init_error is not None:
-                send(task, ERROR, (init_error, 0, 0))
+                send(task, ERROR, (init_error, 0, 0, None))
                 init_error = None
                 continue
             start = time.perf_counter_ns()
@@ -177,24 +191,25 @@ def main(kind, dataset, index_queue, result_queue, auto_collation, collate_fn, d
             except StopIteration:
                 if kind == _compat.ITERABLE:
                     ended = True
-                    send(task, END)
+                    send(task, END, snapshot())
                     continue
-                send(task, ERROR, (_compat.wrap_exception(worker_id), 0, 0))
+                send(task, ERROR, (_compat.wrap_exception(worker_id), 0, 0, None))
                 continue
             except Exception:
-                send(task, ERROR, (_compat.wrap_exception(worker_id), 0, 0))
+                send(task, ERROR, (_compat.wrap_exception(worker_id), 0, 0, None))
                 continue
             busy = time.perf_counter_ns() - start
             n = len(samples) if auto_collation else 1
+            state = snapshot()
             if block is not None:
                 ref = block.ticket(True)
                 del block
-                send(task, COLLATED, (skeleton, busy, n), [ref])
+                send(task, COLLATED, (skeleton, busy, n, state), [ref])
             else:
                 try:
-                    send(task, PICKLED, (batch, busy, n))
+                    send(task, PICKLED, (batch, busy, n, state))
                 except Exception:
-                    send(task, ERROR, (_compat.wrap_exception(worker_id), busy, 0))
+                    send(task, ERROR, (_compat.wrap_exception(worker_id), busy, 0, None))
             del samples
     except KeyboardInterrupt:
         pass
