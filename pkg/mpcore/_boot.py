@@ -83,6 +83,8 @@ def serve_torch(patch_multiprocessing):
     if patch_multiprocessing and "mp" not in _served:
         _served.add("mp")
         when_imported("torch.multiprocessing", _patch_torch_multiprocessing)
+        # Not from torch.utils.data's hook: torchdata may be what imports torch.
+        when_imported("torchdata.stateful_dataloader", _patch_torchdata)
 
 
 def _patch_torch_multiprocessing(tmp):
@@ -106,6 +108,15 @@ def _patch_torch_data(tud):
     from .data import DataLoader
     tud.DataLoader = DataLoader
     sys.modules["torch.utils.data.dataloader"].DataLoader = DataLoader
+
+
+def _patch_torchdata(tsd):
+    """Makes torchdata's StatefulDataLoader mpcore's (whose state dicts it
+    reads and writes)."""
+    from .data import StatefulDataLoader
+    tsd.StatefulDataLoader = StatefulDataLoader
+    sys.modules["torchdata.stateful_dataloader.stateful_dataloader"].StatefulDataLoader = \
+        StatefulDataLoader
 
 
 def _patch_torch_distributed(td):

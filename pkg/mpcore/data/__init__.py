@@ -5,17 +5,20 @@
 
 Dataset, IterableDataset, the samplers, default_collate and
 get_worker_info are torch's when torch is installed (and equivalents
-otherwise, with numpy batches).
+otherwise, with numpy batches).  DataLoader.state_dict() and
+load_state_dict() resume loading mid-epoch, in torchdata
+StatefulDataLoader's format; StatefulDataLoader is DataLoader under
+torchdata's name and signature.
 """
 from ._compat import (
     BatchSampler, Dataset, IterableDataset, RandomSampler, Sampler, SequentialSampler,
     SubsetRandomSampler, WeightedRandomSampler, default_collate, default_convert,
     get_worker_info,
 )
-from ._loader import DataLoader
+from ._loader import DataLoader, StatefulDataLoader
 
 __all__ = [
-    "DataLoader", "Dataset", "IterableDataset", "Sampler", "SequentialSampler",
+    "DataLoader", "StatefulDataLoader", "Dataset", "IterableDataset", "Sampler", "SequentialSampler",
     "RandomSampler", "SubsetRandomSampler", "WeightedRandomSampler", "BatchSampler",
     "default_collate", "default_convert", "get_worker_info",
 ]

@@ -205,6 +205,17 @@ class DataLoader(_Base[_T_co]):
         return s.report() if s is not None else _Stats(self.num_workers, 0).report()
 
 
+class StatefulDataLoader(DataLoader):
+    """torchdata's StatefulDataLoader, served by mpcore's DataLoader, which
+    resumes by itself.  snapshot_every_n_steps is accepted and needs doing
+    nothing: mpcore's state is exact at every step without snapshots (NOTE
+    [ Resumable loading ] in _state.py)."""
+
+    def __init__(self, *args, snapshot_every_n_steps=1, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.snapshot_every_n_steps = snapshot_every_n_steps
+
+
 class _Stats:
     def __init__(self, nworkers, prefetch):
         self.prefetch = prefetch

@@ -48,8 +48,8 @@ class SingleIter(_state.Position, _IterBase):
         w = _state.worker_state(0, self._dataset_kind, self._fetcher, self._dataset)
         out = self._main_state(self._sampler_iter_yielded)
         out[_state.NUM_YIELDED] = self._num_yielded
-        out[_state.FETCHER_STATE] = w[_state.W_FETCHER]
-        out[_state.DATASET_STATE] = w[_state.W_DATASET]
+        out[_state.W_FETCHER] = w[_state.W_FETCHER]  # the same keys as a worker's
+        out[_state.W_DATASET] = w[_state.W_DATASET]
         out[_state.FINISHED] = self._finished
         return out
 
@@ -62,8 +62,7 @@ class SingleIter(_state.Position, _IterBase):
             self._dataset = _compat.apply_random_seed(self._dataset, rng)
         self._IterableDataset_len_called = state.get(_state.LEN_CALLED)
         _state.restore_sampler(self, state)
-        saved = {_state.W_FETCHER: state.get(_state.FETCHER_STATE),
-                 _state.W_DATASET: state.get(_state.DATASET_STATE)}
+        saved = state
         _state.restore_dataset(saved, self._dataset)
         self._fetcher = self._make_fetcher()
         _state.restore_fetcher(saved, self._dataset_kind, self._fetcher)

@@ -55,7 +55,6 @@ NUM_WORKERS, BASE_SEED = "_num_workers", "_base_seed"
 INDEX_SAMPLER_STATE, SAMPLER_ITER_STATE = "_index_sampler_state", "_sampler_iter_state"
 SAMPLER_ITER_YIELDED, LEN_CALLED = "_sampler_iter_yielded", "_IterableDataset_len_called"
 SHARED_SEED, NUM_YIELDED = "_shared_seed", "_num_yielded"
-FETCHER_STATE, DATASET_STATE = "_fetcher_state", "_dataset_state"
 W_ID, W_FETCHER, W_DATASET = "worker_id", "fetcher_state", "dataset_state"
 W_ITER, W_ENDED = "dataset_iter_state", "fetcher_ended"
 # torchdata's BatchSampler and RandomSampler iterators.
