@@ -39,7 +39,7 @@ mpcore was built for, NCCL, GPUs, and the torch entry points `mpcore run` serves
 Each problem found gets one line that says what to do about it.
 
   --json       print one JSON object with the same facts (and "problems")
-  --workers N  size the checks for N processes (default: the CPU count)
+  --workers N  size the checks for N processes (default: the CPUs it may use)
 
 exit status: 0 when no problem was found, 1 when there are problems,
 2 on bad arguments."""
@@ -148,13 +148,16 @@ DEV_SHM_MIN_FOR_NCCL = 256 * MIB
 # --- open files ---------------------------------------------------------------
 
 # NOTE [ How many fds a job needs ]
-# mpcore passes a segment's fd once per process pair, not one per tensor,
-# so a process needs a base of fds (the interpreter, torch's libraries,
-# the keeper and zygote sockets) plus, per peer, its pipes, sentinel and
-# the segments it maps.  The figures are generous estimates: a soft limit
-# below them is where "Too many open files" starts to be seen.
+# mpcore passes a segment's fd once per process pair, not one per tensor
+# as torch's file_descriptor strategy does, so a process needs few: under
+# `mpcore run`, a DataLoader's main process with 8 workers held 34 fds at
+# its peak (each worker 31), and a process that started 8 spawn children
+# 27.  The estimate is a base for the interpreter, its libraries and the
+# program's own files, plus a few per worker for its pipes, sentinel,
+# sockets and segments, with room to spare; a soft limit below it is where
+# "Too many open files" starts to be seen.
 NOFILE_BASE = 256
-NOFILE_PER_WORKER = 64
+NOFILE_PER_WORKER = 16
 
 
 def nofile(workers):
@@ -301,9 +304,10 @@ def zygote_problems(z):
     if z["started"] and z["child_forked"]:
         return []
     why = z["detail"] or "it did not start"
-    return [f"the zygote cannot fork children ({why}): processes start by exec, importing "
-            f"torch each time; find what starts a thread at import (threads at preload: "
-            f"{z['threads_at_preload']}), e.g. try MPCORE_ZYGOTE_PRELOAD=numpy"]
+    return [f"the zygote cannot fork children ({why}): spawn children start by exec, each "
+            f"importing torch again; find which of the modules it preloads "
+            f"({', '.join(z['preload'])}; MPCORE_ZYGOTE_PRELOAD sets them) leaves a thread "
+            f"running, and stop it or leave that module out"]
 
 
 def start_methods():
@@ -534,21 +538,33 @@ def gpu_problems(g, n, shm, torch_version):
 # --- the report -----------------------------------------------------------------
 
 def collect(workers):
-    report = {}
+    """Every section, then the problems found in them.  A check that fails
+    outright is a problem of its own: its section holds only the error,
+    it is named in "unchecked", and the other sections are still
+    reported."""
+    report, unchecked = {}, []
     # NOTE [ What doctor looks at, and in which order ]
-    report["zygote"] = zygote()
-    report["start_methods"] = start_methods()
-    report["memory"] = memory()
-    report["dev_shm"] = dev_shm()
-    report["nofile"] = nofile(workers)
-    report["versions"] = versions()
-    report["entry_points"] = entry_points()
-    report["nccl"] = nccl()
-    report["gpus"] = gpus()
-    problems = (memory_problems(report["memory"]) + nofile_problems(report["nofile"])
-                + zygote_problems(report["zygote"]) + version_problems(report["versions"])
-                + gpu_problems(report["gpus"], report["nccl"], report["dev_shm"],
-                               report["versions"]["torch"]))
+    for name, check in (("zygote", zygote), ("start_methods", start_methods),
+                        ("memory", memory), ("dev_shm", dev_shm),
+                        ("nofile", lambda: nofile(workers)), ("versions", versions),
+                        ("entry_points", entry_points), ("nccl", nccl), ("gpus", gpus)):
+        try:
+            report[name] = check()
+        except Exception as e:
+            report[name] = {"error": f"{type(e).__name__}: {e}"}
+            unchecked.append(name)
+    ok = lambda *names: not any(n in unchecked for n in names)  # noqa: E731
+    problems = []
+    for name, find in (("memory", memory_problems), ("nofile", nofile_problems),
+                       ("zygote", zygote_problems), ("versions", version_problems)):
+        if ok(name):
+            problems += find(report[name])
+    if ok("gpus", "nccl", "dev_shm", "versions"):
+        problems += gpu_problems(report["gpus"], report["nccl"], report["dev_shm"],
+                                 report["versions"]["torch"])
+    problems += [f"doctor could not check {name} ({report[name]['error']}): please report "
+                 f"this with the output of `mpcore doctor --json`" for name in unchecked]
+    report["unchecked"] = unchecked
     report["problems"] = problems
     return report
 
@@ -572,86 +588,109 @@ def _grouped(names):
     return list(groups.items())
 
 
-def render(r):
-    lines = []
-    add = lines.append
-    m = r["memory"]
-    add("memory cgroup")
+def _text_memory(m):
     if m["limit_bytes"] is None:
-        add(f"  no limit (cgroup v{m['cgroup_version']}: {m['cgroup']})" if m["cgroup_version"]
-            else "  no limit (no memory cgroup)")
+        yield (f"no limit (cgroup v{m['cgroup_version']}: {m['cgroup']})" if m["cgroup_version"]
+               else "no limit (no memory cgroup)")
     else:
-        add(f"  v{m['cgroup_version']} {m['cgroup']}: limit {_mib(m['limit_bytes'])}, "
-            f"used {_mib(m['usage_bytes'])}, headroom {_mib(m['headroom_bytes'])}")
+        yield (f"v{m['cgroup_version']} {m['cgroup']}: limit {_mib(m['limit_bytes'])}, "
+               f"used {_mib(m['usage_bytes'])}, headroom {_mib(m['headroom_bytes'])}")
     if m["mpcore_available_bytes"] is not None:
-        add(f"  mpcore may still allocate {_mib(m['mpcore_available_bytes'])} "
-            f"(bound: {m['mpcore_bound']})")
-    s = r["dev_shm"]
-    add("/dev/shm")
+        yield (f"mpcore may still allocate {_mib(m['mpcore_available_bytes'])} "
+               f"(bound: {m['mpcore_bound']})")
+
+
+def _text_dev_shm(s):
     if s["present"]:
-        add(f"  size {_mib(s['size_bytes'])}, free {_mib(s['free_bytes'])}")
+        yield f"size {_mib(s['size_bytes'])}, free {_mib(s['free_bytes'])}"
     else:
-        add(f"  absent ({s['error']})")
-    add("  mpcore does not depend on it: its shared memory is memfd segments")
-    n = r["nofile"]
-    add("open files (RLIMIT_NOFILE)")
-    add(f"  soft {_or(n['soft'], 'unlimited')}, hard {_or(n['hard'], 'unlimited')} "
-        f"(about {n['needed']} needed for {n['workers']} workers)")
-    sm = r["start_methods"]
-    add("start methods")
-    add(f"  available: {', '.join(sm['available'])}; default: {sm['default']}; "
-        f"mpcore's zygote serves {' and '.join(sm['mpcore_zygote_serves'])}")
-    z = r["zygote"]
-    add("zygote")
-    add(f"  preloads {', '.join(z['preload']) or 'nothing'}; {z['route']}; threads at preload: "
-        f"{z['threads_at_preload']} ({z['python_threads_at_preload']} Python)")
-    add(f"  started: {'yes' if z['started'] else 'no'}; forked a test child: "
-        f"{'yes' if z['child_forked'] else 'no'}" + (f" ({z['detail']})" if z["detail"] else ""))
-    v = r["versions"]
-    add("versions")
-    add(f"  mpcore {v['mpcore']}, Python {v['python']} ({v['python_abi']}), "
-        f"torch {_or(v['torch'], 'not installed')}, numpy {_or(v['numpy'], 'not installed')}")
-    add(f"  core {v['core_file']}: built for Python {v['built_for_python']}, numpy ABI "
-        f"{v['built_numpy_abi']} C API {v['built_numpy_api']} (runs on numpy >= "
-        f"{v['built_numpy_oldest']}); this numpy's ABI {_or(v['numpy_abi'], '-')}")
-    nc = r["nccl"]
-    add("NCCL")
+        yield f"absent ({s['error']})"
+    yield "mpcore does not depend on it: its shared memory is memfd segments"
+
+
+def _text_nofile(n):
+    yield (f"soft {_or(n['soft'], 'unlimited')}, hard {_or(n['hard'], 'unlimited')} "
+           f"(about {n['needed']} needed for {n['workers']} workers)")
+
+
+def _text_start_methods(sm):
+    yield (f"available: {', '.join(sm['available'])}; default: {sm['default']}; "
+           f"mpcore's zygote serves {' and '.join(sm['mpcore_zygote_serves'])}")
+
+
+def _text_zygote(z):
+    yield (f"preloads {', '.join(z['preload']) or 'nothing'}; {z['route']}; threads at "
+           f"preload: {z['threads_at_preload']} ({z['python_threads_at_preload']} Python)")
+    yield (f"started: {'yes' if z['started'] else 'no'}; forked a test child: "
+           f"{'yes' if z['child_forked'] else 'no'}" + (f" ({z['detail']})" if z["detail"] else ""))
+
+
+def _text_versions(v):
+    yield (f"mpcore {v['mpcore']}, Python {v['python']} ({v['python_abi']}), "
+           f"torch {_or(v['torch'], 'not installed')}, numpy {_or(v['numpy'], 'not installed')}")
+    yield (f"core {v['core_file']}: built for Python {v['built_for_python']}, numpy ABI "
+           f"{v['built_numpy_abi']} C API {v['built_numpy_api']} (runs on numpy >= "
+           f"{v['built_numpy_oldest']}); this numpy's ABI {_or(v['numpy_abi'], '-')}")
+
+
+def _text_nccl(nc):
     if nc["found"]:
-        add(f"  found: {nc['version']} at {nc['path']}"
-            + (f" ({nc['how']})" if nc["how"] != nc["path"] else ""))
+        yield (f"found: {nc['version']} at {nc['path']}"
+               + (f" ({nc['how']})" if nc["how"] != nc["path"] else ""))
     else:
-        add(f"  not found ({nc['error']})")
-    g = r["gpus"]
-    add("GPUs")
+        yield f"not found ({nc['error']})"
+
+
+def _text_gpus(g):
     if g["torch_devices"]:
-        add(f"  torch (CUDA {g['torch_cuda_version']}): {', '.join(g['torch_devices'])}")
+        yield f"torch (CUDA {g['torch_cuda_version']}): {', '.join(g['torch_devices'])}"
     else:
-        add("  torch: none" + (f" (torch built for CUDA {g['torch_cuda_version']})"
-                              if g["torch_cuda_version"] else ""))
+        yield "torch: none" + (f" (torch built for CUDA {g['torch_cuda_version']})"
+                               if g["torch_cuda_version"] else "")
     if g["nvidia_smi"] is None:
-        add("  nvidia-smi: not found")
+        yield "nvidia-smi: not found"
     else:
-        add(f"  nvidia-smi: {', '.join(g['smi_gpus']) or 'none'}"
-            + (f"; driver {g['driver']}" if g["driver"] else ""))
-    e = r["entry_points"]
-    add("torch entry points served under `mpcore run`")
+        yield (f"nvidia-smi: {', '.join(g['smi_gpus']) or 'none'}"
+               + (f"; driver {g['driver']}" if g["driver"] else ""))
+
+
+def _text_entry_points(e):
     if e["torch"] is None:
-        add("  none: torch is not installed")
+        yield "none: torch is not installed"
     for where, names in _grouped(e["served"]):
-        add(f"  {where}: {', '.join(names)}")
+        yield f"{where}: {', '.join(names)}"
     if e["pickled_by_mpcore"]:
         legacy = [t for t in e["pickled_by_mpcore"] if _LEGACY.match(t)]
         rest = [t for t in e["pickled_by_mpcore"] if t not in legacy]
-        add(f"  pickled through mpcore's shared memory: {', '.join(rest)}"
-            + (f", and {len(legacy)} legacy typed tensor classes ({legacy[0]}, ...)"
-               if legacy else ""))
-    add("")
+        yield (f"pickled through mpcore's shared memory: {', '.join(rest)}"
+               + (f", and {len(legacy)} legacy typed tensor classes ({legacy[0]}, ...)"
+                  if legacy else ""))
+
+
+# (section, its heading, its lines) in the order the text shows them
+_TEXT = (("memory", "memory cgroup", _text_memory), ("dev_shm", "/dev/shm", _text_dev_shm),
+         ("nofile", "open files (RLIMIT_NOFILE)", _text_nofile),
+         ("start_methods", "start methods", _text_start_methods),
+         ("zygote", "zygote", _text_zygote), ("versions", "versions", _text_versions),
+         ("nccl", "NCCL", _text_nccl), ("gpus", "GPUs", _text_gpus),
+         ("entry_points", "torch entry points served under `mpcore run`", _text_entry_points))
+
+
+def render(r):
+    """The report as text: each section under its heading, then the
+    problems, one line each."""
+    lines = []
+    for name, heading, text in _TEXT:
+        lines.append(heading)
+        body = ([f"could not be checked: {r[name]['error']}"] if name in r["unchecked"]
+                else text(r[name]))
+        lines += [f"  {line}" for line in body]
+    lines.append("")
     if r["problems"]:
-        add(f"{len(r['problems'])} problem(s):")
-        for p in r["problems"]:
-            add(f"  - {p}")
+        lines.append(f"{len(r['problems'])} problem(s):")
+        lines += [f"  - {p}" for p in r["problems"]]
     else:
-        add("no problems found")
+        lines.append("no problems found")
     return "\n".join(lines)
 
 
@@ -679,7 +718,7 @@ def main(argv):
             print(f"mpcore doctor: unknown argument {a!r}\n{USAGE}", file=sys.stderr)
             return 2
     if workers is None:
-        workers = os.cpu_count() or 1
+        workers = len(os.sched_getaffinity(0))  # the CPUs this process may run on
     report = collect(workers)
     sys.stdout.write(json.dumps(report, indent=2) + "\n" if as_json else render(report) + "\n")
     sys.stdout.flush()
