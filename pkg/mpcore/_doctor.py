@@ -28,6 +28,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import textwrap
 import threading
 import warnings
 
@@ -485,7 +486,8 @@ def nccl():
 
 def gpus():
     out = {"torch_cuda_available": False, "torch_cuda_version": None, "torch_devices": [],
-           "nvidia_smi": None, "smi_gpus": [], "driver": None}
+           "torch_error": None, "nvidia_smi": None, "smi_gpus": [], "driver": None,
+           "smi_error": None}
     try:
         import torch
     except ImportError:
@@ -633,9 +635,16 @@ def _text_versions(v):
            f"{v['built_numpy_oldest']}); this numpy's ABI {_or(v['numpy_abi'], '-')}")
 
 
+def _short(path):
+    """A path under the working directory as relative to it (the JSON keeps
+    it whole)."""
+    rel = os.path.relpath(path) if path else path
+    return rel if rel and not rel.startswith("..") else path
+
+
 def _text_nccl(nc):
     if nc["found"]:
-        yield (f"found: {nc['version']} at {nc['path']}"
+        yield (f"found: {nc['version']} at {_short(nc['path'])}"
                + (f" ({nc['how']})" if nc["how"] != nc["path"] else ""))
     else:
         yield f"not found ({nc['error']})"
@@ -684,7 +693,9 @@ def render(r):
         lines.append(heading)
         body = ([f"could not be checked: {r[name]['error']}"] if name in r["unchecked"]
                 else text(r[name]))
-        lines += [f"  {line}" for line in body]
+        for line in body:  # long lists wrap; a problem stays on its one line
+            lines += textwrap.wrap(line, 100, initial_indent="  ", subsequent_indent="    ",
+                                   break_on_hyphens=False, break_long_words=False)
     lines.append("")
     if r["problems"]:
         lines.append(f"{len(r['problems'])} problem(s):")
