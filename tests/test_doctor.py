@@ -18,6 +18,7 @@ from conftest import (TESTS_ON_PATH, exited, fresh_env, program_result, require,
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("leak_check")]
 
 MPCORE = os.path.join(os.path.dirname(sys.executable), "mpcore")
+MIB = 1 << 20
 SECTIONS = ("memory", "dev_shm", "nofile", "start_methods", "zygote", "versions", "nccl",
             "gpus", "entry_points", "problems")
 
@@ -237,3 +238,41 @@ def test_problem_lines_say_what_to_do():
     assert "`ulimit -n 4096` (the hard limit)" in line, line
     assert _doctor.nofile_problems(dict(n, soft=n["needed"], hard=n["needed"])) == []
     assert _doctor.nofile_problems(dict(n, soft=None, hard=None)) == []  # unlimited
+
+
+def _cgroup_tree(root, files):
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+    return str(root)
+
+
+def test_memory_cgroup_v2_and_v1_limits_and_ancestors(tmp_path):
+    from mpcore import _doctor
+    gib = 1 << 30
+    # v2: the job's limit binds; its step has none of its own ("max")
+    sysfs = _cgroup_tree(tmp_path / "v2", {
+        "job/memory.max": str(8 * gib), "job/memory.current": str(gib),
+        "job/step/memory.max": "max", "job/step/memory.current": str(gib // 2)})
+    m = _doctor.memory("0::/job/step\n", sysfs)
+    assert m["cgroup_version"] == 2 and m["cgroup"] == f"{sysfs}/job", m
+    assert (m["limit_bytes"], m["usage_bytes"], m["headroom_bytes"]) == (8 * gib, gib, 7 * gib)
+    assert _doctor.memory_problems(m) == []
+    # ... and when the step's own limit leaves less, it is the one reported
+    sysfs = _cgroup_tree(tmp_path / "v2", {"job/step/memory.max": str(2 * gib),
+                                           "job/step/memory.current": str(2 * gib - 5 * MIB)})
+    m = _doctor.memory("0::/job/step\n", sysfs)
+    assert m["cgroup"] == f"{sysfs}/job/step" and m["headroom_bytes"] == 5 * MIB, m
+    (line,) = _doctor.memory_problems(m)
+    assert f"memory cgroup {sysfs}/job/step leaves 5 MiB of its 2048 MiB limit" in line, line
+    # v1 without a limit (the largest page-aligned int64): "no limit"
+    sysfs = _cgroup_tree(tmp_path / "v1", {
+        "memory/a/memory.limit_in_bytes": "9223372036854771712",
+        "memory/a/memory.usage_in_bytes": str(gib)})
+    m = _doctor.memory("4:memory:/a\n1:cpu:/\n0::/\n", sysfs)
+    assert m["cgroup_version"] == 1 and m["cgroup"] == f"{sysfs}/memory/a", m
+    assert m["limit_bytes"] is None and m["headroom_bytes"] is None, m
+    # no memory cgroup at all
+    m = _doctor.memory("", sysfs)
+    assert m["cgroup_version"] is None and m["limit_bytes"] is None, m

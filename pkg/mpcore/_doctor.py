@@ -62,12 +62,13 @@ def _read(path):
         return None
 
 
-def _cgroup_dir():
-    """(version, directory) of this process's memory cgroup, found as the
-    core finds it (mpc__cgroup_dir in csrc/shm.c): the v1 memory
-    controller's, else the v2 unified one; (0, None) when there is none."""
+def _cgroup_dir(proc_cgroup, sysfs):
+    """(version, directory) of the memory cgroup that /proc/self/cgroup's
+    text names, found as the core finds it (mpc__cgroup_dir in
+    csrc/shm.c): the v1 memory controller's, else the v2 unified one;
+    (0, None) when there is none."""
     v2 = None
-    for line in (_read("/proc/self/cgroup") or "").splitlines():
+    for line in (proc_cgroup or "").splitlines():
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
@@ -75,9 +76,9 @@ def _cgroup_dir():
         if ctrls == "":
             v2 = path
         elif "memory" in ctrls.split(","):
-            return 1, "/sys/fs/cgroup/memory" + path
+            return 1, f"{sysfs}/memory{path}".rstrip("/")
     if v2 is not None:
-        return 2, "/sys/fs/cgroup" + v2
+        return 2, f"{sysfs}{v2}".rstrip("/")
     return 0, None
 
 
@@ -91,19 +92,23 @@ _NO_LIMIT = 1 << 62
 HEADROOM_MIN = 1 << 30
 
 
-def memory():
+def memory(proc_cgroup=None, sysfs="/sys/fs/cgroup"):
     """The tightest memory cgroup limit of this process and its ancestors,
-    with usage and headroom, and what mpcore's own check allows."""
+    with usage and headroom, and what mpcore's own check allows.  (Tests
+    pass another process's /proc/self/cgroup text and cgroup tree.)"""
     from . import _core
-    ver, d = _cgroup_dir()
+    if proc_cgroup is None:
+        proc_cgroup = _read("/proc/self/cgroup")
+    ver, d = _cgroup_dir(proc_cgroup, sysfs)
+    mine = d
     out = {"cgroup_version": ver or None, "cgroup": None, "limit_bytes": None,
            "usage_bytes": None, "headroom_bytes": None}
-    root = "/sys/fs/cgroup/memory" if ver == 1 else "/sys/fs/cgroup"
+    root = f"{sysfs}/memory" if ver == 1 else sysfs
     lim_name, use_name = (("memory.limit_in_bytes", "memory.usage_in_bytes") if ver == 1
                           else ("memory.max", "memory.current"))
     while d:
         lim, use = _read(f"{d}/{lim_name}"), _read(f"{d}/{use_name}")
-        if lim and lim != "max" and lim.isdigit() and int(lim) < _NO_LIMIT and use:
+        if lim and lim.isdigit() and int(lim) < _NO_LIMIT and use and use.isdigit():
             lim, use = int(lim), int(use)
             head = max(0, lim - use)
             if out["headroom_bytes"] is None or head < out["headroom_bytes"]:
@@ -111,8 +116,8 @@ def memory():
         if len(d) <= len(root) or "/" not in d:
             break
         d = d.rsplit("/", 1)[0]
-    if out["cgroup"] is None and ver:
-        out["cgroup"] = _cgroup_dir()[1]
+    if out["cgroup"] is None:
+        out["cgroup"] = mine
     try:
         avail, bound = _core.mem_available()
         out["mpcore_available_bytes"], out["mpcore_bound"] = int(avail), str(bound)
