@@ -711,6 +711,9 @@ def render(r):
 
 
 def main(argv):
+    """`mpcore doctor [--json] [--workers N]`: prints the report; returns 0
+    when no problem was found, 1 when there are problems, 2 on bad
+    arguments (with the usage on stderr)."""
     as_json, workers = False, None
     args = list(argv)
     while args:
