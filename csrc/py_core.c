@@ -4,6 +4,8 @@
 
 #include <string.h>
 
+#include <numpy/numpyconfig.h>
+
 static struct PyModuleDef mpc_module;
 
 mpc_state *mpc_get_state(PyObject *module) {
@@ -120,6 +122,29 @@ void mpc_py_argv_free(char **argv) {
     free(argv);
 }
 
+/* Adds BUILD, what this extension was compiled against: the Python
+ * headers' version and the numpy headers' ABI and C-API versions, with the
+ * oldest numpy C API it needs (NPY_FEATURE_VERSION, numpy >= 2 headers
+ * target older numpy too).  `mpcore doctor` reports them.  Returns 0, or -1
+ * with an exception set. */
+static int mpc_add_build(PyObject *m) {
+#ifdef NPY_FEATURE_VERSION_STRING
+    const char *oldest = NPY_FEATURE_VERSION_STRING;
+#else
+    const char *oldest = "";
+#endif
+    PyObject *build = Py_BuildValue(
+        "{s:s,s:k,s:k,s:k,s:k,s:s}", "python", PY_VERSION, "python_hex",
+        (unsigned long)PY_VERSION_HEX, "numpy_abi", (unsigned long)NPY_ABI_VERSION,
+        "numpy_api", (unsigned long)NPY_API_VERSION, "numpy_feature",
+        (unsigned long)NPY_FEATURE_VERSION, "numpy_oldest", oldest);
+    if (build == NULL)
+        return -1;
+    int r = PyModule_AddObjectRef(m, "BUILD", build);
+    Py_DECREF(build);
+    return r;
+}
+
 static int mpc_exec(PyObject *m) {
     mpc_state *st = mpc_get_state(m);
     st->HandleError = PyErr_NewExceptionWithDoc(
@@ -134,6 +159,8 @@ static int mpc_exec(PyObject *m) {
         mpc_py_raise(st, rc);
         return -1;
     }
+    if (mpc_add_build(m) < 0)
+        return -1;
     PyObject *queue = PyImport_ImportModule("queue");
     if (queue == NULL)
         return -1;

@@ -1,9 +1,10 @@
-"""The `mpcore` command: `mpcore run ...` and `mpcore bench ...`."""
+"""The `mpcore` command: `mpcore run ...`, `mpcore bench ...` and `mpcore doctor`."""
 import sys
 
 USAGE = """usage: mpcore run [-m module | script.py] [args...]
        mpcore run --nproc-per-node N [torchrun's flags] [-m module | script.py] [args...]
-       mpcore bench [--json FILE] [--plot FILE.png] [--quick] [--only NAME,...]"""
+       mpcore bench [--json FILE] [--plot FILE.png] [--quick] [--only NAME,...]
+       mpcore doctor [--json] [--workers N]   (exit 1 when it finds problems)"""
 
 
 def main(argv=None):
@@ -18,6 +19,9 @@ def main(argv=None):
     if cmd == "bench":
         from .bench.runner import main as bench_main
         return bench_main(rest)
+    if cmd == "doctor":
+        from ._doctor import main as doctor_main
+        return doctor_main(rest)
     print(USAGE, file=sys.stderr)
     return 2
 
