@@ -12,6 +12,8 @@ $(STAMP):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH) "numpy>=1.24" pytest pytest-timeout matplotlib setuptools wheel nvidia-nccl-cu13
+	# torchdata for the test that moves loader state between it and mpcore; --no-deps keeps the pinned torch.
+	$(PY) -m pip install -q --no-deps torchdata==0.11.0
 	touch $(STAMP)
 
 install: $(STAMP)
