@@ -1546,6 +1546,11 @@ if __package__:
 else:
     import dist_cases as _dist_cases
 _dist_cases.register(sys.modules[__name__])
+if __package__:
+    from . import state_cases as _state_cases
+else:
+    import state_cases as _state_cases
+_state_cases.register(sys.modules[__name__])
 
 
 # --- command line -----------------------------------------------------------
