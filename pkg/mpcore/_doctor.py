@@ -203,21 +203,11 @@ def _child_exits():
 
 
 def _stop_zygote():
-    """Stops the zygote this process started and reaps it: closing the
-    program's connection (its fd 3) makes it kill its children and exit
-    (NOTE [ Zygote ] in csrc/proc.c)."""
+    """Stops the zygote this process started and reaps it."""
     from . import _zygote
-    with _zygote._client_lock:
-        if _zygote._client is not None:
-            _zygote._client.sock.close()
-            _zygote._client = None
-        service, _zygote._service, _zygote._forked = _zygote._service, None, False
-        os.environ.pop(_zygote.ENV, None)
-    if service is None:
-        return None
-    fd, pid = service
-    os.close(fd)
-    _reap(pid, 10.0)
+    pid = _zygote.stop()
+    if pid is not None:
+        _reap(pid, 10.0)
     return pid
 
 

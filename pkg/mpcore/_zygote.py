@@ -385,6 +385,24 @@ def start():
         os.environ[ENV] = address
 
 
+def stop():
+    """Stops the zygote this process started: closing the program's
+    connection makes it kill its children and exit (NOTE [ Zygote ] in
+    csrc/proc.c).  Returns its pid, for the caller to reap, or None when
+    this process started none."""
+    global _client, _service, _forked
+    with _client_lock:
+        if _client is not None:
+            _client.sock.close()
+            _client = None
+        service, _service, _forked = _service, None, False
+        os.environ.pop(ENV, None)
+    if service is None:
+        return None
+    os.close(service[0])
+    return service[1]
+
+
 def _get_client():
     global _client
     with _client_lock:
