@@ -415,8 +415,7 @@ def entry_points():
         out["torch"] = torch.__version__
         # Import what the hooks still wait for, as a program that uses it would.
         for _ in range(10):
-            pending = [n for n in list(_boot._callbacks)
-                       if n == "torch" or n.startswith("torch.")]
+            pending = [n for n in list(_boot._callbacks) if _torch_module(n)]
             if not pending:
                 break
             for name in pending:
@@ -428,7 +427,7 @@ def entry_points():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # deprecated names warn when read
             for name, mod in sorted(sys.modules.items()):
-                if (name == "torch" or name.startswith("torch.")) and mod is not None:
+                if _torch_module(name) and mod is not None:
                     d = getattr(mod, "__dict__", None)
                     if isinstance(d, dict):
                         _scan_dict(name, d, out["served"], classes)
@@ -438,6 +437,11 @@ def entry_points():
             out["pickled_by_mpcore"].append(f"{cls.__module__}.{cls.__qualname__}")
     out["pickled_by_mpcore"].sort()
     return out
+
+
+def _torch_module(name):
+    """torch's modules, and torchdata's (whose StatefulDataLoader is served)."""
+    return name.split(".", 1)[0] in ("torch", "torchdata")
 
 
 # NOTE [ Entry points as torch sees them ]
