@@ -23,7 +23,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import Scenario, fresh_env, require, run_program
+from conftest import NO_TORCH_PRELUDE, Scenario, fresh_env, require, run_program
 import _resume_data as rd
 
 pytestmark = pytest.mark.timeout(240)
@@ -185,6 +185,33 @@ def test_torchdata_loader_is_served_under_mpcore_run():
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == ["mpcore.data._loader", "[[3,", "4,", "5],", "[6,", "7,", "8],",
                                 "[9]]"], r.stdout
+
+
+def test_resumes_without_torch():
+    # numpy batches and numpy generators: the shuffled order of the epoch and
+    # of the next one come out the same after a resume.
+    r = run_program(NO_TORCH_PRELUDE + """
+import numpy as np
+from mpcore.data import DataLoader
+def make(workers):
+    g = np.random.default_rng(5)
+    return DataLoader(list(range(37)), batch_size=4, shuffle=True, generator=g,
+                      num_workers=workers)
+for workers in (0, 2):
+    loader = make(workers)
+    full = [b.tolist() for b in loader] + [b.tolist() for b in loader]
+    loader = make(workers)
+    it = iter(loader)
+    before = [next(it).tolist() for _ in range(3)]
+    state = loader.state_dict()
+    del it
+    again = make(workers)
+    again.load_state_dict(state)
+    after = [b.tolist() for b in again] + [b.tolist() for b in again]
+    print(workers, before + after == full, len(full), "torch" in sys.modules)
+""", timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["0", "True", "20", "False", "2", "True", "20", "False"], r.stdout
 
 
 def test_load_while_an_iterator_is_live_is_an_error():

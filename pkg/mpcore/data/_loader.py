@@ -294,8 +294,9 @@ class _PoolIter(_state.Position, _IterBase):
         self._result_ring = _queue.ring_of(self._results)
         self._index_queues = [_queue.Queue(capacity=_INDEX_CAPACITY) for _ in range(n)]
         self._index_rings = [_queue.ring_of(q) for q in self._index_queues]
+        self._pool_in_order = getattr(loader, "in_order", True)
         self._pool = _core.Pool(self._result_ring, n, self._prefetch_factor,
-                                getattr(loader, "in_order", True))
+                                self._pool_in_order)
         self._workers = []
         self._shutdown = False
         parent = _compat.parent_token()
@@ -384,6 +385,10 @@ class _PoolIter(_state.Position, _IterBase):
         return 0
 
     def state_dict(self):
+        if not self._pool_in_order:
+            warnings.warn("DataLoader.state_dict() with in_order=False: the batches yielded "
+                          "are not the sampler's first ones, so resuming may repeat or skip "
+                          "some (as with torchdata)", stacklevel=3)
         n = self._num_yielded
         main = self._main_state(n)
         main[_state.NUM_WORKERS] = self._num_workers
