@@ -347,3 +347,25 @@ def test_a_node_that_never_comes_times_out_naming_it(tmp_path, scenario):
     assert "1/2 clients joined" in err
     assert "Traceback" not in err
     assert not left_behind(sc)
+
+
+def test_nodes_that_disagree_on_nnodes_both_fail_naming_both(tmp_path, scenario):
+    # NOTE [ Nodes that disagree on --nnodes ]: torch's rendezvous would have
+    # both wait out its 600 s join timeout; each ends at once with one line.
+    (tmp_path / "p.py").write_text("print('rank-ran')\n")
+    port = free_port()
+
+    def node(nnodes, name):
+        return Job([MPCORE, "run", "--nnodes", nnodes, "--nproc-per-node", "1",
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                    "--rdzv-id", "disagree", "p.py"], tmp_path, _env(scenario), name)
+    jobs = [node("2", "two"), node("3", "three")]
+    for job in jobs:
+        assert job.wait(60) == 1, job.err
+        err = job.err
+        assert "rank-ran" not in job.out
+        assert re.search(r"mpcore run: the rendezvous 'disagree' at 127\.0\.0\.1:\d+: .*"
+                         r"--nnodes (2:2|3:3).*--nnodes (2:2|3:3); every node must give the "
+                         r"same --nnodes", err), err
+        assert "2:2" in err and "3:3" in err and "Traceback" not in err, err
+    assert not left_behind(scenario)

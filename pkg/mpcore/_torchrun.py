@@ -271,8 +271,18 @@ def main(argv):
             signal.signal(getattr(signal, name), _forward)
     config, cmd, cmd_args = tdr.config_from_args(args)
     entry, entry_args = _entrypoint(args, cmd, cmd_args)
+    from . import _rdzv
+    _rdzv.install()
     try:
         elastic_launch(config=config, entrypoint=entry)(*entry_args)
+    except _rdzv.NnodesMismatch as e:
+        print(e, file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        if _rdzv.error() is None:
+            raise
+        print(_rdzv.error(), file=sys.stderr)  # NOTE [ Nodes that disagree on --nnodes ]
+        return 1
     except ChildFailedError as e:
         return _summary(e, args.training_script)
     except (RendezvousTimeoutError, DistStoreError) as e:
