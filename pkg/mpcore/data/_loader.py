@@ -149,6 +149,10 @@ class DataLoader(_Base[_T_co]):
         arguments (in this program or another).  Cheap: nothing is asked of
         the workers and nothing is pickled unless the dataset has a state
         of its own (NOTE [ Resumable loading ] in _state.py)."""
+        if self.num_workers > 0 and not getattr(self, "in_order", True):
+            warnings.warn("DataLoader.state_dict() with in_order=False: the batches yielded "
+                          "are not the sampler's first ones, so resuming may repeat or skip "
+                          "some (as with torchdata)", stacklevel=2)
         it = _state.current(self)
         if it is None:
             retired = self.__dict__.get("_mpcore_retired")
@@ -294,9 +298,8 @@ class _PoolIter(_state.Position, _IterBase):
         self._result_ring = _queue.ring_of(self._results)
         self._index_queues = [_queue.Queue(capacity=_INDEX_CAPACITY) for _ in range(n)]
         self._index_rings = [_queue.ring_of(q) for q in self._index_queues]
-        self._pool_in_order = getattr(loader, "in_order", True)
         self._pool = _core.Pool(self._result_ring, n, self._prefetch_factor,
-                                self._pool_in_order)
+                                getattr(loader, "in_order", True))
         self._workers = []
         self._shutdown = False
         parent = _compat.parent_token()
@@ -345,8 +348,8 @@ class _PoolIter(_state.Position, _IterBase):
                 ring.put([], resume)
             waiting = self._num_workers
             while waiting > 0:
-                worker, kind, _, refs, payload = self._wait(self._pool.get_raw)
-                if kind == _worker.RESUME:
+                worker, what, _, refs, payload = self._wait(self._pool.get_raw)
+                if what == _worker.RESUME:
                     waiting -= 1
                     if payload:
                         self._worker_states[worker] = _queue.decode(refs, payload)
@@ -385,10 +388,6 @@ class _PoolIter(_state.Position, _IterBase):
         return 0
 
     def state_dict(self):
-        if not self._pool_in_order:
-            warnings.warn("DataLoader.state_dict() with in_order=False: the batches yielded "
-                          "are not the sampler's first ones, so resuming may repeat or skip "
-                          "some (as with torchdata)", stacklevel=3)
         n = self._num_yielded
         main = self._main_state(n)
         main[_state.NUM_WORKERS] = self._num_workers
