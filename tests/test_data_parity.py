@@ -631,6 +631,16 @@ COLLATE_CASES = {
     "tensor_bfloat16_0d": lambda i: torch.tensor(i / 8, dtype=torch.bfloat16),
     "int64_extremes": lambda i: [2 ** 63 - 1, -(2 ** 63), i],
     "tensor_one_element": lambda i: torch.arange(1) + i,
+    # tensor leaves of one dtype and shape, stacked as one group
+    "grouped_small_tensors": lambda i: {
+        **{f"k{j:02d}": [torch.full((3,), float(i + j)), torch.full((2, 2), i * j),
+                         torch.tensor(i - j, dtype=torch.int32)][j % 3] for j in range(9)},
+        "n": i, "s": f"s{i}"},
+    "grouped_in_tuples": lambda i: (torch.ones(2) * i, [torch.ones(2) * -i, (i, torch.ones(2))],
+                                    torch.arange(2) + i),
+    "grouped_then_float64": lambda i: {"a": torch.full((2,), float(i)),
+                                       "b": torch.full((2,), i / 3, dtype=torch.float32
+                                                       if i % 2 == 0 else torch.float64)},
 }
 
 
@@ -655,6 +665,8 @@ COLLATE_ERROR_CASES = {
     "np_uint64_scalar": lambda i: np.uint64(i),
     "tensor_int_then_float": lambda i: torch.zeros(2, dtype=torch.int64 if i % 2 == 0
                                                    else torch.float32),
+    "grouped_unequal_tensors": lambda i: {"a": torch.zeros(2),
+                                          "b": torch.zeros(2 if i % 2 == 0 else 3)},
 }
 
 
