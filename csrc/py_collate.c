@@ -45,6 +45,7 @@ enum { N_INT, N_BOOL, N_FLOAT, N_ARRAY, N_NPSCALAR, N_TENSOR, N_RAW, N_DICT, N_S
 #define ALIGN 64
 #define MAX_DEPTH 64
 #define FALLBACK 1
+#define GROUP_SEARCH 32 /* groups a tensor leaf looks through (join_group) */
 
 typedef struct node {
     int kind;
@@ -116,13 +117,18 @@ static int leaf(node *nd, ctx *c, size_t item, PyObject *dtype_name, int nd_dims
 }
 
 /* Puts a tensor leaf, already planned, in the group of its dtype and shape
- * (a new one if none has them yet).  Returns 0 or -1 with an exception. */
+ * (a new one if none has them yet).  Only the first GROUP_SEARCH groups are
+ * searched, so that samples of very many differently shaped tensors do
+ * not cost a search through all of them per leaf: a leaf that finds no
+ * group there has one of its own, which is stacked as before grouping.
+ * Returns 0 or -1 with an exception. */
 static int join_group(node *nd, ctx *c) {
-    for (Py_ssize_t g = 0; g < c->ngroups; g++) {
+    Py_ssize_t search = c->ngroups < GROUP_SEARCH ? c->ngroups : GROUP_SEARCH;
+    for (Py_ssize_t g = 0; g < search; g++) {
         node *f = c->groups[g].first;
         if (f->item != nd->item)
             continue;
-        int same = PyUnicode_Compare(f->dtype, nd->dtype) == 0;
+        int same = f->dtype == nd->dtype || PyUnicode_Compare(f->dtype, nd->dtype) == 0;
         if (same)
             same = PyObject_RichCompareBool(f->shape, nd->shape, Py_EQ);
         if (same < 0)

@@ -221,6 +221,28 @@ def test_tensor_leaves_of_one_dtype_and_shape_are_stacked_by_one_call():
     assert all(a + n <= b for (a, n), (b, _) in zip(ptrs, ptrs[1:]))
 
 
+def test_samples_of_many_shapes_search_only_the_first_groups():
+    # 40 tensor leaves of 40 shapes, then one of the first shape (it joins
+    # that group) and one of the 36th (beyond the groups searched: a group
+    # of its own).  The batch is default_collate's either way.
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import default_collate
+    samples = [[torch.full((k + 1,), i * 100 + k) for k in range(40)]
+               + [torch.full((1,), -i), torch.full((36,), -i)] for i in range(3)]
+    calls = []
+    stack = _collate._Stacker()
+
+    def counting(column, *rest):
+        calls.append(len(column))
+        stack(column, *rest)
+    block, skel = _core.collate(samples, torch.Tensor, _collate._tensor_info, counting)
+    got, want = _collate.rebuild(skel, block), default_collate(samples)
+    assert sorted(calls) == [3] * 40 + [6]
+    assert len(got) == len(want) == 42
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
+
+
 def test_a_group_whose_later_leaf_differs_goes_back_to_the_caller():
     # The first sample puts "a" and "b" in one group; a later sample's "b"
     # has another shape: the group's stack fails, and default_collate says why.
