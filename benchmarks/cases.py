@@ -561,6 +561,7 @@ RSS_TORCH_BUDGET = 15    # ... torch side stops at a reading after this many tim
 RSS_MAX_S = 60.0         # ... either side stops at a reading after this long
 RSS_TARGET_PCT = 5.0     # target of the mpcore side
 STACK_TARGET = 1.5       # dl-images: target of mpcore's time / in-process stacking
+INPROC_TARGET = 2.0      # dl-ints: target of mpcore's time / in-process loading
 
 
 class CustomDataset:
@@ -633,7 +634,7 @@ def _cpu_now(pids):
     return [_cpu_s(p) for p in [os.getpid()] + pids]
 
 
-def _loader_once(env, data, batch_size, n, check, info=None):
+def _loader_once(env, data, batch_size, n, check, info=None, workers=DL_WORKERS):
     """Times batches 2..n+1 of an epoch of n+1 batches over `data`
     (CustomDataset(data) if it has (n+1)*batch_size items, else
     CycleData(data, (n+1)*batch_size)): the loader, its
@@ -645,7 +646,7 @@ def _loader_once(env, data, batch_size, n, check, info=None):
     n_items = (n + 1) * batch_size
     ds = CustomDataset(data) if len(data) == n_items else CycleData(data, n_items)
     with _quiet():
-        loader = _loader_cls(env)(ds, batch_size=batch_size, num_workers=DL_WORKERS)
+        loader = _loader_cls(env)(ds, batch_size=batch_size, num_workers=workers)
         it = iter(loader)
         b = next(it)
         pids = [p.pid for p in getattr(it, "_workers", [])]
@@ -666,14 +667,14 @@ def _loader_once(env, data, batch_size, n, check, info=None):
 
 
 def _per_batch(env, target_s, make_data, batch_size, check, probe, hi, scale, unit_name,
-               lo=2):
+               lo=2, workers=DL_WORKERS):
     info = {}
     n, el = calibrate(
-        lambda k: _loader_once(env, make_data(k), batch_size, k, check, info),
+        lambda k: _loader_once(env, make_data(k), batch_size, k, check, info, workers),
         target_s, probe, lo=lo, hi=hi)
     per = el / n
     extra = {"batches_per_s": n / el, "samples_per_s": n * batch_size / el,
-             "batch_size": batch_size, "num_workers": DL_WORKERS,
+             "batch_size": batch_size, "num_workers": workers,
              "dataloader": f"{_loader_cls(env).__module__}.DataLoader",
              unit_name: per * scale}
     extra.update(info)
@@ -686,9 +687,30 @@ def dl_ints(env, target_s, batch_size=32):
     def check(b, last):
         if b.shape != (batch_size,) or int(b[-1]) != last:
             raise AssertionError(f"last batch wrong: {b}")
-    return _per_batch(env, target_s, lambda k: [i for i in range((k + 1) * batch_size)],
-                      batch_size, check, probe=500, hi=100_000, scale=1e6,
-                      unit_name="us_per_batch")
+    def run(workers, t):
+        return _per_batch(env, t, lambda k: [i for i in range((k + 1) * batch_size)],
+                          batch_size, check, probe=500, hi=100_000, scale=1e6,
+                          unit_name="us_per_batch", workers=workers)
+    m = run(DL_WORKERS, target_s)
+    # The same data and batches loaded in this process (num_workers=0), in
+    # the same run: what the workers must beat (INPROC_TARGET).
+    m.extra["inproc_us_per_batch"] = run(0, min(target_s, 0.5)).value
+    return m
+
+
+def _ints_notes(row):
+    out = []
+    for impl in IMPLS:
+        e = _best_row_extra(row, impl)
+        if e and "inproc_us_per_batch" in e:
+            r = e["us_per_batch"] / e["inproc_us_per_batch"]
+            out.append(f"{impl}: {e['num_workers']} workers {e['us_per_batch']:.3g} us/batch, "
+                       f"in-process (num_workers=0) {e['inproc_us_per_batch']:.3g} us/batch: "
+                       f"{r:.2f}x")
+            if impl == "mpcore":
+                out.append(f"target mpcore multi-worker <= {INPROC_TARGET:g}x in-process: "
+                           f"{'met' if r <= INPROC_TARGET else 'MISSED'}")
+    return out
 
 
 def _stack_ms(torch, items, batch_size, target_s, threads=None):
@@ -1468,9 +1490,12 @@ add_case("process-spawn", "spawn Process start+join", "ms", False, process_spawn
               "under `mpcore run`).")
 
 add_case("dl-ints", "DataLoader ints, batch 32", "us/batch", False, dl_ints,
+         row_notes=_ints_notes,
          note="The article's dataset (a list of n python ints), batch_size=32, num_workers=4, "
               "fork: time per batch after the first, over one long epoch. torch: "
-              "torch.utils.data.DataLoader; mpcore: mpcore.data.DataLoader. Target >= 10x.")
+              "torch.utils.data.DataLoader; mpcore: mpcore.data.DataLoader. Target >= 10x; "
+              "extra.inproc_us_per_batch: the same epoch with num_workers=0 in the same run, "
+              f"target mpcore <= {INPROC_TARGET:g}x that.")
 add_case("dl-images", "DataLoader images 3x224x224, batch 32", "ms/batch", False, dl_images,
          row_notes=_images_notes,
          note="64 precomputed float32 3x224x224 tensors, sample i = tensor i % 64, "
@@ -1551,6 +1576,13 @@ if __package__:
 else:
     import state_cases as _state_cases
 _state_cases.register(sys.modules[__name__])
+
+# The DataLoader rows of loader_cases.py, after those.
+if __package__:
+    from . import loader_cases as _loader_cases
+else:
+    import loader_cases as _loader_cases
+_loader_cases.register(sys.modules[__name__])
 
 
 # --- command line -----------------------------------------------------------

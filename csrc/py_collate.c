@@ -21,7 +21,19 @@
  * (types that differ between samples, lengths or keys that do not match,
  * types collate does not know, a stack that fails), collate returns None
  * and the caller runs the ordinary default_collate, which gives the same
- * result or the same error as torch. */
+ * result or the same error as torch.
+ *
+ * NOTE [ One stack per group ]
+ * A stack call costs a fixed part (the call, the out view, torch's checks
+ * of the arguments) beside its per-tensor part, and samples made of many
+ * small tensors (a dict of a dozen features) pay the fixed part once per
+ * leaf and batch.  So tensor leaves of the same dtype and shape form a
+ * group, laid out one after another in the block (the leaves' bytes, then
+ * the next leaf's): the group is one [members * batch, ...] tensor, and its
+ * columns, end to end, are stacked into it by one call.  Each leaf is still
+ * its own [batch, ...] range of the block, and the skeleton names it as
+ * before; a group's stack fails exactly when one of its leaves' stacks
+ * would, and the caller's collate then runs as for any failed stack. */
 #include "py_mpcore.h"
 
 #include <numpy/arrayobject.h>
@@ -33,6 +45,7 @@ enum { N_INT, N_BOOL, N_FLOAT, N_ARRAY, N_NPSCALAR, N_TENSOR, N_RAW, N_DICT, N_S
 #define ALIGN 64
 #define MAX_DEPTH 64
 #define FALLBACK 1
+#define GROUP_SEARCH 32 /* groups a tensor leaf looks through (join_group) */
 
 typedef struct node {
     int kind;
@@ -45,7 +58,18 @@ typedef struct node {
     PyObject *shape;    /* leaves: batch shape (tuple) */
     size_t item;        /* leaves: bytes per sample */
     uint64_t offset;    /* leaves: where the leaf starts in the block */
+    Py_ssize_t group;   /* N_TENSOR: its stack group (NOTE [ One stack per group ]) */
+    Py_ssize_t member;  /* N_TENSOR: its place in the group */
 } node;
+
+/* Tensor leaves of the same dtype and shape, laid out one after another in
+ * the block and stacked by one call (NOTE [ One stack per group ]). */
+typedef struct {
+    node *first;        /* the first member: dtype, shape and item bytes */
+    Py_ssize_t k;       /* members */
+    uint64_t offset;    /* where the group starts in the block */
+    PyObject *column;   /* in pass 2: the members' columns, end to end */
+} group;
 
 typedef struct {
     Py_ssize_t batch;
@@ -54,6 +78,8 @@ typedef struct {
     char *base;         /* the block's first byte, in pass 2 */
     PyObject *block;
     void **ptrs;        /* scratch: batch pointers */
+    group *groups;      /* tensor leaves by dtype and shape */
+    Py_ssize_t ngroups, capgroups;
 } ctx;
 
 static void node_clear(node *nd) {
@@ -68,12 +94,15 @@ static void node_clear(node *nd) {
     memset(nd, 0, sizeof *nd);
 }
 
-/* Places a leaf of `item` bytes per sample and its batch shape. */
+/* Places a leaf of `item` bytes per sample and its batch shape; a tensor
+ * leaf is placed later, with its group (place_groups). */
 static int leaf(node *nd, ctx *c, size_t item, PyObject *dtype_name, int nd_dims,
                 const npy_intp *dims) {
     nd->item = item;
-    nd->offset = (c->total + ALIGN - 1) / ALIGN * ALIGN;
-    c->total = nd->offset + (uint64_t)item * (uint64_t)c->batch;
+    if (nd->kind != N_TENSOR) {
+        nd->offset = (c->total + ALIGN - 1) / ALIGN * ALIGN;
+        c->total = nd->offset + (uint64_t)item * (uint64_t)c->batch;
+    }
     nd->dtype = dtype_name; /* stolen */
     nd->shape = PyTuple_New(nd_dims + 1);
     if (nd->shape == NULL)
@@ -84,6 +113,95 @@ static int leaf(node *nd, ctx *c, size_t item, PyObject *dtype_name, int nd_dims
     for (int i = 0; i <= nd_dims; i++)
         if (PyTuple_GET_ITEM(nd->shape, i) == NULL)
             return -1;
+    return 0;
+}
+
+/* Puts a tensor leaf, already planned, in the group of its dtype and shape
+ * (a new one if none has them yet).  Only the first GROUP_SEARCH groups are
+ * searched, so that samples of very many differently shaped tensors do
+ * not cost a search through all of them per leaf: a leaf that finds no
+ * group there has one of its own, which is stacked as before grouping.
+ * Returns 0 or -1 with an exception. */
+static int join_group(node *nd, ctx *c) {
+    Py_ssize_t search = c->ngroups < GROUP_SEARCH ? c->ngroups : GROUP_SEARCH;
+    for (Py_ssize_t g = 0; g < search; g++) {
+        node *f = c->groups[g].first;
+        if (f->item != nd->item)
+            continue;
+        int same = f->dtype == nd->dtype || PyUnicode_Compare(f->dtype, nd->dtype) == 0;
+        if (same)
+            same = PyObject_RichCompareBool(f->shape, nd->shape, Py_EQ);
+        if (same < 0)
+            return -1;
+        if (same) {
+            nd->group = g;
+            nd->member = c->groups[g].k++;
+            return 0;
+        }
+    }
+    if (c->ngroups == c->capgroups) {
+        Py_ssize_t cap = c->capgroups ? 2 * c->capgroups : 8;
+        group *more = PyMem_Realloc(c->groups, sizeof(group) * (size_t)cap);
+        if (more == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        c->groups = more;
+        c->capgroups = cap;
+    }
+    c->groups[c->ngroups] = (group){.first = nd, .k = 1};
+    nd->group = c->ngroups++;
+    nd->member = 0;
+    return 0;
+}
+
+/* After pass 1: lays the groups out after the other leaves, each group's
+ * members one after another, so that a group is one [k * batch, ...]
+ * tensor of the block. */
+static void place_groups(ctx *c) {
+    for (Py_ssize_t g = 0; g < c->ngroups; g++) {
+        group *gr = &c->groups[g];
+        gr->offset = (c->total + ALIGN - 1) / ALIGN * ALIGN;
+        c->total = gr->offset + (uint64_t)gr->first->item * (uint64_t)c->batch * (uint64_t)gr->k;
+    }
+}
+
+/* After pass 2: stacks each group's column into its place in the block,
+ * one tensor_stack call per group.  Returns 0, FALLBACK (a stack failed
+ * with an Exception: torch's collate will raise it, or succeed where a
+ * fixed view could not), or -1 with an exception. */
+static int stack_groups(ctx *c) {
+    for (Py_ssize_t g = 0; g < c->ngroups; g++) {
+        group *gr = &c->groups[g];
+        PyObject *shape = gr->first->shape;
+        if (gr->k > 1) {
+            Py_ssize_t n = PyTuple_GET_SIZE(shape);
+            shape = PyTuple_New(n);
+            if (shape == NULL)
+                return -1;
+            PyObject *rows = PyLong_FromSsize_t(gr->k * c->batch);
+            if (rows == NULL) {
+                Py_DECREF(shape);
+                return -1;
+            }
+            PyTuple_SET_ITEM(shape, 0, rows);
+            for (Py_ssize_t i = 1; i < n; i++)
+                PyTuple_SET_ITEM(shape, i, Py_NewRef(PyTuple_GET_ITEM(gr->first->shape, i)));
+        } else {
+            Py_INCREF(shape);
+        }
+        PyObject *res = PyObject_CallFunction(c->tensor_stack, "OOKOO", gr->column, c->block,
+                                              (unsigned long long)gr->offset, gr->first->dtype,
+                                              shape);
+        Py_DECREF(shape);
+        if (res == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_Exception))
+                return -1;
+            PyErr_Clear();
+            return FALLBACK;
+        }
+        Py_DECREF(res);
+    }
     return 0;
 }
 
@@ -176,7 +294,7 @@ static int plan(node *nd, PyObject *e, ctx *c, int depth) {
             dims[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, i));
         int r = leaf(nd, c, (size_t)item, Py_NewRef(dtype), (int)ndim, dims);
         Py_DECREF(info);
-        return r;
+        return r < 0 ? r : join_group(nd, c);
     }
     if (PyArray_Check(e)) {
         if (!is_plain_array(e))
@@ -310,29 +428,18 @@ static int fill(node *nd, PyObject **col, ctx *c, PyObject **skel, int transpose
         }
         break;
     case N_TENSOR: {
-        PyObject *list = PyList_New(B);
-        if (list == NULL)
+        /* The column joins its group's; the group is stacked at the end
+         * (stack_groups). */
+        group *gr = &c->groups[nd->group];
+        if (gr->column == NULL && (gr->column = PyList_New(gr->k * B)) == NULL)
             return -1;
+        nd->offset = gr->offset + (uint64_t)nd->member * (uint64_t)B * (uint64_t)nd->item;
+        PyObject **dst_items = ((PyListObject *)gr->column)->ob_item + nd->member * B;
         for (Py_ssize_t i = 0; i < B; i++) {
-            if ((PyObject *)Py_TYPE(col[i]) != c->tensor_type) {
-                Py_DECREF(list);
+            if ((PyObject *)Py_TYPE(col[i]) != c->tensor_type)
                 return FALLBACK;
-            }
-            PyList_SET_ITEM(list, i, Py_NewRef(col[i]));
+            dst_items[i] = Py_NewRef(col[i]);
         }
-        PyObject *res = PyObject_CallFunction(c->tensor_stack, "OOKOO", list, c->block,
-                                              (unsigned long long)nd->offset, nd->dtype,
-                                              nd->shape);
-        Py_DECREF(list);
-        if (res == NULL) {
-            /* torch's own collate will raise the same error, or succeed
-             * where stacking into a fixed view could not */
-            if (!PyErr_ExceptionMatches(PyExc_Exception))
-                return -1;
-            PyErr_Clear();
-            return FALLBACK;
-        }
-        Py_DECREF(res);
         break;
     }
     case N_RAW: {
@@ -426,6 +533,8 @@ static PyObject *py_collate(PyObject *m, PyObject *args) {
     node root = {0};
     PyObject *result = NULL, *skel = NULL;
     int r = plan(&root, PyList_GET_ITEM(samples, 0), &c, 0);
+    if (r == 0)
+        place_groups(&c);
     if (r == 0) {
         c.ptrs = PyMem_Malloc(sizeof(void *) * (size_t)c.batch);
         if (c.ptrs == NULL) {
@@ -441,12 +550,17 @@ static PyObject *py_collate(PyObject *m, PyObject *args) {
     if (r == 0)
         r = fill(&root, ((PyListObject *)samples)->ob_item, &c, &skel, 0);
     if (r == 0)
+        r = stack_groups(&c);
+    if (r == 0)
         result = PyTuple_Pack(2, c.block, skel);
     else if (r == FALLBACK)
         result = Py_NewRef(Py_None);
     Py_XDECREF(skel);
     Py_XDECREF(c.block);
     PyMem_Free(c.ptrs);
+    for (Py_ssize_t g = 0; g < c.ngroups; g++)
+        Py_XDECREF(c.groups[g].column);
+    PyMem_Free(c.groups);
     node_clear(&root);
     return result;
 }

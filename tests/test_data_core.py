@@ -187,6 +187,72 @@ def test_a_deep_structure_goes_back_to_the_caller():
     assert _core.collate([deep, deep], None, None, None) is None
 
 
+def _dict_of_small_tensors(torch, i):
+    # dl-dicts' samples: 16 keys of 4 kinds, interleaved, and two numbers
+    kinds = [lambda: torch.full((8,), float(i)), lambda: torch.full((4,), i, dtype=torch.int64),
+             lambda: torch.full((2, 3), float(-i)), lambda: torch.tensor(i, dtype=torch.int32)]
+    out = {f"k{j:02d}": kinds[j % 4]() for j in range(16)}
+    out["n"], out["x"] = i, i / 4
+    return out
+
+
+def test_tensor_leaves_of_one_dtype_and_shape_are_stacked_by_one_call():
+    # NOTE [ One stack per group ]: 16 tensor leaves of 4 kinds cost 4 stack
+    # calls, and the batch is default_collate's in dtype, shape, values and
+    # key order.
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import default_collate
+    samples = [_dict_of_small_tensors(torch, i) for i in range(5)]
+    calls = []
+    stack = _collate._Stacker()
+
+    def counting(column, *rest):
+        calls.append(len(column))
+        stack(column, *rest)
+    block, skel = _core.collate(samples, torch.Tensor, _collate._tensor_info, counting)
+    got, want = _collate.rebuild(skel, block), default_collate(samples)
+    assert calls == [4 * 5] * 4
+    assert list(got) == list(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
+        assert torch.equal(got[k], want[k]), k
+    # each leaf is its own range of the block, not a view of its group's
+    ptrs = sorted((got[k].data_ptr(), got[k].nbytes) for k in want)
+    assert all(a + n <= b for (a, n), (b, _) in zip(ptrs, ptrs[1:]))
+
+
+def test_samples_of_many_shapes_search_only_the_first_groups():
+    # 40 tensor leaves of 40 shapes, then one of the first shape (it joins
+    # that group) and one of the 36th (beyond the groups searched: a group
+    # of its own).  The batch is default_collate's either way.
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import default_collate
+    samples = [[torch.full((k + 1,), i * 100 + k) for k in range(40)]
+               + [torch.full((1,), -i), torch.full((36,), -i)] for i in range(3)]
+    calls = []
+    stack = _collate._Stacker()
+
+    def counting(column, *rest):
+        calls.append(len(column))
+        stack(column, *rest)
+    block, skel = _core.collate(samples, torch.Tensor, _collate._tensor_info, counting)
+    got, want = _collate.rebuild(skel, block), default_collate(samples)
+    assert sorted(calls) == [3] * 40 + [6]
+    assert len(got) == len(want) == 42
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
+
+
+def test_a_group_whose_later_leaf_differs_goes_back_to_the_caller():
+    # The first sample puts "a" and "b" in one group; a later sample's "b"
+    # has another shape: the group's stack fails, and default_collate says why.
+    torch = pytest.importorskip("torch")
+    samples = [{"a": torch.zeros(2), "b": torch.zeros(2)},
+               {"a": torch.zeros(2), "b": torch.zeros(3)}]
+    assert _core.collate(samples, torch.Tensor, _collate._tensor_info, _collate._Stacker()) \
+        is None
+
+
 # --- without torch, and under mpcore run ---------------------------------------
 
 NO_TORCH = NO_TORCH_PRELUDE + '''

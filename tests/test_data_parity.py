@@ -235,6 +235,16 @@ class MarkDataset(SeqDataset):
         return {"i": super().__getitem__(i), "mark": _MARK["value"]}
 
 
+class OriginDataset(SeqDataset):
+    """Sample i says where its worker came from: the worker's parent pid
+    and whether the zygote forked it (mpcore._zygote.forked, set only in a
+    zygote's child), beside i."""
+
+    def __getitem__(self, i):
+        import mpcore._zygote as zygote
+        return torch.tensor([i, os.getppid(), int(zygote.forked)])
+
+
 class FnDataset(tud.Dataset):
     """Sample i is fn(i)."""
 
@@ -621,6 +631,16 @@ COLLATE_CASES = {
     "tensor_bfloat16_0d": lambda i: torch.tensor(i / 8, dtype=torch.bfloat16),
     "int64_extremes": lambda i: [2 ** 63 - 1, -(2 ** 63), i],
     "tensor_one_element": lambda i: torch.arange(1) + i,
+    # tensor leaves of one dtype and shape, stacked as one group
+    "grouped_small_tensors": lambda i: {
+        **{f"k{j:02d}": [torch.full((3,), float(i + j)), torch.full((2, 2), i * j),
+                         torch.tensor(i - j, dtype=torch.int32)][j % 3] for j in range(9)},
+        "n": i, "s": f"s{i}"},
+    "grouped_in_tuples": lambda i: (torch.ones(2) * i, [torch.ones(2) * -i, (i, torch.ones(2))],
+                                    torch.arange(2) + i),
+    "grouped_then_float64": lambda i: {"a": torch.full((2,), float(i)),
+                                       "b": torch.full((2,), i / 3, dtype=torch.float32
+                                                       if i % 2 == 0 else torch.float64)},
 }
 
 
@@ -645,6 +665,8 @@ COLLATE_ERROR_CASES = {
     "np_uint64_scalar": lambda i: np.uint64(i),
     "tensor_int_then_float": lambda i: torch.zeros(2, dtype=torch.int64 if i % 2 == 0
                                                    else torch.float32),
+    "grouped_unequal_tensors": lambda i: {"a": torch.zeros(2),
+                                          "b": torch.zeros(2 if i % 2 == 0 else 3)},
 }
 
 
@@ -894,6 +916,33 @@ def test_multiprocessing_context(context, leak_check, monkeypatch):
     # spawned workers imported this module afresh; forked ones inherited it
     marks = {m for b in got[0] for m in b["mark"]}
     assert marks == ({"imported"} if context == "spawn" else {"set by the test process"})
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_loaders_made_anew_take_their_workers_from_the_zygote(context, leak_check):
+    """An evaluation loader made anew each time (non-persistent, so every
+    epoch starts workers too): the workers of every loader and of every
+    epoch are children of the one zygote, not fresh interpreters (which
+    would be this process's children and would not have been forked by
+    the zygote)."""
+    origins = []
+    for k in range(3):
+        loader = MpDL(OriginDataset(4), batch_size=2, num_workers=2,
+                      multiprocessing_context=context)
+        try:
+            for _ in range(2 if k == 2 else 1):
+                batches = list(loader)
+                assert [int(i) for b in batches for i in b[:, 0]] == [0, 1, 2, 3]
+                origins.append({(int(p), int(z)) for b in batches for p, z in b[:, 1:].tolist()})
+        finally:
+            close(loader)
+    assert len(origins) == 4
+    zygotes = set().union(*origins)
+    assert len(zygotes) == 1, f"workers had different parents or origins: {origins}"
+    (parent, forked), = zygotes
+    assert forked == 1, "the workers were not forked by the zygote"
+    assert parent != os.getpid(), "the workers are this process's children (started by exec)"
 
 
 # =============================================================================

@@ -465,7 +465,9 @@ class _PoolIter(_state.Position, _IterBase):
     def _process(self, worker, kind, refs, payload):
         if kind == _worker.COLLATED:
             skeleton, busy, n, state = pickle.loads(payload)
-            data = _collate.rebuild(skeleton, _shm.receive(refs, _shm.attach, refs[0]))
+            # The one ticket is redeemed by attach itself, or counts as
+            # redeemed if attach fails (as _shm.receive would count it).
+            data = _collate.rebuild(skeleton, _shm.attach(refs[0]))
         else:
             data, busy, n, state = _queue.decode(refs, payload)
         stats = self._stats
