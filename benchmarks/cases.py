@@ -20,6 +20,7 @@ to pick the iteration count so that the timed part takes about `target_s`.
 Nothing at module level may import torch or mpcore: the driver imports this
 module (for the registry) and must stay neutral.
 """
+import importlib
 import json
 import os
 import sys
@@ -1565,24 +1566,12 @@ add_case("ddp-mlp", f"DDP step, 10M-param MLP, {DDP_WORLD} ranks", "steps/s", Tr
               f"mpcore.parallel.DistributedDataParallel. Target >= {DDP_TARGET:g}x.")
 
 
-# The torch.distributed backend rows (dist_cases.py), after the rows above.
-if __package__:
-    from . import dist_cases as _dist_cases
-else:
-    import dist_cases as _dist_cases
-_dist_cases.register(sys.modules[__name__])
-if __package__:
-    from . import state_cases as _state_cases
-else:
-    import state_cases as _state_cases
-_state_cases.register(sys.modules[__name__])
-
-# The DataLoader rows of loader_cases.py, after those.
-if __package__:
-    from . import loader_cases as _loader_cases
-else:
-    import loader_cases as _loader_cases
-_loader_cases.register(sys.modules[__name__])
+# The rows of the other case modules, after the rows above, in this order:
+# DataLoader (loader_cases.py), resumable loading (state_cases.py), the
+# torch.distributed backend (dist_cases.py).  Each has register(cases).
+for _name in ("loader_cases", "state_cases", "dist_cases"):
+    importlib.import_module(f".{_name}" if __package__ else _name,
+                            __package__).register(sys.modules[__name__])
 
 
 # --- command line -----------------------------------------------------------
