@@ -1507,7 +1507,7 @@ add_case("dl-dicts", "DataLoader dicts of 16 small tensors, batch 64", "us/batch
          dl_dicts,
          note="256 precomputed samples, each a dict of 16 small tensors (float32 (8,), "
               "int64 (4,), float32 (2,3), int32 ()), batch_size=64, num_workers=4, fork. "
-              "Target >= 10x.")
+              "Target >= 25x.")
 add_case("dl-first-spawn", "DataLoader first batch, spawn", "ms", False, dl_first_spawn,
          timeout_s=PROG_TIMEOUT_S + 30, row_notes=_first_spawn_notes,
          note="In a fresh program that imported torch: from DataLoader(article's dataset, "
