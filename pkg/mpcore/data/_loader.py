@@ -294,6 +294,12 @@ class _PoolIter(_state.Position, _IterBase):
                 _compat.sharding_worker_init_fn, worker_init_fn, self._world_size, self._rank)
 
         ctx = _context.get_context(_start_method(loader.multiprocessing_context))
+        if ctx.get_start_method() == "fork" and "numpy" in sys.modules:
+            # A forked worker seeds numpy.random (_worker._seed).  Imported
+            # here first: a fork taken while another thread of this process
+            # was importing it would leave the worker a module lock held by
+            # no thread of its own.
+            import numpy.random  # noqa: F401
         self._results = _queue.Queue()
         self._result_ring = _queue.ring_of(self._results)
         self._index_queues = [_queue.Queue(capacity=_INDEX_CAPACITY) for _ in range(n)]
