@@ -100,6 +100,7 @@
 
 #include <inttypes.h>
 #include <pthread.h>
+#include <sched.h>
 #include <string.h>
 #include <unistd.h> /* getpid, for mpc_debug */
 
@@ -123,6 +124,11 @@ typedef struct {
 /* How long a waiter looks at a sequence word before it sleeps; see
  * MPC_SPIN_ITERATIONS in sync.c for why it is short. */
 #define MPC_RING_SPIN 200
+/* How long a waiter then polls, yielding its core between looks, before it
+ * sleeps (NOTE [ Ring ], Yielding). */
+#ifndef MPC_RING_YIELD_NS
+#define MPC_RING_YIELD_NS 50000
+#endif
 
 struct mpc_ring {
     /* Line 0: written once by mpc_ring_init, read-only afterwards.  magic
@@ -310,6 +316,20 @@ static int mpc__ring_wait(_Atomic uint32_t *seq, _Atomic uint32_t *sleepers, uin
         if (atomic_load_explicit(seq, memory_order_acquire) != seen)
             return 0;
         mpc__ring_relax();
+    }
+    /* NOTE [ Ring ], Yielding: a stream's next message is usually a few
+     * microseconds away, and a waiter that sleeps makes its peer pay a wake
+     * system call for every message. */
+    int64_t until = mpc_now_ns() + MPC_RING_YIELD_NS;
+    if (deadline_ns >= 0 && deadline_ns < until)
+        until = deadline_ns;
+    while (mpc_now_ns() < until) {
+        sched_yield();
+        for (int i = 0; i < MPC_RING_SPIN / 4; i++) {
+            if (atomic_load_explicit(seq, memory_order_acquire) != seen)
+                return 0;
+            mpc__ring_relax();
+        }
     }
     atomic_fetch_add(sleepers, 1);
     int rc = mpc_futex_wait(seq, seen, deadline_ns);

@@ -66,7 +66,9 @@ class Queue:
 
     def put(self, obj, block=True, timeout=None):
         self._check_closed()
-        refs, payload = encode(obj)
+        record = _RECORDS.get(type(obj))
+        msg = record(obj) if record is not None else None
+        refs, payload = msg if msg is not None else encode(obj)
         try:
             if self._maxsize == 0:
                 if self._backlog == 0:
@@ -213,10 +215,25 @@ def encode(obj, prefix=b""):
 
 
 def decode(refs, payload):
-    """The object of a message made by encode() (prefix removed)."""
+    """The object of a message made by encode() (prefix removed) or of a
+    tensor record (Queue.put)."""
     if not refs:
         return _pickle.loads(payload)
+    if len(refs) == 1 and type(payload) is bytes and payload[:4] == _RECORD_TAG:
+        if _receive_record is None:
+            from . import _torch  # noqa: F401  (installs _receive_record)
+            _torch.install()
+        obj = _receive_record(refs, payload)
+        if obj is not None:
+            return obj
     return _shm.receive(refs, _pickle.loads, payload)
+
+
+# NOTE [ Tensor records ] in py_shm.c: type -> fn(obj) giving (refs, payload)
+# or None (then obj is pickled); filled by _tensormsg once torch is served.
+_RECORDS = {}
+_receive_record = None
+_RECORD_TAG = _core.TENSOR_RECORD_TAG   # a record's first bytes; a pickle's first is 0x80
 
 
 def _rebuild_queue(cls, ref, maxsize):
