@@ -1547,6 +1547,13 @@ else:
     import dist_cases as _dist_cases
 _dist_cases.register(sys.modules[__name__])
 
+# The Queue rows of queue_cases.py, after those.
+if __package__:
+    from . import queue_cases as _queue_cases
+else:
+    import queue_cases as _queue_cases
+_queue_cases.register(sys.modules[__name__])
+
 
 # --- command line -----------------------------------------------------------
 

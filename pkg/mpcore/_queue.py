@@ -271,16 +271,20 @@ class SimpleQueue(Queue):
 
 
 def encode(obj, prefix=b""):
-    """(refs, payload) of a message carrying obj after `prefix`."""
-    t = _shm.transfer()
+    """(refs, payload) of a message carrying obj after `prefix`.  The
+    tickets pickling takes are collected as _shm.transfer does."""
+    tls = _shm._tls
+    saved = getattr(tls, "refs", None)
+    refs = tls.refs = []
     try:
-        with t:
-            payload = _pickle.dumps(obj, prefix)
+        payload = _pickle.dumps(obj, prefix)
     except BaseException:
-        for ref in t.refs:
+        for ref in refs:
             _core.drop_ticket(ref)
         raise
-    return t.refs, payload
+    finally:
+        tls.refs = saved
+    return refs, payload
 
 
 def decode(refs, payload):
