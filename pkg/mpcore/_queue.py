@@ -77,10 +77,13 @@ class Queue:
             raise ValueError(f"Queue {self!r} is closed")
 
     def put(self, obj, block=True, timeout=None):
-        self._check_closed()
+        if self._closed:
+            self._check_closed()
         record = _RECORDS.get(type(obj))
-        msg = record(obj) if record is not None else None
-        refs, payload = msg if msg is not None else encode(obj)
+        if record is None or (msg := record(obj)) is None:
+            refs, payload = encode(obj)
+        else:
+            refs, payload = msg
         try:
             if self._maxsize == 0:
                 if self._backlog == 0:
@@ -207,8 +210,11 @@ class Queue:
             thread.join()
 
     def get(self, block=True, timeout=None):
-        self._check_closed()
+        if self._closed:
+            self._check_closed()
         refs, payload = self._ring.get(block, timeout)
+        if not refs:
+            return _pickle.loads(payload)
         return decode(refs, payload)
 
     def put_nowait(self, obj):
