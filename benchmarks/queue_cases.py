@@ -13,7 +13,8 @@ producer's start signal to the consumer's last get; a warm-up item comes
 before (as in cases.py's queue rows), so the producer's first put after
 fork (its keeper connection, its first segment, torch's thread pool) is not
 counted.  In the same run the
-producer then times its own floor: `torch.full` of the same size plus one
+producer times its own floor, before and after the puts (the lower
+counts): `torch.full` of the same size plus one
 `copy_` of it into a tensor made (and faulted in) beforehand, per item, the
 best of a few rounds: what a put cannot avoid (making the tensor, one copy
 into shared memory).  `extra.floor_ms` and `extra.vs_floor` carry it; the
@@ -67,11 +68,15 @@ def _fresh_floor(torch, n):
 def _fresh_producer(torch, q, n, go, done):
     # A warm-up item first (the consumer's cue), as the other queue rows:
     # what is timed is a running producer, not its first put after fork.
+    # The floor is timed before and after the puts, and the lower of the two
+    # counts: on a busy machine a floor taken at one moment only may be the
+    # slower one, which would flatter the puts.
+    before = _fresh_floor(torch, min(n, 16))
     q.put(torch.full((FRESH_NUMEL,), -1.0))
     go.acquire(timeout=_c.CHILD_WAIT_S)
     for i in range(n):
         q.put(torch.full((FRESH_NUMEL,), float(i)))
-    q.put({"floor_ms": _fresh_floor(torch, min(n, 16))})
+    q.put({"floor_ms": min(before, _fresh_floor(torch, min(n, 16)))})
     done.wait(_c.CHILD_WAIT_S)
 
 
