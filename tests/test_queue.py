@@ -724,3 +724,16 @@ def test_corrupt_tensor_record_raises_and_drops_its_ticket():
     # Every ticket was dropped: the block went with the tensor.
     with pytest.raises(mpcore.HandleError):
         _core.attach(handle)
+
+
+def test_tensor_record_is_read_before_torch_is_served(monkeypatch):
+    # A getter whose process has not served torch yet (it never imported
+    # torch.multiprocessing) still reads a record.
+    import torch
+    from mpcore import _queue
+    q = mpcore.Queue()
+    t = torch.arange(5)
+    q.put(t)
+    monkeypatch.setattr(_queue, "_receive_record", None)
+    r = q.get(timeout=10)
+    assert torch.equal(r, t) and r.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()

@@ -299,10 +299,11 @@ def decode(refs, payload):
     if not refs:
         return _pickle.loads(payload)
     if len(refs) == 1 and type(payload) is bytes and payload[:4] == _RECORD_TAG:
-        if _receive_record is None:
-            from . import _torch  # noqa: F401  (installs _receive_record)
-            _torch.install()
-        obj = _receive_record(refs, payload)
+        receive = _receive_record
+        if receive is None:   # torch not served here yet: read it all the same
+            from . import _tensormsg
+            receive = _tensormsg.receive
+        obj = receive(refs, payload)
         if obj is not None:
             return obj
     return _shm.receive(refs, _pickle.loads, payload)
