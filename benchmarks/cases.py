@@ -1573,6 +1573,13 @@ for _name in ("loader_cases", "state_cases", "dist_cases"):
     importlib.import_module(f".{_name}" if __package__ else _name,
                             __package__).register(sys.modules[__name__])
 
+# The Queue rows of queue_cases.py, after those.
+if __package__:
+    from . import queue_cases as _queue_cases
+else:
+    import queue_cases as _queue_cases
+_queue_cases.register(sys.modules[__name__])
+
 
 # --- command line -----------------------------------------------------------
 

@@ -406,6 +406,24 @@ int mpc_ring_get(mpc_ring *r, mpc_ref **refs, uint32_t *nrefs, void **payload,
 int mpc_ring_get_block(mpc_ring *r, mpc_ref **refs, uint32_t *nrefs, void **payload,
                        uint64_t *len, mpc_block *block, int64_t deadline_ns);
 
+/* One message of a batch for mpc_ring_put_many: refs, and either the
+ * payload (len bytes) or, for a payload spilled by mpc_ring_spill, the
+ * ticket of its block (spill, len then its length). */
+typedef struct {
+    const mpc_ref *refs;
+    uint32_t nrefs;
+    const void *payload;
+    uint64_t len;
+    const mpc_ref *spill;
+} mpc_ring_msg;
+
+/* Appends n messages all or none, in order and together (ring.c says
+ * how); the returns of mpc_ring_put, and -EMSGSIZE when the batch can
+ * never fit.  On failure the ring is unchanged; spilled blocks stay the
+ * caller's. */
+int mpc_ring_put_many(mpc_ring *r, const mpc_ring_msg *msgs, uint32_t n, int64_t deadline_ns,
+                      int counted);
+
 /* Returns the count of messages in the ring now (a snapshot).  Never fails. */
 uint32_t mpc_ring_count(const mpc_ring *r);
 

@@ -342,6 +342,9 @@ mpc_ring *mpc_py_ring_of(mpc_state *st, PyObject *o) {
     return ((RingObject *)o)->ring;
 }
 
+static PyObject *ring_message(PyObject *op, int rc, mpc_ref *refs, uint32_t nrefs, void *payload,
+                              uint64_t len, mpc_block *spill);
+
 static PyObject *Ring_get(PyObject *op, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"block", "timeout", NULL};
     RingObject *self = (RingObject *)op;
@@ -361,12 +364,19 @@ static PyObject *Ring_get(PyObject *op, PyObject *args, PyObject *kwds) {
     int rc = ring_get_loop(self->ring, deadline, &refs, &nrefs, &payload, &len, &spill);
     if (rc < 0)
         return mpc_py_ring_raise(op, rc);
-    /* The message has left the ring; if Python cannot take it now (no
-     * memory), it is lost, as a message read from a pipe would be. */
+    return ring_message(op, rc, refs, nrefs, payload, len, &spill);
+}
+
+/* The (refs, payload) of a message a get has taken (rc: the get's return,
+ * 1 for a payload handed over in its block *spill); frees refs and
+ * payload.  The message has left the ring; if Python cannot take it now
+ * (no memory), it is lost, as a message read from a pipe would be. */
+static PyObject *ring_message(PyObject *op, int rc, mpc_ref *refs, uint32_t nrefs, void *payload,
+                              uint64_t len, mpc_block *spill) {
     PyObject *res;
     if (rc == 1) {
         /* A spilled payload: handed out as its Block, read in place. */
-        PyObject *b = mpc_py_block_wrap(ring_state(op), &spill);
+        PyObject *b = mpc_py_block_wrap(ring_state(op), spill);
         res = b ? mpc_py_ring_message(refs, nrefs, "", 0) : NULL;
         if (res != NULL)
             PyTuple_SetItem(res, 1, b); /* steals b; replaces the empty bytes */
@@ -378,6 +388,189 @@ static PyObject *Ring_get(PyObject *op, PyObject *args, PyObject *kwds) {
     free(refs);
     free(payload);
     return res;
+}
+
+
+/* get_many(block=True, timeout=None, max=2**30) -> [(refs, payload), ...]:
+ * waits (as get) for one message, then takes, without waiting, those
+ * that are there now, up to max in all. */
+static PyObject *Ring_get_many(PyObject *op, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"block", "timeout", "max", NULL};
+    RingObject *self = (RingObject *)op;
+    PyObject *timeout = Py_None;
+    int block = 1;
+    Py_ssize_t max = (Py_ssize_t)1 << 30;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|pOn:get_many", kwlist, &block, &timeout, &max))
+        return NULL;
+    if (max < 1)
+        return PyErr_Format(PyExc_ValueError, "max_messages_to_get must be at least 1, not %zd",
+                            max);
+    int64_t deadline = mpc_py_deadline(block, timeout);
+    if (deadline == -2)
+        return NULL;
+    PyObject *list = PyList_New(0);
+    if (list == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < max; i++) {
+        mpc_ref *refs = NULL;
+        uint32_t nrefs = 0;
+        void *payload = NULL;
+        uint64_t len = 0;
+        mpc_block spill;
+        int rc = i == 0 ? ring_get_loop(self->ring, deadline, &refs, &nrefs, &payload, &len, &spill)
+                        : (mpc_clear_error(), mpc_ring_get_block(self->ring, &refs, &nrefs, &payload,
+                                                                 &len, &spill, 0));
+        if (rc < 0) {
+            if (i > 0 && (rc == -EAGAIN || rc == -EPIPE))
+                break; /* none left now; what was taken is returned */
+            /* Messages taken before a failure are returned; a failure on
+             * the first one raises. */
+            if (i > 0) {
+                PyErr_Clear();
+                break;
+            }
+            Py_DECREF(list);
+            return mpc_py_ring_raise(op, rc);
+        }
+        PyObject *m = ring_message(op, rc, refs, nrefs, payload, len, &spill);
+        if (m == NULL || PyList_Append(list, m) < 0) {
+            Py_XDECREF(m);
+            Py_DECREF(list);
+            return NULL;
+        }
+        Py_DECREF(m);
+    }
+    return list;
+}
+
+/* put_many(msgs, block=True, timeout=None, task=False): appends every
+ * (refs, payload) of msgs, all or none, together (mpc_ring_put_many).
+ * Raises queue.Full when there was no room for all of them in time,
+ * ValueError when the ring is closed or the batch can never fit; then
+ * nothing was put. */
+static PyObject *Ring_put_many(PyObject *op, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"msgs", "block", "timeout", "task", NULL};
+    RingObject *self = (RingObject *)op;
+    PyObject *msgs_obj, *timeout = Py_None;
+    int block = 1, task = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|pOp:put_many", kwlist, &msgs_obj, &block,
+                                     &timeout, &task))
+        return NULL;
+    int64_t deadline = mpc_py_deadline(block, timeout);
+    if (deadline == -2)
+        return NULL;
+    PyObject *fast = PySequence_Fast(msgs_obj, "msgs must be a sequence of (refs, payload)");
+    if (fast == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    if ((uint64_t)n > UINT32_MAX) {
+        Py_DECREF(fast);
+        return PyErr_Format(PyExc_OverflowError, "a batch of %zd messages is too large", n);
+    }
+    PyObject *result = NULL;
+    Py_ssize_t ready = 0; /* entries of the arrays below that are filled */
+    mpc_ring_msg *msgs = PyMem_Calloc(n ? (size_t)n : 1, sizeof *msgs);
+    Py_buffer *views = PyMem_Calloc(n ? (size_t)n : 1, sizeof *views);
+    mpc_ref *spills = PyMem_Calloc(n ? (size_t)n : 1, sizeof *spills);
+    mpc_ref *refbufs = NULL;
+    if (msgs == NULL || views == NULL || spills == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* All refs of the batch in one array. */
+    size_t nall = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(fast, i);
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
+            PyErr_SetString(PyExc_TypeError, "each message must be a (refs, payload) tuple");
+            goto done;
+        }
+        Py_ssize_t k = PyObject_Length(PyTuple_GET_ITEM(item, 0));
+        if (k < 0)
+            goto done;
+        nall += (size_t)k;
+    }
+    refbufs = PyMem_Calloc(nall ? nall : 1, sizeof *refbufs);
+    if (refbufs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    size_t at = 0;
+    mpc_clear_error();
+    for (; ready < n; ready++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(fast, ready);
+        mpc_ref stack[RING_STACK_REFS], *refs = stack;
+        uint32_t nrefs = 0;
+        if (ring_parse_refs(PyTuple_GET_ITEM(item, 0), stack, &refs, &nrefs) < 0)
+            goto done;
+        if (at + nrefs > nall) { /* the sequence changed length meanwhile */
+            if (refs != stack)
+                PyMem_Free(refs);
+            PyErr_SetString(PyExc_RuntimeError, "refs changed while being read");
+            goto done;
+        }
+        memcpy(&refbufs[at], refs, (size_t)nrefs * sizeof(mpc_ref));
+        if (refs != stack)
+            PyMem_Free(refs);
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(item, 1), &views[ready], PyBUF_SIMPLE) < 0)
+            goto done;
+        mpc_ring_msg *m = &msgs[ready];
+        m->refs = &refbufs[at];
+        m->nrefs = nrefs;
+        m->payload = views[ready].buf;
+        m->len = (uint64_t)views[ready].len;
+        at += nrefs;
+        if ((uint64_t)views[ready].len + (uint64_t)nrefs * sizeof(mpc_ref) >
+            mpc_ring_max_message(self->ring)) {
+            int sp;
+            Py_BEGIN_ALLOW_THREADS
+            sp = mpc_ring_spill(self->ring, nrefs, m->payload, m->len, &spills[ready]);
+            Py_END_ALLOW_THREADS
+            if (sp < 0) {
+                PyBuffer_Release(&views[ready]);
+                ring_raise(op, sp, 1);
+                goto done;
+            }
+            if (sp == 1)
+                m->spill = &spills[ready];
+        }
+    }
+    int rc = mpc_ring_put_many(self->ring, msgs, (uint32_t)n, 0, task);
+    while (rc == -EAGAIN && deadline != 0) {
+        if (PyErr_CheckSignals() < 0)
+            break;
+        Py_BEGIN_ALLOW_THREADS
+        rc = mpc_ring_put_many(self->ring, msgs, (uint32_t)n, deadline, task);
+        Py_END_ALLOW_THREADS
+        if (rc == -EINTR)
+            rc = -EAGAIN;
+        else if (rc == -EAGAIN)
+            rc = -ETIMEDOUT;
+    }
+    if (rc < 0) {
+        if (!PyErr_Occurred())
+            ring_raise(op, rc, 1);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        msgs[i].spill = NULL; /* the ring owns them now */
+    result = Py_NewRef(Py_None);
+
+done:
+    for (Py_ssize_t i = 0; i < ready; i++) {
+        if (msgs[i].spill != NULL) {
+            Py_BEGIN_ALLOW_THREADS
+            mpc_ref_drop(msgs[i].spill);
+            Py_END_ALLOW_THREADS
+        }
+        PyBuffer_Release(&views[i]);
+    }
+    PyMem_Free(refbufs);
+    PyMem_Free(spills);
+    PyMem_Free(views);
+    PyMem_Free(msgs);
+    Py_DECREF(fast);
+    return result;
 }
 
 /* ------------------------------------------------------------------ */
@@ -521,6 +714,17 @@ static PyMethodDef Ring_methods[] = {
      "larger than the ring the Block it travelled in (a buffer of exactly its\n"
      "length, released with the object).  Raises queue.Empty if none comes\n"
      "in time, ValueError once the ring is closed and empty."},
+    {"get_many", (PyCFunction)(void (*)(void))Ring_get_many, METH_VARARGS | METH_KEYWORDS,
+     "get_many(block=True, timeout=None, max=2**30)\n--\n\n"
+     "Waits as get() for one message, then also takes those there now, up to\n"
+     "max in all; returns a list of (refs, payload).  Raises as get() when\n"
+     "none comes."},
+    {"put_many", (PyCFunction)(void (*)(void))Ring_put_many, METH_VARARGS | METH_KEYWORDS,
+     "put_many(msgs, block=True, timeout=None, task=False)\n--\n\n"
+     "Appends every (refs, payload) of msgs, all or none, in order and\n"
+     "together.  Raises queue.Full when there was no room for all of them in\n"
+     "time, ValueError when the ring is closed or the batch can never fit\n"
+     "(more messages than maxitems, more bytes than the ring)."},
     {"count", Ring_count, METH_NOARGS, "count()\n--\n\nMessages in the ring now."},
     {"max_message", Ring_max_message, METH_NOARGS,
      "max_message()\n--\n\nThe largest message, 16 bytes per ref plus the payload, that travels\n"

@@ -441,6 +441,8 @@ static int parse_ref(PyObject *t, mpc_ref *ref) {
  * returns this process's Block for the block.  The fast path runs with the
  * GIL held (NOTE [ One Block object per block ]); only connecting to the
  * keeper and mapping a new segment release it. */
+static PyObject *attach_ref(mpc_state *st, mpc_ref ref);
+
 static PyObject *py_attach(PyObject *m, PyObject *h) {
     mpc_ref ref;
     mpc_state *st = mpc_get_state(m);
@@ -452,6 +454,12 @@ static PyObject *py_attach(PyObject *m, PyObject *h) {
         }
         return NULL;
     }
+    return attach_ref(st, ref);
+}
+
+/* Redeems ref's ticket: returns this process's Block for it (new
+ * reference), or NULL with an exception set (the ticket then unredeemed). */
+static PyObject *attach_ref(mpc_state *st, mpc_ref ref) {
     mpc_clear_error();
     for (;;) {
         mpc_block b;
@@ -621,6 +629,180 @@ static PyObject *py_connect(PyObject *m, PyObject *unused) {
     return PyLong_FromUnsignedLong(slot);
 }
 
+/* NOTE [ Tensor records ]
+ * A bare tensor put on a Queue (the commonest message of all) travels as a
+ * fixed binary record instead of a pickle: pickling it costs a Pickler, a
+ * reduction tuple and the unpickler's calls back into Python, which is most
+ * of what a 4 KB tensor costs to send.  The record is one block reference
+ * (the message's only ref, its ticket taken here) and a header naming the
+ * storage's bytes in the block and one strided view of them, in the same
+ * terms as the pickled handle (NOTE [ What the fast path carries ] in
+ * _torch.py).  Its first byte is never 0x80, the first byte of every pickle
+ * a Queue sends, so a getter tells the two apart by the payload alone.
+ * The dtype is a small code that the Python layer defines (both ends run
+ * the same mpcore); itemsize travels too, so the bounds check needs no
+ * Python.  This is the record's one definition. */
+#define TREC_MAGIC 0x4854504du /* "MPTH" */
+#define TREC_MAXDIM NPY_MAXDIMS
+typedef struct {
+    uint32_t magic;
+    uint32_t ndim;
+    uint64_t offset;         /* the storage's first byte in the block */
+    uint64_t nbytes;         /* the storage's length */
+    int64_t storage_offset;  /* the view's first element in the storage */
+    uint32_t dtype;          /* code of the Python layer's table */
+    uint32_t itemsize;
+    /* then ndim int64 sizes and ndim int64 strides (in elements) */
+} trec_header;
+
+/* tensor_message(block, offset, nbytes, dtype, itemsize, storage_offset,
+ * size, stride) -> (refs, payload): the record of that view of block, with
+ * a journaled ticket on the block; None (no ticket) for a view of more
+ * than TREC_MAXDIM dimensions.  Raises HandleError for a block no longer
+ * live and ValueError for values out of range. */
+static PyObject *py_tensor_message(PyObject *m, PyObject *args) {
+    mpc_state *st = mpc_get_state(m);
+    PyObject *blk, *size_o, *stride_o;
+    unsigned long long offset, nbytes;
+    unsigned int dtype, itemsize;
+    long long soff;
+    if (!PyArg_ParseTuple(args, "O!KKIILOO:tensor_message", st->BlockType, &blk, &offset, &nbytes,
+                          &dtype, &itemsize, &soff, &size_o, &stride_o))
+        return NULL;
+    BlockObject *b = (BlockObject *)blk;
+    npy_intp size[TREC_MAXDIM], stride[TREC_MAXDIM];
+    int nd, nd2;
+    PyObject *fs = PySequence_Fast(size_o, "size must be a sequence");
+    if (fs == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fs);
+    Py_DECREF(fs);
+    if (n > TREC_MAXDIM)
+        Py_RETURN_NONE;
+    if (parse_dims(size_o, size, &nd, "size", NULL) < 0 ||
+        parse_dims(stride_o, stride, &nd2, "stride", NULL) < 0)
+        return NULL;
+    if (nd != nd2)
+        return PyErr_Format(PyExc_ValueError, "%d sizes but %d strides", nd, nd2);
+    if (offset > b->b.length || nbytes > b->b.length - offset)
+        return PyErr_Format(PyExc_ValueError, "bytes [%llu, +%llu) are outside the %llu-byte block",
+                            offset, nbytes, (unsigned long long)b->b.length);
+    size_t len = sizeof(trec_header) + 2 * (size_t)nd * sizeof(int64_t);
+    PyObject *payload = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)len);
+    if (payload == NULL)
+        return NULL;
+    char *p = PyBytes_AS_STRING(payload);
+    trec_header h = {TREC_MAGIC, (uint32_t)nd, offset, nbytes, soff, dtype, itemsize};
+    memcpy(p, &h, sizeof h);
+    int64_t *dims = (int64_t *)(p + sizeof h);
+    for (int i = 0; i < nd; i++) {
+        dims[i] = size[i];
+        dims[nd + i] = stride[i];
+    }
+    mpc_clear_error();
+    int r = mpc_block_ticket(&b->b);
+    if (r < 0) {
+        Py_DECREF(payload);
+        return mpc_py_raise(st, r);
+    }
+    mpc_ref ref = {b->b.seg_id, b->b.index, b->b.gen};
+    mpc_journal_add(&ref);
+    PyObject *res = Py_BuildValue("([(KII)]N)", (unsigned long long)ref.seg_id, ref.index, ref.gen,
+                                  payload);
+    if (res == NULL && mpc_journal_clear(&ref)) {
+        Py_BEGIN_ALLOW_THREADS
+        mpc_ref_drop(&ref);
+        Py_END_ALLOW_THREADS
+    }
+    return res;
+}
+
+/* open_tensor_message(refs, payload) -> None if the message is not a
+ * tensor record (NOTE [ Tensor records ]); else redeems its ticket and
+ * returns (Block, offset, nbytes, dtype, storage_offset, size, stride),
+ * the view checked to lie inside the storage's bytes and those inside the
+ * block.  A malformed record raises HandleError, its ticket dropped. */
+static PyObject *py_open_tensor_message(PyObject *m, PyObject *args) {
+    mpc_state *st = mpc_get_state(m);
+    PyObject *refs, *payload;
+    if (!PyArg_ParseTuple(args, "OO:open_tensor_message", &refs, &payload))
+        return NULL;
+    trec_header h;
+    if (!PyBytes_Check(payload) || PyBytes_GET_SIZE(payload) < (Py_ssize_t)sizeof h)
+        Py_RETURN_NONE;
+    const char *p = PyBytes_AS_STRING(payload);
+    memcpy(&h, p, sizeof h);
+    if (h.magic != TREC_MAGIC)
+        Py_RETURN_NONE;
+    if (!PyList_Check(refs) || PyList_GET_SIZE(refs) != 1)
+        return PyErr_Format(st->HandleError, "tensor record with %zd refs, not 1",
+                            PyList_Check(refs) ? PyList_GET_SIZE(refs) : (Py_ssize_t)-1);
+    mpc_ref ref;
+    if (parse_ref(PyList_GET_ITEM(refs, 0), &ref) < 0)
+        return NULL;
+    BlockObject *b = NULL;
+    PyObject *size_t_ = NULL, *stride_t = NULL;
+    if (h.ndim > TREC_MAXDIM ||
+        (size_t)PyBytes_GET_SIZE(payload) != sizeof h + 2 * (size_t)h.ndim * sizeof(int64_t)) {
+        PyErr_Format(st->HandleError, "corrupt tensor record (%u dimensions, %zd bytes)", h.ndim,
+                     PyBytes_GET_SIZE(payload));
+        goto drop;
+    }
+    b = (BlockObject *)attach_ref(st, ref);
+    if (b == NULL)
+        goto drop;
+    int nd = (int)h.ndim;
+    npy_intp size[TREC_MAXDIM], stride[TREC_MAXDIM];
+    const int64_t *dims = (const int64_t *)(p + sizeof h);
+    for (int i = 0; i < nd; i++) {
+        size[i] = (npy_intp)dims[i];
+        if (__builtin_mul_overflow((npy_intp)dims[nd + i], (npy_intp)h.itemsize, &stride[i])) {
+            PyErr_SetString(st->HandleError, "tensor record has absurd strides");
+            goto fail;
+        }
+    }
+    npy_intp first;
+    if (h.offset > b->b.length || h.nbytes > b->b.length - h.offset ||
+        __builtin_mul_overflow((npy_intp)h.storage_offset, (npy_intp)h.itemsize, &first) ||
+        __builtin_add_overflow(first, (npy_intp)h.offset, &first)) {
+        PyErr_Format(st->HandleError, "tensor record names bytes outside its %llu-byte block",
+                     (unsigned long long)b->b.length);
+        goto fail;
+    }
+    if (block_check_view(b, (Py_ssize_t)h.itemsize, nd, size, stride, (Py_ssize_t)first,
+                         (Py_ssize_t)h.offset, (Py_ssize_t)(h.offset + h.nbytes)) < 0)
+        goto fail;
+    size_t_ = PyTuple_New(nd);
+    stride_t = PyTuple_New(nd);
+    if (size_t_ == NULL || stride_t == NULL)
+        goto fail;
+    for (int i = 0; i < nd; i++) {
+        PyObject *a = PyLong_FromLongLong(dims[i]), *c = PyLong_FromLongLong(dims[nd + i]);
+        if (a == NULL || c == NULL) {
+            Py_XDECREF(a);
+            Py_XDECREF(c);
+            goto fail;
+        }
+        PyTuple_SET_ITEM(size_t_, i, a);
+        PyTuple_SET_ITEM(stride_t, i, c);
+    }
+    return Py_BuildValue("(NKKILNN)", (PyObject *)b, (unsigned long long)h.offset,
+                         (unsigned long long)h.nbytes, h.dtype, (long long)h.storage_offset,
+                         size_t_, stride_t);
+fail:
+    Py_XDECREF(size_t_);
+    Py_XDECREF(stride_t);
+    Py_DECREF(b);
+    return NULL;
+drop:
+    if (mpc_journal_clear(&ref)) {
+        Py_BEGIN_ALLOW_THREADS
+        mpc_ref_drop(&ref);
+        Py_END_ALLOW_THREADS
+    }
+    return NULL;
+}
+
 static PyObject *py_keeper_pid(PyObject *m, PyObject *unused) {
     return PyLong_FromLong((long)mpc_keeper_pid());
 }
@@ -650,6 +832,12 @@ PyMethodDef mpc_py_shm_methods[] = {
      "ensure_keeper() -> address: connects to (or starts) this program's keeper"},
     {"connect", py_connect, METH_NOARGS, "connect() -> slot"},
     {"keeper_pid", py_keeper_pid, METH_NOARGS, "pid of the keeper this process started, or 0"},
+    {"tensor_message", py_tensor_message, METH_VARARGS,
+     "tensor_message(block, offset, nbytes, dtype, itemsize, storage_offset, size, stride)\n"
+     "-> (refs, payload): a Queue message carrying that view of block as a tensor record"},
+    {"open_tensor_message", py_open_tensor_message, METH_VARARGS,
+     "open_tensor_message(refs, payload) -> None, or (Block, offset, nbytes, dtype,\n"
+     "storage_offset, size, stride) of a tensor record, its ticket redeemed"},
     {NULL},
 };
 
@@ -657,5 +845,13 @@ int mpc_py_shm_exec(PyObject *m, mpc_state *st) {
     st->BlockType = (PyTypeObject *)PyType_FromModuleAndSpec(m, &block_spec, NULL);
     if (st->BlockType == NULL)
         return -1;
-    return PyModule_AddObjectRef(m, "Block", (PyObject *)st->BlockType);
+    if (PyModule_AddObjectRef(m, "Block", (PyObject *)st->BlockType) < 0)
+        return -1;
+    uint32_t magic = TREC_MAGIC;
+    PyObject *tag = PyBytes_FromStringAndSize((const char *)&magic, sizeof magic);
+    if (tag == NULL)
+        return -1;
+    int r = PyModule_AddObjectRef(m, "TENSOR_RECORD_TAG", tag);
+    Py_DECREF(tag);
+    return r;
 }

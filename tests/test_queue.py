@@ -495,3 +495,245 @@ def test_failed_put_takes_no_ticket_with_it():
         _core.attach(handle)
     q.put("still works")
     assert q.get(timeout=10) == "still works"
+
+
+# --- put_many / get_many (NOTE [ Batches ]) ---------------------------------
+
+def test_put_many_get_many_keep_order_and_max_count():
+    import torch
+    q = mpcore.Queue()
+    t = torch.arange(6, dtype=torch.float64)
+    objs = ["a", {"k": [1, 2]}, t, Point(3, 4), t[1::2], None, b"bytes"]
+    q.put_many(objs)
+    assert q.qsize() == len(objs)
+    first = q.get_many(max_messages_to_get=3)
+    assert len(first) == 3
+    rest = q.get_many(timeout=10)
+    got = first + rest
+    assert len(got) == len(objs) and q.empty()
+    for a, b in zip(objs, got):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b) and a.stride() == b.stride()
+            assert a.storage_offset() == b.storage_offset()
+            assert b.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+        else:
+            assert _same(a, b)
+    q.put_many(())                        # an empty batch puts nothing
+    q.put_many(("x",))                    # tuples too
+    assert q.get_many(block=False) == ["x"]
+    with pytest.raises(TypeError, match="list or tuple"):
+        q.put_many(iter([1, 2]))
+    with pytest.raises(ValueError, match="at least 1"):
+        q.get_many(max_messages_to_get=0)
+
+
+def test_get_many_on_empty_queue_raises_empty():
+    q = mpcore.Queue()
+    with pytest.raises(queue.Empty):
+        q.get_many(block=False)
+    t0 = time.monotonic()
+    with pytest.raises(queue.Empty):
+        q.get_many(timeout=0.2)
+    assert time.monotonic() - t0 >= 0.1
+    # It returns what is there once one message is; it never waits for more.
+    q.put(1)
+    assert q.get_many(timeout=10, max_messages_to_get=5) == [1]
+
+
+def test_put_many_is_all_or_nothing_on_a_bounded_queue():
+    q = mpcore.Queue(3)
+    q.put_many([1, 2])
+    with pytest.raises(queue.Full):
+        q.put_many([3, 4], block=False)
+    with pytest.raises(queue.Full):
+        q.put_many([3, 4], timeout=0.1)
+    assert q.qsize() == 2                 # nothing of a refused batch went in
+    with pytest.raises(ValueError, match="never fit"):
+        q.put_many([0] * 4)               # more than maxsize: never
+    small = mpcore.Queue(10, capacity=4096)
+    with pytest.raises(ValueError, match="never fit"):
+        small.put_many([b"x" * 1500] * 3)  # more bytes than the ring
+    assert small.empty()
+    q.put_many([3])
+    assert q.get_many() == [1, 2, 3]
+    jq = mpcore.JoinableQueue()
+    jq.put_many(["a", "b"])
+    assert jq.get_many() == ["a", "b"]
+    jq.task_done()
+    assert not jq._ring.join(0.05)        # one task still unfinished
+    jq.task_done()
+    assert jq._ring.join(10)
+
+
+def test_put_many_on_an_unbounded_queue_never_blocks():
+    q = mpcore.Queue(capacity=4096)
+    q.put("first")
+    q.put_many([b"x" * 1000] * 10)        # more than the ring: to the feeder
+    q.put("last")
+    got = []
+    while len(got) < 12:
+        got += q.get_many(timeout=10)
+    assert got == ["first"] + [b"x" * 1000] * 10 + ["last"]
+    big = [b"y" * 100_000] * 3           # each larger than the ring: spilled
+    q.put_many(big)
+    got = []
+    while len(got) < 3:
+        got += q.get_many(timeout=10)
+    assert got == big
+
+
+def test_batches_on_a_closed_queue_raise():
+    q = mpcore.Queue()
+    q.close()
+    with pytest.raises(ValueError, match="closed"):
+        q.put_many([1])
+    with pytest.raises(ValueError, match="closed"):
+        q.get_many()
+    r = mpcore.Queue()
+    r._ring.close()                       # closed by another process, say
+    with pytest.raises(ValueError, match="closed"):
+        r.put_many([1], timeout=1)
+
+
+def test_failed_put_many_takes_no_ticket_with_it():
+    import gc
+    import threading
+    import torch
+    from mpcore import _core
+    q = mpcore.Queue(4)
+    t = torch.ones(10)
+    with pytest.raises(TypeError):
+        q.put_many([t, threading.Lock()])
+    q.put_many([1, 2, 3])
+    with pytest.raises(queue.Full):
+        q.put_many([t, t], timeout=0.05)  # the tensor's tickets go with the batch
+    assert q.get_many() == [1, 2, 3]
+    handle = mpcore._shm.find(t.data_ptr(), 40)[0].handle
+    del t
+    gc.collect()
+    with pytest.raises(mpcore.HandleError):
+        _core.attach(handle)
+
+
+def _batch_producer(q, n):
+    import torch
+    q.put_many([torch.full((1024,), float(i)) for i in range(n)] + [{"done": n}])
+
+
+def test_batches_between_processes(leak_check):
+    ctx = mpcore.get_context("fork")
+    q = mpcore.Queue()
+    p = ctx.Process(target=_batch_producer, args=(q, 50))
+    try:
+        p.start()
+        got = []
+        while not got or not isinstance(got[-1], dict):
+            got += q.get_many(timeout=30, max_messages_to_get=16)
+        assert got[-1] == {"done": 50}
+        assert [float(x[0]) for x in got[:-1]] == [float(i) for i in range(50)]
+        assert all(x.is_shared() for x in got[:-1])
+        p.join(30)
+        assert p.exitcode == 0
+    finally:
+        reap([p])
+
+
+# --- tensor records (NOTE [ Tensor records ]) --------------------------------
+
+def test_bare_tensors_of_every_dtype_and_view_round_trip():
+    import torch
+    from mpcore import _tensormsg
+    q = mpcore.Queue()
+    base = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)
+    views = [base, base[:, 1:, ::2], base.transpose(0, 2), base[1, 2, 3], base[:, :0],
+             base.expand(5, 2, 3, 4)[:, 1], torch.empty(0)]
+    dtypes = [torch.float16, torch.bfloat16, torch.float64, torch.complex64, torch.int8,
+              torch.uint8, torch.int16, torch.int64, torch.bool, torch.uint32]
+    sent = views + [torch.zeros(3, 2, dtype=d).t() for d in dtypes]
+    for t in sent:
+        msg = _tensormsg.message(t)
+        if t.numel():
+            assert msg is not None, f"{t.dtype} {tuple(t.shape)} was not sent as a record"
+            for ref in msg[0]:
+                _core_drop_journaled([ref])
+        q.put(t)
+    for t in sent:
+        r = q.get(timeout=10)
+        assert type(r) is torch.Tensor and r.dtype == t.dtype
+        assert r.shape == t.shape and r.stride() == t.stride()
+        assert r.storage_offset() == t.storage_offset() and torch.equal(r, t)
+        if t.numel():
+            assert r.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    # What a record cannot carry takes the pickle path, unchanged.
+    p = torch.nn.Parameter(torch.ones(2))
+    g = torch.ones(2, requires_grad=True)
+    for t in (p, g):
+        assert _tensormsg.message(t) is None
+        q.put(t)
+        r = q.get(timeout=10)
+        assert type(r) is type(t) and r.requires_grad and torch.equal(r, t)
+
+
+def _core_drop_journaled(refs):
+    from mpcore import _core
+    _core.drop_journaled(refs)
+
+
+def test_received_tensor_is_shared_and_freed_when_dropped():
+    import gc
+    import torch
+    from mpcore import _core
+    q = mpcore.Queue()
+    t = torch.full((1000,), 7.0)
+    q.put(t)
+    r = q.get(timeout=10)
+    r[0] = 1.0
+    assert t[0] == 1.0                    # one memory
+    handle = mpcore._shm.find(t.data_ptr(), 4000)[0].handle
+    del t, r
+    gc.collect()
+    with pytest.raises(mpcore.HandleError):
+        _core.attach(handle)
+
+
+def test_corrupt_tensor_record_raises_and_drops_its_ticket():
+    import gc
+    import torch
+    from mpcore import _core, _tensormsg
+    t = torch.ones(8)
+    refs, payload = _tensormsg.message(t)
+    _core.drop_journaled(refs)            # only its payload is used below
+    block = mpcore._shm.find(t.data_ptr(), 32)[0]
+    bad = [
+        payload[:-8],                                        # truncated
+        payload[:4] + (70).to_bytes(4, "little") + payload[8:],  # ndim
+        payload[:8] + (1 << 40).to_bytes(8, "little") + payload[16:],  # offset
+    ]
+    for corrupt in bad:
+        refs = [block.ticket(True)]
+        with pytest.raises(mpcore.HandleError):
+            _tensormsg.receive(refs, corrupt)
+    # A view past the storage's bytes (offset 4 elements, 8 long, in 32 bytes).
+    refs, past = _core.tensor_message(block, 0, 32, 0, 4, 4, (8,), (1,))
+    with pytest.raises(mpcore.HandleError, match="outside"):
+        _tensormsg.receive(refs, past)
+    del refs
+    handle = block.handle
+    del t, block
+    gc.collect()
+    # Every ticket was dropped: the block went with the tensor.
+    with pytest.raises(mpcore.HandleError):
+        _core.attach(handle)
+
+
+def test_tensor_record_is_read_before_torch_is_served(monkeypatch):
+    # A getter whose process has not served torch yet (it never imported
+    # torch.multiprocessing) still reads a record.
+    import torch
+    from mpcore import _queue
+    q = mpcore.Queue()
+    t = torch.arange(5)
+    q.put(t)
+    monkeypatch.setattr(_queue, "_receive_record", None)
+    r = q.get(timeout=10)
+    assert torch.equal(r, t) and r.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()

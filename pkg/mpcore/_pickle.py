@@ -11,6 +11,7 @@ so), or copyreg's table changes size.
 import copyreg
 import io
 import pickle
+import threading
 from multiprocessing.reduction import ForkingPickler
 
 _table = None
@@ -45,13 +46,54 @@ if not getattr(ForkingPickler.register, "_mpcore", False):
     ForkingPickler.register = classmethod(_register_and_invalidate)
 
 
-def dumps(obj, prefix=b""):
+# NOTE [ One pickler per thread ]
+# Making a Pickler and its BytesIO costs more than pickling a small dict, so
+# each thread keeps one and reuses it: the memo is cleared and the buffer
+# rewound for every message, and the bytes are copied out (a small copy).
+# A message of more than KEEP_BYTES leaves with the buffer itself, uncopied,
+# and the thread makes a new pickler.  A pickling that starts while the
+# thread's pickler is busy (a reducer that puts on a queue) gets a fresh one.
+KEEP_BYTES = 64 * 1024
+_local = threading.local()
+
+
+def _new_pickler():
     buf = io.BytesIO()
-    buf.write(prefix)
     p = pickle.Pickler(buf, 4)
-    p.dispatch_table = _dispatch_table()
-    p.dump(obj)
-    return buf.getbuffer()
+    return p, buf
+
+
+def dumps(obj, prefix=b""):
+    table = _dispatch_table()
+    cached = getattr(_local, "pickler", None)
+    if cached is None or _local.busy:
+        if cached is None:
+            cached = _local.pickler = _new_pickler()
+            _local.busy = False
+        else:
+            cached = _new_pickler()   # nested: a private one
+    p, buf = cached
+    own = cached is _local.pickler
+    if own:
+        _local.busy = True
+    try:
+        if prefix:
+            buf.write(prefix)
+        p.dispatch_table = table
+        p.dump(obj)
+        if buf.tell() > KEEP_BYTES:
+            out = buf.getbuffer()
+            if own:
+                _local.pickler = _new_pickler()
+            return out
+        return buf.getvalue()
+    finally:
+        if own and _local.pickler is cached:
+            p.clear_memo()
+            buf.seek(0)
+            buf.truncate()
+        if own:
+            _local.busy = False
 
 
 loads = pickle.loads

@@ -229,6 +229,8 @@ def install():
     ForkingPickler.register(torch.UntypedStorage, reduce_storage)
     for t in list(torch._tensor_classes) + [torch.Tensor, torch.nn.parameter.Parameter]:
         ForkingPickler.register(t, reduce_tensor)
+    from . import _tensormsg
+    _tensormsg.install()
 
 
 def empty(shape, dtype, zero=False):
