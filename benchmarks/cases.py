@@ -1567,18 +1567,13 @@ add_case("ddp-mlp", f"DDP step, 10M-param MLP, {DDP_WORLD} ranks", "steps/s", Tr
 
 
 # The rows of the other case modules, after the rows above, in this order:
-# DataLoader (loader_cases.py), resumable loading (state_cases.py), the
-# torch.distributed backend (dist_cases.py).  Each has register(cases).
-for _name in ("loader_cases", "state_cases", "dist_cases"):
+# Queue (queue_cases.py), DataLoader (loader_cases.py), resumable loading
+# (state_cases.py), the torch.distributed backend (dist_cases.py).  Each has
+# register(cases).
+for _name in ("queue_cases", "loader_cases", "state_cases", "dist_cases"):
     importlib.import_module(f".{_name}" if __package__ else _name,
                             __package__).register(sys.modules[__name__])
 
-# The Queue rows of queue_cases.py, after those.
-if __package__:
-    from . import queue_cases as _queue_cases
-else:
-    import queue_cases as _queue_cases
-_queue_cases.register(sys.modules[__name__])
 
 
 # --- command line -----------------------------------------------------------
