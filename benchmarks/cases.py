@@ -1575,7 +1575,6 @@ for _name in ("queue_cases", "loader_cases", "state_cases", "dist_cases"):
                             __package__).register(sys.modules[__name__])
 
 
-
 # --- command line -----------------------------------------------------------
 
 def run_one(case, impl, env, target_s):
