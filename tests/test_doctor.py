@@ -152,8 +152,13 @@ def test_entry_points_are_what_mpcore_run_patches(report):
         assert name in served, (name, sorted(served))
     assert {"torch.Tensor", "torch.storage.UntypedStorage",
             "numpy.ndarray"} <= set(e["pickled_by_mpcore"])
-    # everything listed is mpcore's under `mpcore run`
-    assert all(n.startswith("torch.") for n in served), served
+    # everything listed is torch's or torchdata's, mpcore's under `mpcore run`
+    assert all(n.startswith(("torch.", "torchdata.")) for n in served), served
+    try:
+        import torchdata.stateful_dataloader  # noqa: F401
+    except ImportError:
+        return
+    assert "torchdata.stateful_dataloader.StatefulDataLoader" in served, sorted(served)
 
 
 def test_text_reports_every_section_and_one_line_per_problem(provoked):
