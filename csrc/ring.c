@@ -481,8 +481,65 @@ static void mpc__ring_append(mpc_ring *r, const mpc_ref *refs, uint32_t nrefs,
     r->tail = pos + total;
 }
 
-/* The body of the puts: counted != 0 also adds one unfinished task,
- * inside the same critical section that publishes the message, so that no
+/* Publishes n validated messages (total bytes of records, which fit the
+ * ring) in one critical section, waiting until deadline_ns for room in
+ * bytes and in maxitems; counted != 0 adds n unfinished tasks with them.
+ * The returns of mpc_ring_put_many. */
+static int mpc__ring_publish(mpc_ring *r, const mpc_ring_msg *msgs, uint32_t n,
+                             uint64_t total, int64_t deadline_ns, int counted) {
+    int rc, last_try = 0;
+    for (;;) {
+        if ((rc = mpc__ring_lock(r)) < 0)
+            return rc;
+        if (atomic_load(&r->closed)) {
+            mpc__ring_unlock(r);
+            return -EPIPE;
+        }
+        uint32_t count = atomic_load(&r->count);
+        uint64_t room = r->capacity - (r->tail - r->head);
+        if (total <= room && (r->maxitems == 0 || count + (uint64_t)n <= r->maxitems) &&
+            count + (uint64_t)n <= UINT32_MAX) {
+            if (counted) {
+                /* The tasks are counted before the messages are published;
+                 * a consumer can only see them after the unlock. */
+                uint32_t t = atomic_load(&r->tasks);
+                do {
+                    if ((uint64_t)t + n > UINT32_MAX) {
+                        mpc__ring_unlock(r);
+                        return mpc_fail(EOVERFLOW, "too many unfinished tasks");
+                    }
+                } while (!atomic_compare_exchange_weak(&r->tasks, &t, t + n));
+            }
+            for (uint32_t i = 0; i < n; i++) {
+                const mpc_ring_msg *m = &msgs[i];
+                mpc__ring_append(r, m->refs, m->nrefs, m->payload, m->len, m->spill,
+                                 mpc__rec_size(r, (uint64_t)m->nrefs + (m->spill != NULL),
+                                               m->spill ? 0 : m->len));
+            }
+            atomic_store(&r->count, count + n);
+            atomic_fetch_add(&r->not_empty_seq, 1);
+            mpc__ring_unlock(r);
+            if (atomic_load(&r->get_sleepers) > 0)
+                mpc_futex_wake(&r->not_empty_seq, n < INT32_MAX ? (int)n : INT32_MAX);
+            return 0;
+        }
+        uint32_t seen = atomic_load(&r->not_full_seq);
+        mpc__ring_unlock(r);
+        if (deadline_ns == 0)
+            return -EAGAIN;
+        if (last_try)
+            return -ETIMEDOUT;
+        rc = mpc__ring_wait(&r->not_full_seq, &r->put_sleepers, seen, deadline_ns);
+        if (rc == -ETIMEDOUT)
+            last_try = 1; /* room may have come just at the deadline: look once more */
+        else if (rc < 0)
+            return rc; /* putters are woken all at once, so no wake-up to pass on */
+    }
+}
+
+/* The body of the single puts: checks one message, then publishes it
+ * (mpc__ring_publish).  counted != 0 also adds one unfinished task, inside
+ * the same critical section that publishes the message, so that no
  * consumer can finish the task before it is counted and a put that fails
  * counts nothing.  spill, when not NULL, is the ticket of the block that
  * holds the payload (mpc_ring_spill): the record then carries it as its
@@ -503,49 +560,8 @@ static int mpc__ring_put(mpc_ring *r, const mpc_ref *refs, uint32_t nrefs, const
                         "a message of %u refs (%" PRIu64 " bytes, besides its payload) can never "
                         "fit in a ring whose largest message is %" PRIu64 " bytes",
                         nrefs, (uint64_t)nrefs * sizeof(mpc_ref), r->capacity - MPC_REC_HDR);
-
-    int last_try = 0;
-    for (;;) {
-        if ((rc = mpc__ring_lock(r)) < 0)
-            return rc;
-        if (atomic_load(&r->closed)) {
-            mpc__ring_unlock(r);
-            return -EPIPE;
-        }
-        uint32_t count = atomic_load(&r->count);
-        uint64_t room = r->capacity - (r->tail - r->head);
-        if (total <= room && (r->maxitems == 0 || count < r->maxitems) && count < UINT32_MAX) {
-            if (counted) {
-                /* The task is counted before the message is published;
-                 * a consumer can only see the message after the unlock. */
-                uint32_t t = atomic_load(&r->tasks);
-                do {
-                    if (t == UINT32_MAX) {
-                        mpc__ring_unlock(r);
-                        return mpc_fail(EOVERFLOW, "too many unfinished tasks");
-                    }
-                } while (!atomic_compare_exchange_weak(&r->tasks, &t, t + 1));
-            }
-            mpc__ring_append(r, refs, nrefs, payload, len, spill, total);
-            atomic_store(&r->count, count + 1);
-            atomic_fetch_add(&r->not_empty_seq, 1);
-            mpc__ring_unlock(r);
-            if (atomic_load(&r->get_sleepers) > 0)
-                mpc_futex_wake(&r->not_empty_seq, 1);
-            return 0;
-        }
-        uint32_t seen = atomic_load(&r->not_full_seq);
-        mpc__ring_unlock(r);
-        if (deadline_ns == 0)
-            return -EAGAIN;
-        if (last_try)
-            return -ETIMEDOUT;
-        rc = mpc__ring_wait(&r->not_full_seq, &r->put_sleepers, seen, deadline_ns);
-        if (rc == -ETIMEDOUT)
-            last_try = 1; /* room may have come just at the deadline: look once more */
-        else if (rc < 0)
-            return rc; /* putters are woken all at once, so no wake-up to pass on */
-    }
+    mpc_ring_msg m = {refs, nrefs, payload, len, spill};
+    return mpc__ring_publish(r, &m, 1, total, deadline_ns, counted);
 }
 
 /* Appends n messages at once, all or none: waits until deadline_ns (-1
@@ -584,52 +600,7 @@ int mpc_ring_put_many(mpc_ring *r, const mpc_ring_msg *msgs, uint32_t n, int64_t
     if (r->maxitems != 0 && n > r->maxitems)
         return mpc_fail(EMSGSIZE, "a batch of %u messages can never fit in a queue of at most "
                         "%u", n, r->maxitems);
-    int last_try = 0;
-    for (;;) {
-        if ((rc = mpc__ring_lock(r)) < 0)
-            return rc;
-        if (atomic_load(&r->closed)) {
-            mpc__ring_unlock(r);
-            return -EPIPE;
-        }
-        uint32_t count = atomic_load(&r->count);
-        uint64_t room = r->capacity - (r->tail - r->head);
-        if (total <= room && (r->maxitems == 0 || count + (uint64_t)n <= r->maxitems) &&
-            count + (uint64_t)n <= UINT32_MAX) {
-            if (counted) {
-                uint32_t t = atomic_load(&r->tasks);
-                do {
-                    if ((uint64_t)t + n > UINT32_MAX) {
-                        mpc__ring_unlock(r);
-                        return mpc_fail(EOVERFLOW, "too many unfinished tasks");
-                    }
-                } while (!atomic_compare_exchange_weak(&r->tasks, &t, t + n));
-            }
-            for (uint32_t i = 0; i < n; i++) {
-                const mpc_ring_msg *m = &msgs[i];
-                mpc__ring_append(r, m->refs, m->nrefs, m->payload, m->len, m->spill,
-                                 mpc__rec_size(r, (uint64_t)m->nrefs + (m->spill != NULL),
-                                               m->spill ? 0 : m->len));
-            }
-            atomic_store(&r->count, count + n);
-            atomic_fetch_add(&r->not_empty_seq, 1);
-            mpc__ring_unlock(r);
-            if (atomic_load(&r->get_sleepers) > 0)
-                mpc_futex_wake(&r->not_empty_seq, n < INT32_MAX ? (int)n : INT32_MAX);
-            return 0;
-        }
-        uint32_t seen = atomic_load(&r->not_full_seq);
-        mpc__ring_unlock(r);
-        if (deadline_ns == 0)
-            return -EAGAIN;
-        if (last_try)
-            return -ETIMEDOUT;
-        rc = mpc__ring_wait(&r->not_full_seq, &r->put_sleepers, seen, deadline_ns);
-        if (rc == -ETIMEDOUT)
-            last_try = 1;
-        else if (rc < 0)
-            return rc;
-    }
+    return mpc__ring_publish(r, msgs, n, total, deadline_ns, counted);
 }
 
 /* Decides whether a message of nrefs refs and len payload bytes must
