@@ -187,13 +187,19 @@ def _queue_once(env, numel, n, shared, per_round):
         for _ in range(4):
             go.release()
         _reap([p])
-        if hasattr(q, "close"):
-            q.close()
-        if hasattr(q, "join_thread"):
-            try:
-                q.join_thread()
-            except Exception:
-                pass
+        close_queue(q)
+
+
+def close_queue(q):
+    """Closes a queue of either side (a multiprocessing.Queue or another
+    kind) and joins its feeder thread, if it has them."""
+    if hasattr(q, "close"):
+        q.close()
+    if hasattr(q, "join_thread"):
+        try:
+            q.join_thread()
+        except Exception:
+            pass
 
 
 def queue_transfer(env, target_s, nbytes, shared=False, probe=None, min_n=8):
@@ -873,6 +879,12 @@ def dl_rss_torch(env, target_s, **params):
     return dl_rss(env, target_s, budget=RSS_TORCH_BUDGET, **params)
 
 
+def best_entry(row, impl):
+    """The extra figures of the side's best value (None without one)."""
+    best = row[impl]["best"]
+    return None if best is None else row[impl]["extra"][row[impl]["values"].index(best)]
+
+
 def _best_extra(row, impl, key, pick=min):
     vals = [e[key] for e in row[impl]["extra"] if key in e]
     return pick(vals) if vals else None
@@ -885,7 +897,7 @@ def _images_notes(row):
         st1 = _best_extra(row, impl, "stack_1thread_ms")
         if best is None or st is None:
             continue
-        e = row[impl]["extra"][row[impl]["values"].index(best)]
+        e = best_entry(row, impl)
         line = (f"{impl} child: in-process torch.stack per batch {st:.3g} ms with "
                 f"{e['stack_threads']} threads, {st1:.3g} ms with 1; "
                 f"loader / stack = {best / st:.2f}x")

@@ -102,13 +102,7 @@ def _fresh_once(env, n, maxsize, out):
         done.set()
         go.release()
         _c._reap([p])
-        if hasattr(q, "close"):
-            q.close()
-        if hasattr(q, "join_thread"):
-            try:
-                q.join_thread()
-            except Exception:
-                pass
+        _c.close_queue(q)
 
 
 def fresh_16m(env, target_s, maxsize):
@@ -127,7 +121,7 @@ def _fresh_notes(row):
         best = row[impl]["best"]
         if best is None:
             continue
-        e = row[impl]["extra"][row[impl]["values"].index(best)]
+        e = _c.best_entry(row, impl)
         line = (f"{impl}: {best:.3g} ms per item; its producer's floor (torch.full + one "
                 f"16 MB copy) {e['floor_ms']:.3g} ms: {e['vs_floor']:.2f}x the floor")
         if impl == "mpcore":
@@ -196,13 +190,7 @@ def _dict_once(ctx, make_queue, n, batch):
         return el
     finally:
         _c._reap([p])
-        if hasattr(q, "close"):
-            q.close()
-        if hasattr(q, "join_thread"):
-            try:
-                q.join_thread()
-            except Exception:
-                pass
+        _c.close_queue(q)
 
 
 def _dict_rate(ctx, make_queue, target_s, batch=0):

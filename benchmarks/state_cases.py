@@ -87,7 +87,7 @@ def _notes(row):
         best = row[impl]["best"]
         if best is None:
             continue
-        e = row[impl]["extra"][row[impl]["values"].index(best)]
+        e = _c.best_entry(row, impl)
         line = (f"{e['loader']}: {best:.3g} us a step with state_dict(), "
                 f"{e['without_state_dict_us']:.3g} us without: the checkpoint costs "
                 f"{e['state_dict_us']:.3g} us")
