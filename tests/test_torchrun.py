@@ -293,11 +293,17 @@ while True:
 '''
 
 
-def test_signals_forwarded_and_grace(tmp_path, scenario):
+# The ranks as Python programs (from the zygote), and as binaries
+# (--no-python: exec'd, the interpreter standing in for any binary).
+PROGRAM = {"python": ["sig.py"], "binary": ["--no-python", sys.executable, "sig.py"]}
+
+
+@pytest.mark.parametrize("kind", sorted(PROGRAM))
+def test_signals_forwarded_and_grace(tmp_path, scenario, kind):
     (tmp_path / "sig.py").write_text(SIGNALS)
     sc = scenario
-    job = Job([MPCORE, "run", "--nproc-per-node", "2", "--shutdown-timeout", "1", "sig.py"],
-              tmp_path, _env(sc), "sig")
+    job = Job([MPCORE, "run", "--nproc-per-node", "2", "--shutdown-timeout", "1",
+               *PROGRAM[kind]], tmp_path, _env(sc), "sig")
     pids = dict((int(r), int(p)) for r, p in job.wait_for(r"^ready (\d) (\d+)$", 2))
     for name in ("SIGUSR1", "SIGUSR2"):
         job.p.send_signal(getattr(signal, name))
@@ -319,10 +325,12 @@ def test_signals_forwarded_and_grace(tmp_path, scenario):
 
 
 
-def test_ranks_die_with_a_sigkilled_launcher(tmp_path, scenario):
+@pytest.mark.parametrize("kind", sorted(PROGRAM))
+def test_ranks_die_with_a_sigkilled_launcher(tmp_path, scenario, kind):
     (tmp_path / "sig.py").write_text(SIGNALS)
     sc = scenario
-    job = Job([MPCORE, "run", "--nproc-per-node", "2", "sig.py"], tmp_path, _env(sc), "kill")
+    job = Job([MPCORE, "run", "--nproc-per-node", "2", *PROGRAM[kind]], tmp_path, _env(sc),
+              "kill")
     pids = [int(p) for p in job.wait_for(r"^ready \d (\d+)$", 2)]
     job.p.kill()
     job.p.wait()

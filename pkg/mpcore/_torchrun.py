@@ -17,14 +17,16 @@ __main__, sys.argv, sys.path[0], mpcore serving torch).
   elastic agent's.  The program is given to it as a function
   (rank_main), so the agent runs it through torch.multiprocessing's
   start_processes, which under `mpcore run` is mpcore's: the zygote.
-  --no-python runs the binary as torchrun does (by exec).
+  --no-python runs the binary as torchrun does (by exec), through a
+  trampoline (NOTE [ Binaries under --no-python ]).
 - Every rank dies with the launcher however it dies: the zygote SIGKILLs
   the children of a requester whose connection closes (NOTE [ Zygote ]).
 - A rank's uncaught exception is printed with the rank on every line and
   written to its TORCHELASTIC_ERROR_FILE in torchelastic's format (what
   @record writes), so the summary carries the traceback without @record.
 - SIGUSR1 and SIGUSR2 (unless named in --signals-to-handle, which gives
-  torch's meaning: stop) are passed on to every rank and the job goes on;
+  torch's meaning: stop) are passed on to every rank, binaries included,
+  and the job goes on;
   the signals torch handles (SIGTERM, SIGINT, SIGHUP, SIGQUIT) are sent to
   the ranks, which get --shutdown-timeout seconds before SIGKILL, and the
   launcher then dies by the same signal.
@@ -40,6 +42,7 @@ import time
 import traceback
 
 _FORWARDED = ("SIGUSR1", "SIGUSR2")
+_binaries = []   # the Popen of every --no-python rank this launcher started
 
 
 # --- the rank's side -----------------------------------------------------------
@@ -141,13 +144,57 @@ def rank_main(module, target, *argv):
 def _forward(signum, frame):
     """Passes a signal on to every rank still running."""
     import multiprocessing.process as mpp
-    for p in list(mpp._children):
-        popen = getattr(p, "_popen", None)
+    popens = [getattr(p, "_popen", None) for p in list(mpp._children)]
+    for popen in popens + _binaries:
         if popen is not None and popen.returncode is None and popen.pid:
             try:
                 os.kill(popen.pid, signum)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+# NOTE [ Binaries under --no-python ]
+# torchrun starts a --no-python rank with Popen (in a new session), so a
+# SIGKILLed launcher would leave it running, and it is no multiprocessing
+# child for _forward to find.  Here each one is started through a
+# trampoline: a bare interpreter (-I: no site-customisation, no
+# PYTHONPATH) that loads the core's extension by its path, without the
+# mpcore package (a bare interpreter's start, tens of milliseconds, not an
+# import of mpcore), calls die_with(launcher) and execs the binary, which
+# keeps the pid, and with it PR_SET_PDEATHSIG, and the environment torch
+# gave.  PR_SET_PDEATHSIG follows the thread that forked, so the trampoline
+# is used only from the launcher's main thread (where torch's agent starts
+# the ranks); a rank started from another thread is started as torchrun
+# does.  The Popen is kept in _binaries for _forward.
+_TRAMPOLINE = (
+    "import importlib.util as u, os, sys\n"
+    "s = u.spec_from_file_location('mpcore._core', sys.argv[1])\n"
+    "c = u.module_from_spec(s)\n"
+    "s.loader.exec_module(c)\n"
+    "try:\n"
+    "    c.die_with(int(sys.argv[2]), 9, True)\n"
+    "except ProcessLookupError:\n"
+    "    os.kill(os.getpid(), 9)\n"
+    "os.execvp(sys.argv[3], sys.argv[3:])\n")
+
+
+def _start_binaries_dying_with_the_launcher():
+    """Wraps torch's SubprocessHandler._popen (NOTE [ Binaries under
+    --no-python ])."""
+    import threading
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import (
+        subprocess_handler as sh)
+    from . import _core
+    popen = sh.SubprocessHandler._popen
+
+    def _popen(self, args, env):
+        if threading.current_thread() is threading.main_thread():
+            args = (sys.executable, "-I", "-c", _TRAMPOLINE, _core.__file__,
+                    str(os.getpid()), *args)
+        p = popen(self, args, env)
+        _binaries.append(p)
+        return p
+    sh.SubprocessHandler._popen = _popen
 
 
 def _plain_failure_line(record):
@@ -271,6 +318,8 @@ def main(argv):
             signal.signal(getattr(signal, name), _forward)
     config, cmd, cmd_args = tdr.config_from_args(args)
     entry, entry_args = _entrypoint(args, cmd, cmd_args)
+    if isinstance(entry, str):
+        _start_binaries_dying_with_the_launcher()
     from . import _rdzv
     _rdzv.install()
     try:
