@@ -20,17 +20,18 @@ BLOCK_QUEUE = 2
 COPY_THRESHOLD = 64 * 1024
 
 
-def _keeper_command():
-    # The keeper needs only the extension module: load it by path, with an
-    # isolated interpreter that imports no site packages, so it starts fast.
-    code = ("import importlib.util as u, sys\n"
+def core_command(call, *argv):
+    """The command line of a process that needs only the extension module:
+    an isolated interpreter that imports no site packages loads it by path
+    as `m` (so it starts in tens of milliseconds), then runs the Python
+    source `call`; sys.argv[2:] is argv."""
+    code = ("import importlib.util as u, os, sys\n"
             "s = u.spec_from_file_location('mpcore._core', sys.argv[1])\n"
-            "m = u.module_from_spec(s); s.loader.exec_module(m)\n"
-            "m.keeper_main(3, 4)\n")
-    return [sys.executable, "-I", "-S", "-c", code, _core.__file__]
+            "m = u.module_from_spec(s); s.loader.exec_module(m)\n" + call)
+    return [sys.executable, "-I", "-S", "-c", code, _core.__file__, *argv]
 
 
-_core.set_keeper_command(_keeper_command())
+_core.set_keeper_command(core_command("m.keeper_main(3, 4)\n"))
 
 
 def ensure_keeper():

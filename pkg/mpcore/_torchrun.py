@@ -157,25 +157,18 @@ def _forward(signum, frame):
 # torchrun starts a --no-python rank with Popen (in a new session), so a
 # SIGKILLed launcher would leave it running, and it is no multiprocessing
 # child for _forward to find.  Here each one is started through a
-# trampoline: a bare interpreter (-I: no site-customisation, no
-# PYTHONPATH) that loads the core's extension by its path, without the
-# mpcore package (a bare interpreter's start, tens of milliseconds, not an
-# import of mpcore), calls die_with(launcher) and execs the binary, which
-# keeps the pid, and with it PR_SET_PDEATHSIG, and the environment torch
-# gave.  PR_SET_PDEATHSIG follows the thread that forked, so the trampoline
+# trampoline: a bare interpreter that loads only the core's extension
+# (_shm.core_command, as the keeper starts), calls die_with(launcher) and
+# execs the binary, which keeps the pid, and with it PR_SET_PDEATHSIG, and
+# the environment torch gave.  PR_SET_PDEATHSIG follows the thread that forked, so the trampoline
 # is used only from the launcher's main thread (where torch's agent starts
 # the ranks); a rank started from another thread is started as torchrun
 # does.  The Popen is kept in _binaries for _forward.
-_TRAMPOLINE = (
-    "import importlib.util as u, os, sys\n"
-    "s = u.spec_from_file_location('mpcore._core', sys.argv[1])\n"
-    "c = u.module_from_spec(s)\n"
-    "s.loader.exec_module(c)\n"
-    "try:\n"
-    "    c.die_with(int(sys.argv[2]), 9, True)\n"
-    "except ProcessLookupError:\n"
-    "    os.kill(os.getpid(), 9)\n"
-    "os.execvp(sys.argv[3], sys.argv[3:])\n")
+_TRAMPOLINE = ("try:\n"
+               "    m.die_with(int(sys.argv[2]), 9, True)\n"
+               "except ProcessLookupError:\n"
+               "    os.kill(os.getpid(), 9)\n"
+               "os.execvp(sys.argv[3], sys.argv[3:])\n")
 
 
 def _start_binaries_dying_with_the_launcher():
@@ -184,13 +177,12 @@ def _start_binaries_dying_with_the_launcher():
     import threading
     from torch.distributed.elastic.multiprocessing.subprocess_handler import (
         subprocess_handler as sh)
-    from . import _core
+    from . import _shm
     popen = sh.SubprocessHandler._popen
 
     def _popen(self, args, env):
         if threading.current_thread() is threading.main_thread():
-            args = (sys.executable, "-I", "-c", _TRAMPOLINE, _core.__file__,
-                    str(os.getpid()), *args)
+            args = tuple(_shm.core_command(_TRAMPOLINE, str(os.getpid()), *args))
         p = popen(self, args, env)
         _binaries.append(p)
         return p
