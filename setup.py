@@ -44,6 +44,7 @@ setup(
     ext_modules=[Extension(
         "mpcore._core",
         sources=sorted(glob("csrc/*.c")),
+        depends=sorted(glob("csrc/*.h")),  # a changed header rebuilds every object
         include_dirs=["csrc", numpy.get_include()],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_2_0_API_VERSION")],
         extra_compile_args=extra_compile,
