@@ -319,7 +319,26 @@ class Scenario:
         keepers = [p for p in mpcore_processes() if self.tagged(p)]
         assert not keepers, f"keepers of the program still running: {keepers}"
         gained = set(os.listdir("/dev/shm")) - self.shm_before
+        # What another program (a test run next to this one) holds is not ours.
+        gained -= self._mapped_by_others(gained)
         assert not gained, f"/dev/shm gained entries: {sorted(gained)}"
+
+    def _mapped_by_others(self, names):
+        """Those of the /dev/shm entries `names` that a process outside the
+        program maps (or that are already gone again)."""
+        if not names:
+            return set()
+        others = set()
+        for p in os.listdir("/proc"):
+            if not p.isdigit() or int(p) == self.me or self.tagged(int(p)):
+                continue
+            try:
+                with open(f"/proc/{p}/maps") as f:
+                    maps = f.read()
+            except OSError:
+                continue
+            others |= {n for n in names if f"/dev/shm/{n}" in maps}
+        return others | {n for n in names if not os.path.exists(f"/dev/shm/{n}")}
 
     def close(self):
         try:

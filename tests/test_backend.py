@@ -228,6 +228,51 @@ def job_all_reduce(kind, op, noncontig=False, async_op=False, shape=(3, 5), coal
     return st
 
 
+def job_reduced_again(kind):
+    """NOTE [ Memory reduced again and again ]: three all-reduces of a large
+    tensor of each sort; its address after each, and whether it then lies in
+    a group buffer."""
+    if GROUPS[kind] is None:
+        return "skip"
+    import gc
+    import numpy as np
+    m, g, members = GROUPS[kind]
+    W = len(members)
+    n = _backend.BUFFER_MIN // 4 + 3
+    st, check = checker()
+    own = torch.empty(n)
+    arr = np.zeros(n, dtype=np.float32)
+    tensors = {"own": own, "view": own[5:], "numpy": torch.from_numpy(arr),
+               "shared": torch.empty(n).share_memory_()}
+    # rank 0's tensor over numpy stays where it is while the others' move:
+    # the core must then copy between the ranks' memory, with the same result
+    mixed = tensors["numpy"] if RANK == 0 else torch.empty(n)
+    out = {}
+    for sort, t in list(tensors.items()) + [("mixed", mixed)]:
+        head = t[:7]                           # a view made before any move
+        trail = []
+        for i in range(3):
+            ins = [make("float32", (t.numel(),), q, f"again{sort}{i}") for q in range(W)]
+            t.copy_(ins[members.index(RANK)])
+            w = dist.all_reduce(t, group=m, async_op=i == 2)
+            if i == 2:
+                w.wait()
+            want = reduce_ref(ins, "SUM", "float32")
+            check(f"{sort} call {i}", t, want)
+            check(f"{sort} call {i}, a view made before", head, want[:7])
+            a = t.untyped_storage().data_ptr()
+            trail.append([a, a in _backend._held])
+        out[sort] = trail
+    check("numpy array", torch.from_numpy(arr), tensors["numpy"])
+    out["shared_after"] = tensors["shared"].is_shared()
+    addr = own.untyped_storage().data_ptr()
+    del own, head, t, tensors, mixed
+    gc.collect()
+    out["freed"] = addr not in _backend._held
+    out.update(st)
+    return out
+
+
 def job_reduce(kind, op):
     if GROUPS[kind] is None:
         return "skip"
@@ -788,6 +833,27 @@ def test_all_reduce(pool, kind, op):
 def test_all_reduce_forms(pool, how):
     _assert_all(pool.run("all_reduce", kind="world", op="SUM", noncontig=how == "noncontig",
                          async_op=how == "async", coalesced=how == "coalesced"))
+
+
+@pytest.mark.parametrize("kind", ["world", "new_group"])
+def test_memory_reduced_again_moves_into_a_group_buffer(pool, kind):
+    """A large tensor of torch's own memory moves into a group buffer at its
+    second all-reduce and stays; memory that others see (numpy's, shared)
+    never moves; a rank whose tensor did not move still gets every result."""
+    results = pool.run("reduced_again", kind=kind)
+    _assert_all(results)
+    for rank, res in enumerate(results):
+        if res == "skip":
+            continue
+        own = res["own"]
+        assert [held for _, held in own] == [False, True, True], (rank, own)
+        assert own[0][0] != own[1][0] == own[2][0], (rank, own)   # moved once, in place
+        assert res["view"] == [own[2]] * 3, (rank, res["view"])  # a view of it is in it too
+        for sort in ("numpy", "shared"):
+            assert res[sort] == [res[sort][0]] * 3 and not res[sort][0][1], (rank, sort, res)
+        assert [held for _, held in res["mixed"]] == ([False] * 3 if rank == 0
+                                                      else [False, True, True]), (rank, res)
+        assert res["shared_after"] is True and res["freed"] is True, (rank, res)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -47,9 +47,31 @@ NOTE [ What the core cannot serve ]
   told so by the core, which compares what each asked for).
 - PREMUL_SUM (an NCCL-only op) is refused with a clear error, as gloo
   does, and so is AVG of integers (as the core: no rounding rule to pick).
+
+NOTE [ Memory reduced again and again ]
+A large all-reduce of memory that is the rank's own copies it between the
+ranks (NOTE [ Copies between ranks' memory ] in coll.c): system calls that
+take each peer's memory map lock, and a copy into a scratch area.  In a
+group buffer (NOTE [ Group buffers ] in coll.c) the ranks read each
+other's data where it lies.  So a storage of BUFFER_MIN bytes or more that
+a rank all-reduces a second time (torch's DDP buckets, FSDP's and the
+program's own gradient buffers: memory reduced again and again) is moved
+into a group buffer in place, as share_memory_() moves a storage
+(into_buffer), and stays there until the storage is freed, when the buffer
+goes with it.  Once is not enough: a tensor reduced once (a metric, a
+checkpoint average) would pay a copy and shared memory for nothing.  Only
+memory torch's own allocator gave and that no one else sees is moved: not
+a storage over a numpy array, a file or another process's shared memory
+(not resizable, or shared), nor pinned memory, which would lose its
+pinning.  Each rank decides alone; when not every rank names a buffer the
+core copies between ranks' memory as before, so the result never depends
+on the choice.  Without memory for a buffer the storage stays where it
+is.
 """
+import collections
 import datetime
 import functools
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -82,6 +104,57 @@ assert all(r.value == i for i, r in enumerate(sorted(_RED.__members__.values(),
 _FLOATS = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
 _BITWISE = (_RED.BAND, _RED.BOR, _RED.BXOR)
 _NO_TIMEOUT = datetime.timedelta(0)
+
+
+# --- group buffers (NOTE [ Memory reduced again and again ]) ---------------------------
+
+BUFFER_MIN = 1 << 20     # the core's MPC_COLL_CMA_AR_MIN: smaller all-reduces are staged
+_SEEN_MAX = 64           # storages remembered as reduced once
+_held = weakref.WeakValueDictionary()   # address -> the GroupBuffer a storage was moved into
+_seen = collections.OrderedDict()       # address -> nbytes of storages reduced once
+
+
+def into_buffer(s):
+    """Moves CPU storage s into a new GroupBuffer in place (every tensor over
+    s follows, NOTE [ Moving a storage in place ] in _torch.py) and returns
+    the buffer, which s's memory keeps alive.  MemoryError when there is no
+    shared memory for it; s is then unchanged."""
+    n = s.nbytes()
+    b = _core.GroupBuffer(n)
+    new = torch.frombuffer(b, dtype=torch.uint8, count=n)  # holds b
+    new.copy_(torch.empty(0, dtype=torch.uint8).set_(s))
+    s._swap_data_ptr_(new.untyped_storage())
+    _held[b.address] = b
+    return b
+
+
+def _all_reduce_in(core, addr, count, dtype, op, buf, timeout):
+    core.all_reduce(addr, count, dtype, op, timeout, buf)
+
+
+def _buffer_of(t):
+    """The GroupBuffer holding t (CPU, contiguous) for the core's all-reduce,
+    moving t's storage into one on its second all-reduce; or None."""
+    s = t.untyped_storage()
+    addr = s.data_ptr()
+    b = _held.get(addr)
+    if b is not None:
+        return b
+    n = s.nbytes()
+    if n < BUFFER_MIN:
+        return None
+    if _seen.pop(addr, None) != n:
+        _seen[addr] = n
+        if len(_seen) > _SEEN_MAX:
+            _seen.popitem(last=False)
+        return None
+    if (not s.resizable() or s.is_shared()
+            or (torch.cuda.is_initialized() and s.is_pinned())):
+        return None
+    try:
+        return into_buffer(s)
+    except MemoryError:
+        return None
 
 
 # --- Work ------------------------------------------------------------------------
@@ -448,12 +521,17 @@ class ProcessGroupMpcore(dist.ProcessGroup):
             row = _CORE_ROWS.get(t.dtype)
             codes = row[red.value] if row is not None else None
             if codes is not None and t.is_cpu and t.is_contiguous():
+                buf = _buffer_of(t) if t.nbytes >= BUFFER_MIN else None
                 if opts.asyncOp:
-                    return shm.run(True, tensors, shm.core.all_reduce, t.data_ptr(), t.numel(),
-                                   codes[0], codes[1], keep=(t,))
+                    if buf is None:
+                        return shm.run(True, tensors, shm.core.all_reduce, t.data_ptr(),
+                                       t.numel(), codes[0], codes[1], keep=(t,))
+                    return shm.run(True, tensors, _all_reduce_in, shm.core, t.data_ptr(),
+                                   t.numel(), codes[0], codes[1], buf, keep=(t,))
                 if shm._queued:
                     shm.drain()
-                shm.core.all_reduce(t.data_ptr(), t.numel(), codes[0], codes[1], shm.timeout)
+                shm.core.all_reduce(t.data_ptr(), t.numel(), codes[0], codes[1], shm.timeout,
+                                    buf)
                 return _Done(tensors)
         return self._allreduce(tensors, red, opts.asyncOp)
 

@@ -33,7 +33,7 @@ import weakref
 import torch
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
-from . import _backend, _core
+from . import _backend
 
 __all__ = ["DistributedDataParallel"]
 
@@ -56,9 +56,8 @@ class _Hooks:
         b = self.buffers.get(index)
         if b is not None and b.address == s.data_ptr():
             return b
-        n = s.nbytes()
         try:
-            b = _core.GroupBuffer(n)
+            b = _backend.into_buffer(s)
         except MemoryError as e:
             if not self.warned:
                 self.warned = True
@@ -66,9 +65,6 @@ class _Hooks:
                               f"its all-reduce is staged instead, which is slower",
                               RuntimeWarning, stacklevel=2)
             return None
-        new = torch.frombuffer(b, dtype=torch.uint8, count=n)  # holds b
-        new.copy_(torch.empty(0, dtype=torch.uint8).set_(s))
-        s._swap_data_ptr_(new.untyped_storage())
         self.buffers[index] = b
         return b
 
