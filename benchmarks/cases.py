@@ -968,6 +968,9 @@ AR_US_BELOW = 1 << 20           # sizes below: latency in us; from 1 MB on: ms p
 AR_TARGETS = {4 << 10: 30.0, 16 << 20: 3.0}   # mpcore's target ratio at these sizes
 DDP_LAYERS = (1024, 2048, 2048, 1024, 1024, 512)   # Linear sizes: 9.97M parameters
 DDP_BATCH = 32
+# what a DDP job reports that its rows keep
+DDP_EXTRA = ("params", "ddp", "param_spread", "compute_only_ms", "phases_ms",
+             "compute_only_phases_ms", "cpu_ms", "compute_only_cpu_ms")
 DDP_WORLD = 2
 DDP_TARGET = 1.5
 DIST_TIMEOUT_S = 60.0           # init_process_group's timeout (collectives' too)
@@ -1132,11 +1135,18 @@ def _ddp_job(torch, dist, impl, rank, target_s, torch_ddp=False):
     n, el = calibrate(run, target_s, 4, lo=3)
 
     def phase_ms(sync):
+        """Forward, backward and SGD ms per step, then the CPU ms per step
+        of the rank's process (every thread: the backend's too); each the
+        busiest rank's."""
+        import resource
         phases[:] = [0.0, 0.0, 0.0]
         k = max(3, min(20, n // 2))
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
         run(k, sync, timed=True)
-        return [_max_over_ranks(torch, dist, p / k * 1e3) for p in phases]
-    fwd, bwd, opt_ms = phase_ms(True)
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
+        return [_max_over_ranks(torch, dist, p / k * 1e3) for p in phases + [cpu]]
+    fwd, bwd, opt_ms, cpu_ms = phase_ms(True)
     # The ranks must hold the same parameters after synchronised steps.
     w = ddp.module[0].weight.detach().double().sum().item()
     spread = _max_over_ranks(torch, dist, w) + _max_over_ranks(torch, dist, -w)
@@ -1145,11 +1155,12 @@ def _ddp_job(torch, dist, impl, rank, target_s, torch_ddp=False):
     # compute, what DDP's communication is added to.
     run(2, sync=False)
     n0, el0 = calibrate(lambda k: run(k, sync=False), min(target_s, 0.5), 4, lo=3)
-    fwd0, bwd0, opt0 = phase_ms(False)
+    fwd0, bwd0, opt0, cpu0 = phase_ms(False)
     return {"n": n, "elapsed_s": el, "params": sum(p.numel() for p in model.parameters()),
             "param_spread": spread, "compute_only_n": n0,
             "compute_only_ms": el0 / n0 * 1e3, "phases_ms": [fwd, bwd, opt_ms],
             "compute_only_phases_ms": [fwd0, bwd0, opt0],
+            "cpu_ms": cpu_ms, "compute_only_cpu_ms": cpu0,
             "ddp": f"{type(ddp).__module__}.{type(ddp).__qualname__}"}
 
 
@@ -1239,8 +1250,7 @@ def ddp_step(env, target_s, world):
     r = _dist_result(env, world, target_s, ddp=True)
     d = r["ddp"]
     step_ms = d["elapsed_s"] / d["n"] * 1e3
-    extra = {k: d[k] for k in ("params", "ddp", "param_spread", "compute_only_ms", "phases_ms",
-                               "compute_only_phases_ms")}
+    extra = {k: d[k] for k in DDP_EXTRA}
     extra.update(_dist_extra(r))
     extra.update(step_ms=step_ms, comm_ms=step_ms - d["compute_only_ms"], batch=DDP_BATCH,
                  world=world)
@@ -1281,7 +1291,9 @@ def _ddp_notes(row):
             f0, b0, o0 = e["compute_only_phases_ms"]
             out.append(f"{impl}: step {e['step_ms']:.3g} ms (forward {f:.3g}, backward with "
                        f"all-reduce {b:.3g}, SGD {o:.3g}); under no_sync (no bucket copies, "
-                       f"no all-reduce) {e['compute_only_ms']:.3g} ms (backward {b0:.3g})")
+                       f"no all-reduce) {e['compute_only_ms']:.3g} ms (backward {b0:.3g}); "
+                       f"CPU per step of the busiest rank {e['cpu_ms']:.3g} ms, under no_sync "
+                       f"{e['compute_only_cpu_ms']:.3g} ms")
     if row["ratio"] is not None:
         out.append(f"target >= {DDP_TARGET:g}x: "
                    f"{'met' if row['ratio'] >= DDP_TARGET else 'MISSED'}")

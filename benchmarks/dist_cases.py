@@ -436,8 +436,7 @@ def fsdp2_row(env, target_s, jobs):
 def ddp_row(env, target_s, jobs):
     r, d = _result(env, target_s, tuple(jobs[0]))
     step_ms = d["elapsed_s"] / d["n"] * 1e3
-    extra = {k: d[k] for k in ("params", "ddp", "param_spread", "compute_only_ms", "phases_ms",
-                               "compute_only_phases_ms")}
+    extra = {k: d[k] for k in _c.DDP_EXTRA}
     extra.update(_extra(r))
     extra.update(step_ms=step_ms, comm_ms=step_ms - d["compute_only_ms"],
                  batch=_c.DDP_BATCH, world=WORLD)
