@@ -871,12 +871,15 @@ static struct {
     PyObject *from_numpy;        /* torch.from_numpy */
     PyObject *storages;          /* _torch._storages: key -> weak reference */
     PyObject *new_with_weak_ptr; /* torch.UntypedStorage._new_with_weak_ptr */
-    PyObject *remember;          /* _torch._remember(key, storage) */
-    PyObject *moved;             /* called once a storage moved into a block (a counter) */
+    PyObject *free_weak_ref;     /* torch.UntypedStorage._free_weak_ref */
+    PyObject *prune;             /* _torch._prune() -> entries left: drops the expired ones */
+    PyObject *counts;            /* _stats._counts: "storages_shared" counts the moves */
+    Py_ssize_t limit;            /* prune once storages holds twice this many */
 } trec_torch;
 
 static PyObject *s_requires_grad, *s_dtype, *s_size, *s_stride, *s_storage_offset,
-    *s_untyped_storage, *s_nbytes, *s_data_ptr, *s_swap_data_ptr_, *s_new, *s_set_;
+    *s_untyped_storage, *s_nbytes, *s_data_ptr, *s_swap_data_ptr_, *s_new, *s_set_, *s_weak_ref,
+    *s_storages_shared;
 
 static int trec_intern(void) {
     if (s_set_ != NULL)
@@ -892,29 +895,33 @@ static int trec_intern(void) {
     TREC_INTERN(s_data_ptr, "data_ptr");
     TREC_INTERN(s_swap_data_ptr_, "_swap_data_ptr_");
     TREC_INTERN(s_new, "new");
+    TREC_INTERN(s_weak_ref, "_weak_ref");
+    TREC_INTERN(s_storages_shared, "storages_shared");
     TREC_INTERN(s_set_, "set_");
 #undef TREC_INTERN
     return 0;
 }
 
 /* torch_hooks(tensor_type, dispatch_keys, plain_keys, codes, descrs, proto,
- * from_numpy, storages, new_with_weak_ptr, remember, moved): the torch
- * objects of NOTE [ Tensor records in C ].  Called once torch is imported;
- * calling it again replaces them. */
+ * from_numpy, storages, new_with_weak_ptr, free_weak_ref, prune, counts):
+ * the torch objects of NOTE [ Tensor records in C ].  Called once torch is
+ * imported; calling it again replaces them. */
 static PyObject *py_torch_hooks(PyObject *m, PyObject *args) {
-    PyObject *o[11];
-    if (!PyArg_ParseTuple(args, "OOO!O!O!OOO!OOO:torch_hooks", &o[0], &o[1], &PyTuple_Type, &o[2],
-                          &PyDict_Type, &o[3], &PyTuple_Type, &o[4], &o[5], &o[6], &PyDict_Type,
-                          &o[7], &o[8], &o[9], &o[10]))
+    PyObject *o[12];
+    if (!PyArg_ParseTuple(args, "OOO!O!O!OOO!OOOO!:torch_hooks", &o[0], &o[1], &PyTuple_Type,
+                          &o[2], &PyDict_Type, &o[3], &PyTuple_Type, &o[4], &o[5], &o[6],
+                          &PyDict_Type, &o[7], &o[8], &o[9], &o[10], &PyDict_Type, &o[11]))
         return NULL;
     if (trec_intern() < 0 || PyArray_ImportNumPyAPI() < 0)
         return NULL;
-    PyObject **slot[11] = {&trec_torch.tensor_type, &trec_torch.dispatch_keys,
+    PyObject **slot[12] = {&trec_torch.tensor_type, &trec_torch.dispatch_keys,
                            &trec_torch.plain_keys, &trec_torch.codes, &trec_torch.descrs,
                            &trec_torch.proto, &trec_torch.from_numpy, &trec_torch.storages,
-                           &trec_torch.new_with_weak_ptr, &trec_torch.remember, &trec_torch.moved};
-    for (int i = 0; i < 11; i++)
+                           &trec_torch.new_with_weak_ptr, &trec_torch.free_weak_ref,
+                           &trec_torch.prune, &trec_torch.counts};
+    for (int i = 0; i < 12; i++)
         Py_XSETREF(*slot[i], Py_NewRef(o[i]));
+    trec_torch.limit = 1024;
     Py_RETURN_NONE;
 }
 
@@ -957,11 +964,52 @@ static PyObject *trec_byte_storage(BlockObject *b, uint64_t offset, uint64_t nby
     return s;
 }
 
-/* Records storage as the one of its key; 0, or -1 with an exception set. */
+/* Records storage as the one of its key, as _torch._remember does (the
+ * expired entries are pruned by _torch._prune once the table has doubled
+ * since the last pruning); 0, or -1 with an exception set. */
 static int trec_remember(PyObject *key, PyObject *storage) {
-    PyObject *r = PyObject_CallFunctionObjArgs(trec_torch.remember, key, storage, NULL);
-    Py_XDECREF(r);
-    return r == NULL ? -1 : 0;
+    PyObject *ref = PyObject_CallMethodNoArgs(storage, s_weak_ref);
+    if (ref == NULL)
+        return -1;
+    PyObject *old = PyDict_GetItemWithError(trec_torch.storages, key); /* borrowed */
+    Py_XINCREF(old);
+    int r = old == NULL && PyErr_Occurred() ? -1 : PyDict_SetItem(trec_torch.storages, key, ref);
+    Py_DECREF(ref);
+    if (old != NULL) {
+        PyObject *x = PyObject_CallOneArg(trec_torch.free_weak_ref, old);
+        Py_DECREF(old);
+        Py_XDECREF(x);
+        if (x == NULL)
+            r = -1;
+    }
+    if (r == 0 && PyDict_GET_SIZE(trec_torch.storages) >= 2 * trec_torch.limit) {
+        PyObject *n = PyObject_CallNoArgs(trec_torch.prune);
+        if (n == NULL)
+            return -1;
+        Py_ssize_t left = PyLong_AsSsize_t(n);
+        Py_DECREF(n);
+        if (left < 0 && PyErr_Occurred())
+            return -1;
+        trec_torch.limit = left > 1024 ? left : 1024;
+    }
+    return r;
+}
+
+/* Counts a storage moved into shared memory in _stats; 0, or -1 with an
+ * exception set. */
+static int trec_count_move(void) {
+    PyObject *c = PyDict_GetItemWithError(trec_torch.counts, s_storages_shared);
+    if (c == NULL && PyErr_Occurred())
+        return -1;
+    long long v = c == NULL ? 0 : PyLong_AsLongLong(c);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    PyObject *nv = PyLong_FromLongLong(v + 1);
+    if (nv == NULL)
+        return -1;
+    int r = PyDict_SetItem(trec_torch.counts, s_storages_shared, nv);
+    Py_DECREF(nv);
+    return r;
 }
 
 /* Reads an integer method result (nbytes(), data_ptr(), ...) of o into *v;
@@ -1023,15 +1071,12 @@ static PyObject *trec_move(mpc_state *st, PyObject *storage, long long ptr, uint
     key = trec_key(b, 0, nbytes);
     if (key == NULL || trec_remember(key, storage) < 0)
         goto fail;
-    Py_DECREF(key);
-    res = PyObject_CallNoArgs(trec_torch.moved);
-    if (res == NULL)
-        goto fail_moved;
-    Py_DECREF(res);
+    Py_CLEAR(key);
+    if (trec_count_move() < 0)
+        goto fail;
     return (PyObject *)b;
 fail:
     Py_XDECREF(key);
-fail_moved:
     Py_DECREF(b);
     return NULL;
 }
