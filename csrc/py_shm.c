@@ -877,7 +877,7 @@ static struct {
     Py_ssize_t limit;            /* prune once storages holds twice this many */
 } trec_torch;
 
-static PyObject *s_requires_grad, *s_dtype, *s_size, *s_stride, *s_storage_offset,
+static PyObject *s_requires_grad, *s_dtype, *s_shape, *s_stride, *s_storage_offset,
     *s_untyped_storage, *s_nbytes, *s_data_ptr, *s_swap_data_ptr_, *s_new, *s_set_, *s_weak_ref,
     *s_storages_shared;
 
@@ -887,7 +887,7 @@ static int trec_intern(void) {
 #define TREC_INTERN(v, name) if ((v = PyUnicode_InternFromString(name)) == NULL) return -1
     TREC_INTERN(s_requires_grad, "requires_grad");
     TREC_INTERN(s_dtype, "dtype");
-    TREC_INTERN(s_size, "size");
+    TREC_INTERN(s_shape, "shape");
     TREC_INTERN(s_stride, "stride");
     TREC_INTERN(s_storage_offset, "storage_offset");
     TREC_INTERN(s_untyped_storage, "untyped_storage");
@@ -1121,7 +1121,7 @@ static PyObject *py_tensor_record(PyObject *m, PyObject *t) {
 
     npy_intp size[TREC_MAXDIM], stride[TREC_MAXDIM];
     int nd, nd2;
-    o = PyObject_CallMethodNoArgs(t, s_size);
+    o = PyObject_GetAttr(t, s_shape); /* cheaper than size(): no argument parsing */
     if (o == NULL)
         return NULL;
     nd = trec_read_dims(o, size);
