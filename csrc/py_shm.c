@@ -875,6 +875,8 @@ static struct {
     PyObject *prune;             /* _torch._prune() -> entries left: drops the expired ones */
     PyObject *counts;            /* _stats._counts: "storages_shared" counts the moves */
     Py_ssize_t limit;            /* prune once storages holds twice this many */
+    PyObject *protos;            /* list: code -> proto's result, None until asked */
+    Py_ssize_t *itemsizes;       /* code -> the itemsize of its proto, once in protos */
 } trec_torch;
 
 static PyObject *s_requires_grad, *s_dtype, *s_shape, *s_stride, *s_storage_offset,
@@ -922,6 +924,9 @@ static PyObject *py_torch_hooks(PyObject *m, PyObject *args) {
     for (int i = 0; i < 12; i++)
         Py_XSETREF(*slot[i], Py_NewRef(o[i]));
     trec_torch.limit = 1024;
+    Py_CLEAR(trec_torch.protos);
+    PyMem_Free(trec_torch.itemsizes);
+    trec_torch.itemsizes = NULL;
     Py_RETURN_NONE;
 }
 
@@ -1171,6 +1176,49 @@ done:
     return res;
 }
 
+/* The empty tensor of a dtype code (a new reference), from the proto hook
+ * once per code, with its itemsize in *itemsize; NULL with an exception set
+ * (HandleError for a code that names no dtype). */
+static PyObject *trec_proto(uint32_t code, Py_ssize_t *itemsize) {
+    Py_ssize_t n = PyTuple_GET_SIZE(trec_torch.descrs); /* one entry per code */
+    if (code < (uint32_t)n && trec_torch.protos != NULL) {
+        PyObject *p = PyList_GET_ITEM(trec_torch.protos, code);
+        if (p != Py_None) {
+            *itemsize = trec_torch.itemsizes[code];
+            return Py_NewRef(p);
+        }
+    }
+    PyObject *c = PyLong_FromUnsignedLong(code);
+    PyObject *p = c ? PyObject_CallOneArg(trec_torch.proto, c) : NULL;
+    Py_XDECREF(c);
+    if (p == NULL)
+        return NULL;
+    PyObject *isz = PyObject_GetAttrString(p, "itemsize");
+    *itemsize = isz ? PyLong_AsSsize_t(isz) : -1;
+    Py_XDECREF(isz);
+    if (*itemsize < 0 || code >= (uint32_t)n) {
+        if (*itemsize < 0) {
+            Py_CLEAR(p);
+        }
+        return p;
+    }
+    if (trec_torch.protos == NULL) {
+        trec_torch.itemsizes = PyMem_Calloc((size_t)n, sizeof(Py_ssize_t));
+        trec_torch.protos = trec_torch.itemsizes ? PyList_New(n) : PyErr_NoMemory();
+        if (trec_torch.protos == NULL) {
+            PyMem_Free(trec_torch.itemsizes);
+            trec_torch.itemsizes = NULL;
+            Py_DECREF(p);
+            return NULL;
+        }
+        for (Py_ssize_t i = 0; i < n; i++)
+            PyList_SET_ITEM(trec_torch.protos, i, Py_NewRef(Py_None));
+    }
+    trec_torch.itemsizes[code] = *itemsize;
+    PyList_SetItem(trec_torch.protos, code, Py_NewRef(p)); /* steals; cannot fail */
+    return p;
+}
+
 /* The storage for bytes [offset, offset + nbytes) of b that this process
  * already has (NOTE [ Storage identity ]): a new reference, NULL (no
  * exception) if there is none, or NULL with an exception set. */
@@ -1245,11 +1293,18 @@ static PyObject *py_tensor_from_record(PyObject *m, PyObject *args) {
         if (s == NULL || trec_remember(key, s) < 0)
             goto done;
     }
-    PyObject *code = PyLong_FromUnsignedLong(h.dtype);
-    PyObject *proto = code ? PyObject_CallOneArg(trec_torch.proto, code) : NULL;
-    Py_XDECREF(code);
+    Py_ssize_t itemsize;
+    PyObject *proto = trec_proto(h.dtype, &itemsize);
     if (proto == NULL)
         goto done;
+    if (itemsize != (Py_ssize_t)h.itemsize) {
+        /* The view was checked with the record's itemsize: it must be the
+         * dtype's. */
+        Py_DECREF(proto);
+        PyErr_Format(st->HandleError, "tensor record says %u-byte items for a dtype of %zd",
+                     h.itemsize, itemsize);
+        goto done;
+    }
     PyObject *t = PyObject_CallMethodNoArgs(proto, s_new);
     Py_DECREF(proto);
     if (t == NULL)

@@ -717,6 +717,11 @@ def test_corrupt_tensor_record_raises_and_drops_its_ticket():
     refs, past = _core.tensor_message(block, 0, 32, 0, 4, 4, (8,), (1,))
     with pytest.raises(mpcore.HandleError, match="outside"):
         _tensormsg.receive(refs, past)
+    # Items of 1 byte for a float32 tensor: checked as bytes, read as floats.
+    refs, wrong = _core.tensor_message(block, 0, 32, _tensormsg._CODE[torch.float32], 1, 0,
+                                       (32,), (1,))
+    with pytest.raises(mpcore.HandleError, match="1-byte items for a dtype of 4"):
+        _tensormsg.receive(refs, wrong)
     del refs
     handle = block.handle
     del t, block
