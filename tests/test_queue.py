@@ -717,6 +717,11 @@ def test_corrupt_tensor_record_raises_and_drops_its_ticket():
     refs, past = _core.tensor_message(block, 0, 32, 0, 4, 4, (8,), (1,))
     with pytest.raises(mpcore.HandleError, match="outside"):
         _tensormsg.receive(refs, past)
+    # Items of 1 byte for a float32 tensor: checked as bytes, read as floats.
+    refs, wrong = _core.tensor_message(block, 0, 32, _tensormsg._CODE[torch.float32], 1, 0,
+                                       (32,), (1,))
+    with pytest.raises(mpcore.HandleError, match="1-byte items for a dtype of 4"):
+        _tensormsg.receive(refs, wrong)
     del refs
     handle = block.handle
     del t, block
@@ -737,3 +742,57 @@ def test_tensor_record_is_read_before_torch_is_served(monkeypatch):
     monkeypatch.setattr(_queue, "_receive_record", None)
     r = q.get(timeout=10)
     assert torch.equal(r, t) and r.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+
+
+def _records_to_send():
+    import torch
+    base = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)
+    flat = torch.arange(8, dtype=torch.float64)
+    return [
+        torch.arange(6, dtype=torch.int64),          # a fresh tensor: made in one step
+        torch.tensor(2.5),                           # no dimensions
+        torch.ones(5, dtype=torch.bool),
+        torch.zeros(3, 2, dtype=torch.bfloat16).t(),  # a dtype numpy lacks: set_()
+        base.transpose(0, 2),                        # all of its storage, strides permuted
+        base,                                        # the same storage again
+        base[:, 1:, ::2],                            # a view inside it
+        flat[2:],                                    # a storage seen first through a view
+        flat,                                        # ... then whole
+    ]
+
+
+def _record_sender(q):
+    for t in _records_to_send():
+        q.put(t)
+
+
+def test_tensor_records_from_another_process_keep_views_and_identity(leak_check):
+    # NOTE [ Tensor records in C ]: whether a received tensor is made in one
+    # step or by set_(), it has the sent view, dtype and values, over a
+    # storage of the sent storage's bytes, one per storage in the getter.
+    import torch
+    ctx = mpcore.get_context("fork")
+    q = mpcore.Queue()
+    p = ctx.Process(target=_record_sender, args=(q,))
+    try:
+        p.start()
+        got = [q.get(timeout=30) for _ in range(9)]
+        p.join(30)
+        assert p.exitcode == 0
+    finally:
+        reap([p])
+    for r, t in zip(got, _records_to_send()):
+        assert type(r) is torch.Tensor and not r.requires_grad and r.dtype == t.dtype
+        assert r.shape == t.shape and r.stride() == t.stride()
+        assert r.storage_offset() == t.storage_offset() and torch.equal(r, t)
+        assert r.untyped_storage().nbytes() == t.untyped_storage().nbytes()
+        assert r.is_shared()
+    ptr = [r.untyped_storage().data_ptr() for r in got]
+    assert ptr[4] == ptr[5] == ptr[6] and ptr[7] == ptr[8]
+    assert len(set(ptr)) == 6
+    got[5][0, 0, 0] = 100.0                          # one memory for the three views
+    assert got[4][0, 0, 0] == 100.0
+    got[5][1, 2, 2] = -1.0
+    assert got[6][1, 1, 1] == -1.0
+    got[8][3] = 42.0
+    assert got[7][1] == 42.0

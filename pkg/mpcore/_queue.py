@@ -215,6 +215,11 @@ class Queue:
         refs, payload = self._ring.get(block, timeout)
         if not refs:
             return _pickle.loads(payload)
+        if len(refs) == 1 and _receive_record is not None:
+            # A tensor record, most likely (None if the message is not one).
+            obj = _receive_record(refs, payload)
+            if obj is not None:
+                return obj
         return decode(refs, payload)
 
     def put_nowait(self, obj):

@@ -4,18 +4,20 @@ once torch is served.
 
 NOTE [ The per-item path of a tensor ]
 Queue.put of a tensor of the base class with no autograd state (what
-NOTE [ What the fast path carries ] in _torch.py calls plain) moves its
-storage into a block as a pickle would (_torch._move), then one core call
-takes the ticket and writes the record; Queue.get hands the record to one
-core call that redeems the ticket and checks the view, and builds the
-tensor with one set_() over the storage of that byte range (one per range
-in a process, NOTE [ Storage identity ]).  Everything else (Parameters,
+NOTE [ What the fast path carries ] in _torch.py calls plain) is one core
+call, _core.tensor_record: it moves the storage into a block as a pickle
+would (as _torch._move does), takes the ticket and writes the record;
+Queue.get hands the record to one core call, _core.tensor_from_record, that
+redeems the ticket, checks the view and makes the tensor over the one
+storage of that byte range in this process (NOTE [ Storage identity ]).
+Both reach torch through the objects given to _core.torch_hooks below
+(NOTE [ Tensor records in C ] in py_shm.c).  Everything else (Parameters,
 tensors that require grad, subclasses, other layouts, a tensor inside a
 list) takes the pickle path, with the same handle in other words.
 """
 import torch
 
-from . import _core, _queue, _torch
+from . import _core, _queue, _stats, _torch
 
 # Dtype codes of records: the index in this list, the same in every process
 # of a program (same torch, same mpcore).
@@ -24,17 +26,9 @@ _CODE = {_torch._DTYPES[n]: i for i, n in enumerate(_NAMES)}
 _BY_CODE = {}   # code -> proto tensor, filled on first use
 
 
-def message(t):
-    """(refs, payload) of a tensor record for t, or None when t must be
-    pickled."""
-    if t.requires_grad or not _torch.fast_path(t):
-        return None
-    storage = t.untyped_storage()
-    b, off = _torch._move(storage)
-    if b is None:
-        return None
-    return _core.tensor_message(b, off, storage.nbytes(), _CODE[t.dtype], t.itemsize,
-                                t.storage_offset(), t.size(), t.stride())
+# message(t): (refs, payload) of a tensor record for t, or None when t must
+# be pickled.
+message = _core.tensor_record
 
 
 def _proto(code):
@@ -46,17 +40,33 @@ def _proto(code):
     return p
 
 
-def receive(refs, payload):
-    """The tensor of a record, or None if the message is not one."""
-    h = _core.open_tensor_message(refs, payload)
-    if h is None:
-        return None
-    block, off, nbytes, code, storage_offset, size, stride = h
-    p = _BY_CODE.get(code)
-    if p is None:
-        p = _proto(code)
-    return p.new().set_(_torch.storage_over(block, off, nbytes), storage_offset,
-                                   size, stride)
+# receive(refs, payload): the tensor of a record, or None if the message is
+# not one.
+receive = _core.tensor_from_record
+
+
+def _from_numpy_dtypes():
+    """code -> the numpy dtype that torch.from_numpy turns into that code's
+    dtype, or None (bfloat16, float8, ...): the one-step path of NOTE
+    [ Tensor records in C ] is taken only where this round trip holds."""
+    import numpy as np
+    out = [None] * len(_NAMES)
+    for name in ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32",
+                 "uint64", "float16", "float32", "float64", "complex64", "complex128"):
+        nd = np.dtype(name)
+        try:
+            d = torch.from_numpy(np.empty(1, nd)).dtype
+        except TypeError:   # a numpy dtype this torch cannot take
+            continue
+        if d in _CODE and d.itemsize == nd.itemsize:
+            out[_CODE[d]] = nd
+    return tuple(out)
+
+
+_core.torch_hooks(torch.Tensor, _torch._dispatch_keys, _torch._PLAIN_KEYS,
+                  {d: (c, d.itemsize) for d, c in _CODE.items()}, _from_numpy_dtypes(), _proto,
+                  torch.from_numpy, _torch._storages, torch.UntypedStorage._new_with_weak_ptr,
+                  torch.UntypedStorage._free_weak_ref, _torch._prune, _stats._counts)
 
 
 def install():

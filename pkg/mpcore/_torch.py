@@ -51,11 +51,16 @@ def _remember(key, storage):
     if old is not None:
         torch.UntypedStorage._free_weak_ref(old)
     if len(_storages) >= 2 * _remember.limit:
-        for k, ref in list(_storages.items()):
-            if torch.UntypedStorage._expired(ref):
-                del _storages[k]
-                torch.UntypedStorage._free_weak_ref(ref)
-        _remember.limit = max(1024, len(_storages))
+        _remember.limit = max(1024, _prune())
+
+
+def _prune():
+    """Drops the entries of expired storages; returns how many are left."""
+    for k, ref in list(_storages.items()):
+        if torch.UntypedStorage._expired(ref):
+            del _storages[k]
+            torch.UntypedStorage._free_weak_ref(ref)
+    return len(_storages)
 
 
 _remember.limit = 1024
