@@ -809,39 +809,6 @@ static PyObject *dims_tuple(int nd, const npy_intp *vals, npy_intp unit) {
     return t;
 }
 
-/* open_tensor_message(refs, payload) -> None if the message is not a
- * tensor record (NOTE [ Tensor records ]); else redeems its ticket and
- * returns (Block, offset, nbytes, dtype, storage_offset, size, stride),
- * the view checked to lie inside the storage's bytes and those inside the
- * block.  A malformed record raises HandleError, its ticket dropped. */
-static PyObject *py_open_tensor_message(PyObject *m, PyObject *args) {
-    mpc_state *st = mpc_get_state(m);
-    PyObject *refs, *payload;
-    if (!PyArg_ParseTuple(args, "OO:open_tensor_message", &refs, &payload))
-        return NULL;
-    trec_header h;
-    BlockObject *b;
-    npy_intp size[TREC_MAXDIM], stride[TREC_MAXDIM];
-    int r = trec_open(st, refs, payload, &h, &b, size, stride);
-    if (r <= 0) {
-        if (r == 0)
-            Py_RETURN_NONE;
-        return NULL;
-    }
-    int nd = (int)h.ndim;
-    PyObject *size_t_ = dims_tuple(nd, size, 1);
-    PyObject *stride_t = dims_tuple(nd, stride, (npy_intp)h.itemsize);
-    if (size_t_ == NULL || stride_t == NULL) {
-        Py_XDECREF(size_t_);
-        Py_XDECREF(stride_t);
-        Py_DECREF(b);
-        return NULL;
-    }
-    return Py_BuildValue("(NKKILNN)", (PyObject *)b, (unsigned long long)h.offset,
-                         (unsigned long long)h.nbytes, h.dtype, (long long)h.storage_offset,
-                         size_t_, stride_t);
-}
-
 /* NOTE [ Tensor records in C ]
  * The per-item path of a bare tensor on a Queue (NOTE [ The per-item path
  * of a tensor ] in _tensormsg.py) is two calls: tensor_record(t) on the put
@@ -1357,9 +1324,6 @@ PyMethodDef mpc_py_shm_methods[] = {
     {"tensor_message", py_tensor_message, METH_VARARGS,
      "tensor_message(block, offset, nbytes, dtype, itemsize, storage_offset, size, stride)\n"
      "-> (refs, payload): a Queue message carrying that view of block as a tensor record"},
-    {"open_tensor_message", py_open_tensor_message, METH_VARARGS,
-     "open_tensor_message(refs, payload) -> None, or (Block, offset, nbytes, dtype,\n"
-     "storage_offset, size, stride) of a tensor record, its ticket redeemed"},
     {"torch_hooks", py_torch_hooks, METH_VARARGS,
      "torch_hooks(tensor_type, dispatch_keys, plain_keys, codes, descrs, proto, from_numpy,\n"
      "storages, new_with_weak_ptr, remember, moved): torch's objects for tensor records"},
