@@ -482,6 +482,7 @@ _RUNNER_PROGRAM = """
 import json, os, sys, traceback
 sys.path.insert(0, {tests!r})
 import conftest as C
+import mpcore
 import {module} as T
 if __name__ == "__main__":
     me = os.getpid()
@@ -498,13 +499,13 @@ if __name__ == "__main__":
         # What leak_check asks of a test, asked here of this scenario: no
         # child of this program left behind but its keeper, zygote and
         # resource tracker, and no other keeper running in its session.
-        own = {{T.mpcore._core.keeper_pid()}}
+        own = {{mpcore._core.keeper_pid()}}
         out["kids"] = [(p, s) for p, s in C.children_of(me)
                        if p not in own and not C._is_resource_tracker(p)
                        and not C._is_own_zygote(p)]
         out["stray"] = sorted(set(C.mpcore_processes()) - own - keepers_before)
         print("SCENARIO-RESULT " + json.dumps(out), flush=True)
-    print("KEEPER=%d" % (T.mpcore._core.keeper_pid() or 0), flush=True)
+    print("KEEPER=%d" % (mpcore._core.keeper_pid() or 0), flush=True)
 """
 
 
@@ -592,6 +593,15 @@ class ScenarioRunner:
             except OSError:
                 pass
             self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def scenario_runner(request, tmp_path_factory):
+    """The program that runs the test module's spawn scenarios (NOTE [ One
+    program for a module's spawn scenarios ])."""
+    r = ScenarioRunner(request.module.__name__, str(tmp_path_factory.mktemp("runner")))
+    yield r
+    r.close()
 
 
 def reap(procs, timeout=60):

@@ -18,7 +18,7 @@ from multiprocessing.reduction import ForkingPickler
 from torch import nn
 
 import mpcore
-from conftest import ScenarioRunner, mpcore_ranges, reap, result, run_scenario
+from conftest import mpcore_ranges, reap, result, run_scenario
 
 MODULE = __name__
 METHODS = ["fork", "spawn"]
@@ -28,14 +28,6 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16,
 
 
 # --- helpers ------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def runner(tmp_path_factory):
-    """The program that runs this module's spawn scenarios (NOTE [ One
-    program for a module's spawn scenarios ] in conftest.py)."""
-    r = ScenarioRunner(MODULE, str(tmp_path_factory.mktemp("runner")))
-    yield r
-    r.close()
 
 
 def in_mpcore_memory(t):
@@ -204,8 +196,8 @@ def scenario_child_changes_seen(method):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", METHODS)
-def test_child_changes_seen_by_parent(method, leak_check, runner):
-    run_scenario(MODULE, "scenario_child_changes_seen", method, runner=runner)
+def test_child_changes_seen_by_parent(method, leak_check, scenario_runner):
+    run_scenario(MODULE, "scenario_child_changes_seen", method, runner=scenario_runner)
 
 
 # --- views and storage identity across a queue ---------------------------
@@ -258,8 +250,8 @@ def scenario_views(method, kind="mpcore"):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", METHODS)
-def test_views_and_identity_through_queue(method, leak_check, runner):
-    run_scenario(MODULE, "scenario_views", method, runner=runner)
+def test_views_and_identity_through_queue(method, leak_check, scenario_runner):
+    run_scenario(MODULE, "scenario_views", method, runner=scenario_runner)
 
 
 def scenario_views_torch_queue(method):
@@ -268,8 +260,8 @@ def scenario_views_torch_queue(method):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", METHODS)
-def test_views_and_identity_through_torch_multiprocessing_queue(method, leak_check, runner):
-    run_scenario(MODULE, "scenario_views_torch_queue", method, runner=runner)
+def test_views_and_identity_through_torch_multiprocessing_queue(method, leak_check, scenario_runner):
+    run_scenario(MODULE, "scenario_views_torch_queue", method, runner=scenario_runner)
 
 
 # --- a sender that exits before the receiver gets -----------------------
@@ -319,14 +311,14 @@ def scenario_sender_exits_first_torch_queue(method):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", METHODS)
-def test_sender_may_exit_before_receiver_gets(method, leak_check, runner):
-    run_scenario(MODULE, "scenario_sender_exits_first", method, runner=runner)
+def test_sender_may_exit_before_receiver_gets(method, leak_check, scenario_runner):
+    run_scenario(MODULE, "scenario_sender_exits_first", method, runner=scenario_runner)
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", METHODS)
-def test_sender_may_exit_before_receiver_gets_torch_queue(method, leak_check, runner):
-    run_scenario(MODULE, "scenario_sender_exits_first_torch_queue", method, runner=runner)
+def test_sender_may_exit_before_receiver_gets_torch_queue(method, leak_check, scenario_runner):
+    run_scenario(MODULE, "scenario_sender_exits_first_torch_queue", method, runner=scenario_runner)
 
 
 # --- Hogwild -------------------------------------------------------------
@@ -386,8 +378,8 @@ def scenario_hogwild(method):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", METHODS)
-def test_hogwild_training_updates_parent(method, leak_check, runner):
-    run_scenario(MODULE, "scenario_hogwild", method, runner=runner)
+def test_hogwild_training_updates_parent(method, leak_check, scenario_runner):
+    run_scenario(MODULE, "scenario_hogwild", method, runner=scenario_runner)
 
 
 # --- Parameters, requires_grad, identity within one pickle ---------------
@@ -445,8 +437,8 @@ def scenario_params(method):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", METHODS)
-def test_parameters_and_optimizer_arrive_intact(method, leak_check, runner):
-    run_scenario(MODULE, "scenario_params", method, runner=runner)
+def test_parameters_and_optimizer_arrive_intact(method, leak_check, scenario_runner):
+    run_scenario(MODULE, "scenario_params", method, runner=scenario_runner)
 
 
 # --- dtypes and layouts ---------------------------------------------------
@@ -512,8 +504,8 @@ def scenario_dtypes(method):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", METHODS)
-def test_dtypes_and_layouts(method, leak_check, runner):
-    run_scenario(MODULE, "scenario_dtypes", method, runner=runner)
+def test_dtypes_and_layouts(method, leak_check, scenario_runner):
+    run_scenario(MODULE, "scenario_dtypes", method, runner=scenario_runner)
 
 
 # --- a tensor made in a child comes to the parent ------------------------
@@ -548,8 +540,8 @@ def scenario_child_makes(method):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", METHODS)
-def test_tensor_made_in_child_reaches_parent(method, leak_check, runner):
-    run_scenario(MODULE, "scenario_child_makes", method, runner=runner)
+def test_tensor_made_in_child_reaches_parent(method, leak_check, scenario_runner):
+    run_scenario(MODULE, "scenario_child_makes", method, runner=scenario_runner)
 
 
 # --- children's tensors reach a parent that has not used mpcore yet ------
