@@ -216,10 +216,31 @@ _PR_SET_CHILD_SUBREAPER = 36
 _TAG = "MPCORE_TEST_TAG"
 
 
+_PR_GET_CHILD_SUBREAPER = 37
+
+
 def _set_subreaper(on):
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def _is_subreaper():
+    libc = ctypes.CDLL(None, use_errno=True)
+    on = ctypes.c_int(0)
+    if libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(on), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_GET_CHILD_SUBREAPER)")
+    return bool(on.value)
+
+
+def _reap_own(pids, block=False):
+    """Reaps those of pids that are exited children of this process (orphans
+    it adopted as their subreaper); other pids are left alone."""
+    for pid in pids:
+        try:
+            os.waitpid(pid, 0 if block else os.WNOHANG)
+        except ChildProcessError:
+            pass
 
 
 def _state(pid):
@@ -393,30 +414,54 @@ def wait_session_gone(sid, timeout=30):
         running = [pid for pid, s in session_members(sid) if s not in _EXITED]
     left = session_members(sid)
     while left and all(s in _EXITED for _, s in left) and time.monotonic() < deadline:
-        time.sleep(0.02)
+        # Ours to reap where this process is their subreaper (run_in_session);
+        # else init's, whenever it gets to it.
+        _reap_own([pid for pid, _ in left])
         left = session_members(sid)
+        if left:
+            time.sleep(0.02)
+            left = session_members(sid)
     alive = [(pid, s) for pid, s in left if s not in _EXITED]
     for pid, _ in alive:
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
+    _reap_own([pid for pid, _ in alive], block=True)
     assert not alive, f"processes of the program left behind: {alive}"
 
 
 def run_in_session(cmd, cwd=None, env=None, timeout=90):
     """Runs cmd in a session of its own; returns its CompletedProcess once
-    every process of that session (keeper, zygote, children) is gone."""
-    p = subprocess.Popen([str(x) for x in cmd], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    every process of that session (keeper, zygote, children) is gone.
+
+    NOTE [ Reaping a finished program's orphans ]
+    A program's keeper and zygote outlive its main process by a moment, as
+    orphans, and wait_session_gone waits until they are reaped.  Init reaps
+    orphans when it gets to it, on some machines about once a second: most
+    of the time a short program takes.  While the program runs this process
+    is a subreaper, so its orphans come here, and wait_session_gone reaps
+    them as soon as they exit."""
+    was_subreaper = _is_subreaper()
+    kids_before = {pid for pid, _ in children_of(os.getpid())}
+    _set_subreaper(True)
     try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.communicate()
-        raise
+        p = subprocess.Popen([str(x) for x in cmd], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+            raise
+        finally:
+            wait_session_gone(p.pid)
     finally:
-        wait_session_gone(p.pid)
+        if not was_subreaper:
+            _set_subreaper(False)
+        # an orphan that had left the session, and has exited since
+        _reap_own([pid for pid, state in children_of(os.getpid())
+                   if pid not in kids_before and state in _EXITED])
     r = subprocess.CompletedProcess(cmd, p.returncode, out, err)
     r.pid = p.pid
     return r
@@ -572,6 +617,10 @@ class ScenarioRunner:
     def close(self, timeout=60):
         """Ends the program: it must exit with 0, and every process of its
         session (keeper, zygote, resource tracker) must be gone."""
+        # Its keeper and zygote come here as orphans, to be reaped at once
+        # (NOTE [ Reaping a finished program's orphans ]).
+        was_subreaper = _is_subreaper()
+        _set_subreaper(True)
         try:
             # Not only EOF: a process forked from pytest may hold this pipe too.
             self.proc.stdin.write("quit\n")
@@ -583,6 +632,8 @@ class ScenarioRunner:
             wait_session_gone(self.proc.pid)
             wait_keeper_gone(keeper)
         finally:
+            if not was_subreaper:
+                _set_subreaper(False)
             self.kill()
             RUNNER_PIDS.discard(self.proc.pid)
 
