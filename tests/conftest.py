@@ -431,6 +431,23 @@ def wait_session_gone(sid, timeout=30):
     assert not alive, f"processes of the program left behind: {alive}"
 
 
+def adopt_orphans():
+    """Makes this process the subreaper of the processes it starts from now
+    on (NOTE [ Reaping a finished program's orphans ]); returns the function
+    that undoes that, and reaps the adopted orphans that have exited (one
+    that had left its program's session included)."""
+    was_subreaper = _is_subreaper()
+    kids_before = {pid for pid, _ in children_of(os.getpid())}
+    _set_subreaper(True)
+
+    def restore():
+        if not was_subreaper:
+            _set_subreaper(False)
+        _reap_own([pid for pid, state in children_of(os.getpid())
+                   if pid not in kids_before and state in _EXITED])
+    return restore
+
+
 def run_in_session(cmd, cwd=None, env=None, timeout=90):
     """Runs cmd in a session of its own; returns its CompletedProcess once
     every process of that session (keeper, zygote, children) is gone.
@@ -442,9 +459,7 @@ def run_in_session(cmd, cwd=None, env=None, timeout=90):
     of the time a short program takes.  While the program runs this process
     is a subreaper, so its orphans come here, and wait_session_gone reaps
     them as soon as they exit."""
-    was_subreaper = _is_subreaper()
-    kids_before = {pid for pid, _ in children_of(os.getpid())}
-    _set_subreaper(True)
+    restore = adopt_orphans()
     try:
         p = subprocess.Popen([str(x) for x in cmd], cwd=cwd, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -457,11 +472,7 @@ def run_in_session(cmd, cwd=None, env=None, timeout=90):
         finally:
             wait_session_gone(p.pid)
     finally:
-        if not was_subreaper:
-            _set_subreaper(False)
-        # an orphan that had left the session, and has exited since
-        _reap_own([pid for pid, state in children_of(os.getpid())
-                   if pid not in kids_before and state in _EXITED])
+        restore()
     r = subprocess.CompletedProcess(cmd, p.returncode, out, err)
     r.pid = p.pid
     return r
@@ -619,8 +630,7 @@ class ScenarioRunner:
         session (keeper, zygote, resource tracker) must be gone."""
         # Its keeper and zygote come here as orphans, to be reaped at once
         # (NOTE [ Reaping a finished program's orphans ]).
-        was_subreaper = _is_subreaper()
-        _set_subreaper(True)
+        restore = adopt_orphans()
         try:
             # Not only EOF: a process forked from pytest may hold this pipe too.
             self.proc.stdin.write("quit\n")
@@ -632,8 +642,7 @@ class ScenarioRunner:
             wait_session_gone(self.proc.pid)
             wait_keeper_gone(keeper)
         finally:
-            if not was_subreaper:
-                _set_subreaper(False)
+            restore()
             self.kill()
             RUNNER_PIDS.discard(self.proc.pid)
 
