@@ -213,10 +213,8 @@ def leak_check():
 # --- fresh programs whose whole process tree is checked afterwards -----------
 
 _PR_SET_CHILD_SUBREAPER = 36
-_TAG = "MPCORE_TEST_TAG"
-
-
 _PR_GET_CHILD_SUBREAPER = 37
+_TAG = "MPCORE_TEST_TAG"
 
 
 def _set_subreaper(on):
@@ -633,8 +631,11 @@ class ScenarioRunner:
         restore = adopt_orphans()
         try:
             # Not only EOF: a process forked from pytest may hold this pipe too.
-            self.proc.stdin.write("quit\n")
-            self.proc.stdin.close()
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass        # it is gone already: _line says so, with its rc
             keeper = int(self._line("KEEPER=", time.monotonic() + timeout))
             rc = self.proc.wait(timeout)
             self.proc.stdout.close()
