@@ -187,6 +187,10 @@ def _is_own_zygote(pid):
     return _zygote._service is not None and _zygote._service[1] == pid
 
 
+# pids of live ScenarioRunner programs: they outlive a test on purpose.
+RUNNER_PIDS = set()
+
+
 @pytest.fixture
 def leak_check():
     """After the test: no child process left (zombie or not), and no keeper
@@ -199,7 +203,8 @@ def leak_check():
     if core.keeper_pid():
         own_keeper.add(core.keeper_pid())
     kids = [(p, s) for p, s in children_of(me)
-            if p not in own_keeper and not _is_resource_tracker(p) and not _is_own_zygote(p)]
+            if p not in own_keeper and p not in RUNNER_PIDS and not _is_resource_tracker(p)
+            and not _is_own_zygote(p)]
     assert not kids, f"processes left behind: {kids}"
     stray = set(mpcore_processes()) - own_keeper - before
     assert not stray, f"keepers left behind: {stray}"
@@ -208,6 +213,7 @@ def leak_check():
 # --- fresh programs whose whole process tree is checked afterwards -----------
 
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
 _TAG = "MPCORE_TEST_TAG"
 
 
@@ -215,6 +221,24 @@ def _set_subreaper(on):
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def _is_subreaper():
+    libc = ctypes.CDLL(None, use_errno=True)
+    on = ctypes.c_int(0)
+    if libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(on), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_GET_CHILD_SUBREAPER)")
+    return bool(on.value)
+
+
+def _reap_own(pids, block=False):
+    """Reaps those of pids that are exited children of this process (orphans
+    it adopted as their subreaper); other pids are left alone."""
+    for pid in pids:
+        try:
+            os.waitpid(pid, 0 if block else os.WNOHANG)
+        except ChildProcessError:
+            pass
 
 
 def _state(pid):
@@ -407,30 +431,65 @@ def wait_session_gone(sid, timeout=30):
         running = [pid for pid, s in session_members(sid) if s not in _EXITED]
     left = session_members(sid)
     while left and all(s in _EXITED for _, s in left) and time.monotonic() < deadline:
-        time.sleep(0.02)
+        # Ours to reap where this process is their subreaper (run_in_session);
+        # else init's, whenever it gets to it.
+        _reap_own([pid for pid, _ in left])
         left = session_members(sid)
+        if left:
+            time.sleep(0.02)
+            left = session_members(sid)
     alive = [(pid, s) for pid, s in left if s not in _EXITED]
     for pid, _ in alive:
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
+    _reap_own([pid for pid, _ in alive], block=True)
     assert not alive, f"processes of the program left behind: {alive}"
+
+
+def adopt_orphans():
+    """Makes this process the subreaper of the processes it starts from now
+    on (NOTE [ Reaping a finished program's orphans ]); returns the function
+    that undoes that, and reaps the adopted orphans that have exited (one
+    that had left its program's session included)."""
+    was_subreaper = _is_subreaper()
+    kids_before = {pid for pid, _ in children_of(os.getpid())}
+    _set_subreaper(True)
+
+    def restore():
+        if not was_subreaper:
+            _set_subreaper(False)
+        _reap_own([pid for pid, state in children_of(os.getpid())
+                   if pid not in kids_before and state in _EXITED])
+    return restore
 
 
 def run_in_session(cmd, cwd=None, env=None, timeout=90):
     """Runs cmd in a session of its own; returns its CompletedProcess once
-    every process of that session (keeper, zygote, children) is gone."""
-    p = subprocess.Popen([str(x) for x in cmd], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    every process of that session (keeper, zygote, children) is gone.
+
+    NOTE [ Reaping a finished program's orphans ]
+    A program's keeper and zygote outlive its main process by a moment, as
+    orphans, and wait_session_gone waits until they are reaped.  Init reaps
+    orphans when it gets to it, on some machines about once a second: most
+    of the time a short program takes.  While the program runs this process
+    is a subreaper, so its orphans come here, and wait_session_gone reaps
+    them as soon as they exit."""
+    restore = adopt_orphans()
     try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.communicate()
-        raise
+        p = subprocess.Popen([str(x) for x in cmd], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+            raise
+        finally:
+            wait_session_gone(p.pid)
     finally:
-        wait_session_gone(p.pid)
+        restore()
     r = subprocess.CompletedProcess(cmd, p.returncode, out, err)
     r.pid = p.pid
     return r
@@ -457,15 +516,21 @@ def result(q, procs, timeout=90):
     return value
 
 
-def run_scenario(module, name, method, timeout=150, fresh=False, torch_free=False):
+def run_scenario(module, name, method, timeout=150, fresh=False, torch_free=False,
+                 runner=None):
     """Runs the scenario function `name` of test module `module` (its
     __name__) with a start method: in this process under fork (unless
     fresh), else as a fresh program that imports the module, so that spawn
     children can import the targets by module name and multiprocessing's
     resource tracker is not left behind as a child of pytest.  torch_free:
-    the program must not have imported torch."""
+    the program must not have imported torch.  runner: a ScenarioRunner of
+    the module, which runs the scenario (unless fresh) in its program instead
+    of a fresh one."""
     if method == "fork" and not fresh:
         getattr(sys.modules[module], name)(method)
+        return
+    if runner is not None and not fresh and not torch_free:
+        runner.run(name, method, timeout=timeout)
         return
     code = f"""
     import sys
@@ -484,6 +549,139 @@ def run_scenario(module, name, method, timeout=150, fresh=False, torch_free=Fals
     if torch_free:
         assert "TORCH=False" in r.stdout, "torch was imported"
     wait_keeper_gone(int(re.search(r"KEEPER=(\d+)", r.stdout).group(1)))
+
+
+_RUNNER_PROGRAM = """
+import json, os, sys, traceback
+sys.path.insert(0, {tests!r})
+import conftest as C
+import mpcore
+import {module} as T
+if __name__ == "__main__":
+    me = os.getpid()
+    keepers_before = set(C.mpcore_processes())
+    for line in sys.stdin:
+        if line == "quit\\n":
+            break
+        name, method = json.loads(line)
+        try:
+            getattr(T, name)(method)
+            out = {{"ok": True}}
+        except BaseException:
+            out = {{"ok": False, "tb": traceback.format_exc()}}
+        # What leak_check asks of a test, asked here of this scenario: no
+        # child of this program left behind but its keeper, zygote and
+        # resource tracker, and no other keeper running in its session.
+        own = {{mpcore._core.keeper_pid()}}
+        out["kids"] = [(p, s) for p, s in C.children_of(me)
+                       if p not in own and not C._is_resource_tracker(p)
+                       and not C._is_own_zygote(p)]
+        out["stray"] = sorted(set(C.mpcore_processes()) - own - keepers_before)
+        print("SCENARIO-RESULT " + json.dumps(out), flush=True)
+    print("KEEPER=%d" % (mpcore._core.keeper_pid() or 0), flush=True)
+"""
+
+
+class ScenarioRunner:
+    """One fresh program, in a session of its own, that runs the scenarios
+    of a test module one after another (NOTE [ One program for a module's
+    spawn scenarios ]).
+
+    NOTE [ One program for a module's spawn scenarios ]
+    A scenario under spawn runs outside pytest (see run_scenario).  Run as a
+    program of its own, each pays for starting Python, importing torch, a
+    zygote that imports torch again, and the interpreter's exit: about 7 s
+    of a 2-core machine for a scenario that itself takes a fraction of a
+    second.  A runner starts once per module; after each scenario it checks
+    what leak_check checks of a test (nothing left behind), and when the
+    module is done it must exit with 0 and leave nothing running in its
+    session, its keeper included.  Scenarios that need a parent that has
+    never used mpcore (fresh) still run as programs of their own."""
+
+    def __init__(self, module, tmp_dir):
+        path = os.path.join(tmp_dir, f"runner_{module}.py")
+        with open(path, "w") as f:
+            f.write(_RUNNER_PROGRAM.format(tests=TESTS, module=module))
+        self.err_path = os.path.join(tmp_dir, f"runner_{module}.err")
+        self.module = module
+        with open(self.err_path, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, path], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=err, text=True,
+                                         env=fresh_env(), start_new_session=True)
+        RUNNER_PIDS.add(self.proc.pid)
+
+    def _stderr(self):
+        with open(self.err_path) as f:
+            return f.read()[-5000:]
+
+    def _line(self, prefix, deadline):
+        f = self.proc.stdout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([f], [], [], left)[0]:
+                self.kill()
+                pytest.fail(f"the scenario runner of {self.module} gave no {prefix.strip()}"
+                            f" in time\nstderr:\n{self._stderr()}")
+            line = f.readline()
+            if not line:
+                pytest.fail(f"the scenario runner of {self.module} exited "
+                            f"(rc {self.proc.wait()})\nstderr:\n{self._stderr()}")
+            if line.startswith(prefix):
+                return line[len(prefix):].rstrip("\n")
+
+    def run(self, name, method, timeout=150):
+        """Runs scenario `name` with `method` in the runner's program; fails
+        as run_scenario would, or when it left a process behind."""
+        assert self.proc.poll() is None, (
+            f"the scenario runner of {self.module} is gone (rc {self.proc.returncode})")
+        self.proc.stdin.write(json.dumps([name, method]) + "\n")
+        self.proc.stdin.flush()
+        out = json.loads(self._line("SCENARIO-RESULT ", time.monotonic() + timeout))
+        assert out["ok"], (f"scenario {name}({method!r}) failed\n{out['tb']}\n"
+                           f"--- stderr\n{self._stderr()}")
+        assert not out["kids"], f"processes left behind: {out['kids']}"
+        assert not out["stray"], f"keepers left behind: {out['stray']}"
+
+    def close(self, timeout=60):
+        """Ends the program: it must exit with 0, and every process of its
+        session (keeper, zygote, resource tracker) must be gone."""
+        # Its keeper and zygote come here as orphans, to be reaped at once
+        # (NOTE [ Reaping a finished program's orphans ]).
+        restore = adopt_orphans()
+        try:
+            # Not only EOF: a process forked from pytest may hold this pipe too.
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass        # it is gone already: _line says so, with its rc
+            keeper = int(self._line("KEEPER=", time.monotonic() + timeout))
+            rc = self.proc.wait(timeout)
+            self.proc.stdout.close()
+            assert rc == 0, f"the scenario runner exited with {rc}\n{self._stderr()}"
+            wait_session_gone(self.proc.pid)
+            wait_keeper_gone(keeper)
+        finally:
+            restore()
+            self.kill()
+            RUNNER_PIDS.discard(self.proc.pid)
+
+    def kill(self):
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def scenario_runner(request, tmp_path_factory):
+    """The program that runs the test module's spawn scenarios (NOTE [ One
+    program for a module's spawn scenarios ])."""
+    r = ScenarioRunner(request.module.__name__, str(tmp_path_factory.mktemp("runner")))
+    yield r
+    r.close()
 
 
 def reap(procs, timeout=60):

@@ -209,6 +209,12 @@ def first_outcome(loader):
     except Exception as e:  # noqa: BLE001
         return ("error", error_summary(e))
     finally:
+        # torch's iterator lives on in a reference cycle through the error's
+        # frames; left to the collector, its shutdown waits out a 5 s join
+        # timeout per worker, so it is shut down here.  mpcore's is left to
+        # the collector, as a program's would be.
+        if type(it).__module__.startswith("torch."):
+            it._shutdown_workers()
         del it
         close(loader)
 

@@ -204,8 +204,8 @@ def scenario_loader_spawn(method):
 
 
 @pytest.mark.timeout(300)
-def test_dataloader_large_batches_under_spawn():
-    run_scenario(MODULE, "scenario_loader_spawn", "spawn", timeout=240)
+def test_dataloader_large_batches_under_spawn(scenario_runner):
+    run_scenario(MODULE, "scenario_loader_spawn", "spawn", timeout=240, runner=scenario_runner)
 
 
 # --- queues across processes -------------------------------------------------
@@ -267,8 +267,9 @@ def scenario_queues(method):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_queue_messages_larger_than_the_ring_cross_processes(method, leak_check):
-    run_scenario(MODULE, "scenario_queues", method, timeout=240)
+def test_queue_messages_larger_than_the_ring_cross_processes(method, leak_check,
+                                                            scenario_runner):
+    run_scenario(MODULE, "scenario_queues", method, timeout=240, runner=scenario_runner)
 
 
 # --- deaths around a spilled message ---------------------------------------

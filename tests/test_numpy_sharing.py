@@ -217,8 +217,8 @@ def scenario_children_see_writes(method):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("method", METHODS)
-def test_children_see_and_make_writes(method, leak_check):
-    run_scenario(MODULE, "scenario_children_see_writes", method)
+def test_children_see_and_make_writes(method, leak_check, scenario_runner):
+    run_scenario(MODULE, "scenario_children_see_writes", method, runner=scenario_runner)
 
 
 def _child_sends_and_exits(q):
@@ -247,8 +247,8 @@ def scenario_sender_exits_first(method):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("method", METHODS)
-def test_sender_may_exit_before_receiver_gets(method, leak_check):
-    run_scenario(MODULE, "scenario_sender_exits_first", method)
+def test_sender_may_exit_before_receiver_gets(method, leak_check, scenario_runner):
+    run_scenario(MODULE, "scenario_sender_exits_first", method, runner=scenario_runner)
 
 
 def scenario_torch_free(method):

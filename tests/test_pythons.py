@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -122,24 +123,52 @@ def _copy_tree(dest):
     shutil.copytree(ROOT, dest, ignore=ignore)
 
 
+VERSIONS = ["3.10", "3.12", "3.13"]
+
+
+def _build(python, tmp):
+    """Builds and installs the package with `python` into a fresh virtual
+    environment under tmp; returns (its python, the environment to run it in)."""
+    src, venv = os.path.join(tmp, "src"), os.path.join(tmp, "venv")
+    _copy_tree(src)
+    # The environment gets no pip of its own (installing it is most of what
+    # `venv` costs): this test run's pip installs into it with --python,
+    # running itself, and so the build, under the environment's interpreter.
+    _run([python, "-m", "venv", "--without-pip", venv], timeout=120)
+    vpy = os.path.join(venv, "bin", "python")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MPCORE_KEEPER", "MPCORE_ZYGOTE", "MPCORE_RUN", "PYTHONPATH",
+                        "VIRTUAL_ENV", "PYTHONHOME")}
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    pip = [sys.executable, "-m", "pip", "--python", vpy, "install", "-q"]
+    _run(pip + ["setuptools>=64", "wheel", "numpy>=2"], env=env, timeout=300)
+    _run(pip + ["--no-build-isolation", "--no-deps", src], env=env, timeout=300, cwd=tmp)
+    return vpy, env
+
+
+@pytest.fixture(scope="module")
+def builds():
+    """{version: future of _build()} for every installed interpreter.  The
+    builds run at once, each in a thread of its own: each is mostly one
+    compiler on one core, so together they take about the time of the
+    slowest on a machine with two cores or more, not the sum."""
+    found = {v: _interpreter(v) for v in VERSIONS}
+    tmp = tempfile.mkdtemp(prefix="mpcore-pythons-")
+    try:
+        with ThreadPoolExecutor(len(VERSIONS)) as pool:
+            yield {v: pool.submit(_build, python, os.path.join(tmp, v))
+                   for v, python in found.items() if python is not None}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("version", ["3.10", "3.12", "3.13"])
-def test_builds_and_works_on(version):
+@pytest.mark.parametrize("version", VERSIONS)
+def test_builds_and_works_on(version, builds):
     python = _interpreter(version)
     require(python is not None, f"Python {version} is not installed")
+    vpy, env = builds[version].result()
     with tempfile.TemporaryDirectory(prefix=f"mpcore-py{version}-") as tmp:
-        src, venv = os.path.join(tmp, "src"), os.path.join(tmp, "venv")
-        _copy_tree(src)
-        _run([python, "-m", "venv", venv], timeout=120)
-        vpy = os.path.join(venv, "bin", "python")
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("MPCORE_KEEPER", "MPCORE_ZYGOTE", "MPCORE_RUN", "PYTHONPATH",
-                            "VIRTUAL_ENV", "PYTHONHOME")}
-        env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
-        _run([vpy, "-m", "pip", "install", "-q", "setuptools>=64", "wheel", "numpy>=2"],
-             env=env, timeout=300)
-        _run([vpy, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", src],
-             env=env, timeout=300, cwd=tmp)
         prog = os.path.join(tmp, "smoke.py")
         with open(prog, "w") as f:
             f.write(SMOKE)

@@ -30,7 +30,7 @@ import multiprocessing as std
 
 import pytest
 
-from conftest import children_of, require, run_program, wait_session_gone
+from conftest import adopt_orphans, children_of, require, run_program, wait_session_gone
 
 import mpcore._spawn as S
 
@@ -639,6 +639,8 @@ class Program:
         script = tmp_path / "prog.py"
         script.write_text(textwrap.dedent(code))
         env = {k: v for k, v in os.environ.items() if not k.startswith("MPCORE_")}
+        # its orphans are reaped here (NOTE [ Reaping a finished program's orphans ])
+        self.restore = adopt_orphans()
         self.p = subprocess.Popen([sys.executable, str(script), *args], cwd=tmp_path, env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   start_new_session=True)
@@ -666,18 +668,21 @@ class Program:
 
     def close(self, timeout=60):
         try:
-            out, err = self.p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.p.pid, signal.SIGKILL)
-            out, err = self.p.communicate()
+            try:
+                out, err = self.p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.p.pid, signal.SIGKILL)
+                out, err = self.p.communicate()
+                self.err = err.decode(errors="replace")
+                wait_session_gone(self.p.pid)
+                pytest.fail(f"the program did not finish within {timeout}s:\n{self.err}")
+            self.buf += out
+            self.lines += self.buf.decode().splitlines()
+            self.buf = b""
             self.err = err.decode(errors="replace")
             wait_session_gone(self.p.pid)
-            pytest.fail(f"the program did not finish within {timeout}s:\n{self.err}")
-        self.buf += out
-        self.lines += self.buf.decode().splitlines()
-        self.buf = b""
-        self.err = err.decode(errors="replace")
-        wait_session_gone(self.p.pid)
+        finally:
+            self.restore()
         return self.p.returncode
 
 

@@ -5,13 +5,15 @@ Queue and as a Process argument, under fork, forkserver and spawn, and
 under `mpcore run` through torch.multiprocessing's names.  Plain tensors
 and Parameters keep mpcore's fast path (NOTE [ What the fast path carries ]).
 
-Each scenario runs as a fresh program (tests/torch_kinds.py), so that the
+Each scenario runs in a fresh program (tests/torch_kinds.py), so that the
 reference run has no mpcore in it at all and no spawn child belongs to
-pytest; each program's keeper is awaited.
+pytest; each program's keeper is awaited.  One reference program serves
+the three start methods, and runs alongside the tests' mpcore programs.
 """
 import os
 import re
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -25,15 +27,21 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 pytestmark = pytest.mark.timeout(600)
 
 
-def run_kinds(method, lib, launcher=False):
+METHODS = ["fork", "forkserver", "spawn"]
+
+
+def run_kinds(methods, lib, launcher=False):
+    """{method: torch_kinds.scenario(method, lib)} for each of `methods`, in
+    turn, in one fresh program."""
     code = f"""
-    import sys
+    import json, sys
     sys.path.insert(0, {TESTS!r})
     import torch_kinds
     if __name__ == "__main__":
         if {lib!r} == "torch" and not {launcher!r}:
             assert "mpcore" not in sys.modules, "the reference run must be torch's alone"
-        torch_kinds.main({method!r}, {lib!r})
+        out = {{m: torch_kinds.scenario(m, {lib!r}) for m in {methods!r}}}
+        print("RESULT " + json.dumps(out), flush=True)
         m = sys.modules.get("mpcore")
         print("KEEPER=%d" % ((m and m._core.keeper_pid()) or 0))
     """
@@ -46,15 +54,16 @@ def run_kinds(method, lib, launcher=False):
     return got
 
 
-_reference = {}
-
-
-def torchs(method):
-    """What torch's own multiprocessing delivers under `method`, without
-    mpcore (a Process argument is pickled under spawn and forkserver only)."""
-    if method not in _reference:
-        _reference[method] = run_kinds(method, "torch")
-    return _reference[method]
+@pytest.fixture(scope="module")
+def torchs():
+    """torchs(method): what torch's own multiprocessing delivers under
+    `method`, without mpcore (a Process argument is pickled under spawn and
+    forkserver only).  One program gives the three methods' references; it
+    starts with the module, in a thread, and runs alongside the tests' own
+    programs."""
+    with ThreadPoolExecutor(1) as pool:
+        ref = pool.submit(run_kinds, METHODS, "torch")
+        yield lambda method: ref.result()[method]
 
 
 def check_like_torch(got, ref):
@@ -76,13 +85,13 @@ def check_like_torch(got, ref):
     assert q["parameter"]["type"] == "Parameter" and q["parameter"]["requires_grad"] is True
 
 
-@pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
-def test_every_kind_arrives_as_under_torch(method):
-    check_like_torch(run_kinds(method, "mpcore"), torchs(method))
+@pytest.mark.parametrize("method", METHODS)
+def test_every_kind_arrives_as_under_torch(method, torchs):
+    check_like_torch(run_kinds([method], "mpcore")[method], torchs(method))
 
 
-def test_every_kind_arrives_as_under_torch_with_mpcore_run():
-    check_like_torch(run_kinds("spawn", "torch", launcher=True), torchs("spawn"))
+def test_every_kind_arrives_as_under_torch_with_mpcore_run(torchs):
+    check_like_torch(run_kinds(["spawn"], "torch", launcher=True)["spawn"], torchs("spawn"))
 
 
 def test_fast_path_takes_exactly_the_plain_tensors():

@@ -29,6 +29,7 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16,
 
 # --- helpers ------------------------------------------------------------
 
+
 def in_mpcore_memory(t):
     """Whether all of the tensor's storage lies in an mpcore memfd mapping."""
     s = t.untyped_storage()
@@ -195,8 +196,8 @@ def scenario_child_changes_seen(method):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", METHODS)
-def test_child_changes_seen_by_parent(method, leak_check):
-    run_scenario(MODULE, "scenario_child_changes_seen", method)
+def test_child_changes_seen_by_parent(method, leak_check, scenario_runner):
+    run_scenario(MODULE, "scenario_child_changes_seen", method, runner=scenario_runner)
 
 
 # --- views and storage identity across a queue ---------------------------
@@ -249,8 +250,8 @@ def scenario_views(method, kind="mpcore"):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", METHODS)
-def test_views_and_identity_through_queue(method, leak_check):
-    run_scenario(MODULE, "scenario_views", method)
+def test_views_and_identity_through_queue(method, leak_check, scenario_runner):
+    run_scenario(MODULE, "scenario_views", method, runner=scenario_runner)
 
 
 def scenario_views_torch_queue(method):
@@ -259,8 +260,8 @@ def scenario_views_torch_queue(method):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", METHODS)
-def test_views_and_identity_through_torch_multiprocessing_queue(method, leak_check):
-    run_scenario(MODULE, "scenario_views_torch_queue", method)
+def test_views_and_identity_through_torch_multiprocessing_queue(method, leak_check, scenario_runner):
+    run_scenario(MODULE, "scenario_views_torch_queue", method, runner=scenario_runner)
 
 
 # --- a sender that exits before the receiver gets -----------------------
@@ -310,14 +311,14 @@ def scenario_sender_exits_first_torch_queue(method):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", METHODS)
-def test_sender_may_exit_before_receiver_gets(method, leak_check):
-    run_scenario(MODULE, "scenario_sender_exits_first", method)
+def test_sender_may_exit_before_receiver_gets(method, leak_check, scenario_runner):
+    run_scenario(MODULE, "scenario_sender_exits_first", method, runner=scenario_runner)
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", METHODS)
-def test_sender_may_exit_before_receiver_gets_torch_queue(method, leak_check):
-    run_scenario(MODULE, "scenario_sender_exits_first_torch_queue", method)
+def test_sender_may_exit_before_receiver_gets_torch_queue(method, leak_check, scenario_runner):
+    run_scenario(MODULE, "scenario_sender_exits_first_torch_queue", method, runner=scenario_runner)
 
 
 # --- Hogwild -------------------------------------------------------------
@@ -377,8 +378,8 @@ def scenario_hogwild(method):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", METHODS)
-def test_hogwild_training_updates_parent(method, leak_check):
-    run_scenario(MODULE, "scenario_hogwild", method)
+def test_hogwild_training_updates_parent(method, leak_check, scenario_runner):
+    run_scenario(MODULE, "scenario_hogwild", method, runner=scenario_runner)
 
 
 # --- Parameters, requires_grad, identity within one pickle ---------------
@@ -436,8 +437,8 @@ def scenario_params(method):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", METHODS)
-def test_parameters_and_optimizer_arrive_intact(method, leak_check):
-    run_scenario(MODULE, "scenario_params", method)
+def test_parameters_and_optimizer_arrive_intact(method, leak_check, scenario_runner):
+    run_scenario(MODULE, "scenario_params", method, runner=scenario_runner)
 
 
 # --- dtypes and layouts ---------------------------------------------------
@@ -503,8 +504,8 @@ def scenario_dtypes(method):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", METHODS)
-def test_dtypes_and_layouts(method, leak_check):
-    run_scenario(MODULE, "scenario_dtypes", method)
+def test_dtypes_and_layouts(method, leak_check, scenario_runner):
+    run_scenario(MODULE, "scenario_dtypes", method, runner=scenario_runner)
 
 
 # --- a tensor made in a child comes to the parent ------------------------
@@ -539,8 +540,8 @@ def scenario_child_makes(method):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method", METHODS)
-def test_tensor_made_in_child_reaches_parent(method, leak_check):
-    run_scenario(MODULE, "scenario_child_makes", method)
+def test_tensor_made_in_child_reaches_parent(method, leak_check, scenario_runner):
+    run_scenario(MODULE, "scenario_child_makes", method, runner=scenario_runner)
 
 
 # --- children's tensors reach a parent that has not used mpcore yet ------
