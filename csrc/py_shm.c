@@ -392,22 +392,27 @@ PyObject *mpc_py_block_wrap(mpc_state *st, const mpc_block *b) {
 
 /* alloc_copy(address, nbytes) -> Block holding a copy of nbytes bytes at
  * address (memory the caller keeps alive and readable meanwhile). */
-static PyObject *py_alloc_copy(PyObject *m, PyObject *args) {
-    unsigned long long addr, n;
-    if (!PyArg_ParseTuple(args, "KK", &addr, &n))
-        return NULL;
-    mpc_state *st = mpc_get_state(m);
+/* A new data Block holding a copy of n bytes at src (the GIL released
+ * around the copy); NULL with an exception set. */
+static PyObject *block_copy_of(mpc_state *st, const void *src, uint64_t n) {
     mpc_block b;
     int r;
     mpc_clear_error();
     Py_BEGIN_ALLOW_THREADS
     r = mpc_block_alloc(n, MPC_BLOCK_DATA, 0, &b);
     if (r == 0)
-        mpc_copy(b.addr, (const void *)(uintptr_t)addr, n);
+        mpc_copy(b.addr, src, n);
     Py_END_ALLOW_THREADS
     if (r < 0)
         return mpc_py_raise(st, r);
     return block_new_from(st->BlockType, &b);
+}
+
+static PyObject *py_alloc_copy(PyObject *m, PyObject *args) {
+    unsigned long long addr, n;
+    if (!PyArg_ParseTuple(args, "KK", &addr, &n))
+        return NULL;
+    return block_copy_of(mpc_get_state(m), (const void *)(uintptr_t)addr, n);
 }
 
 /* Reads a (segment, index, generation) tuple; -1 with an exception set if
@@ -1019,17 +1024,7 @@ static int trec_read_dims(PyObject *t, npy_intp *out) {
  * returns the Block (new reference), or NULL with an exception set, the
  * storage then unchanged. */
 static PyObject *trec_move(mpc_state *st, PyObject *storage, long long ptr, uint64_t nbytes) {
-    mpc_block mb;
-    int r;
-    mpc_clear_error();
-    Py_BEGIN_ALLOW_THREADS
-    r = mpc_block_alloc(nbytes, MPC_BLOCK_DATA, 0, &mb);
-    if (r == 0)
-        mpc_copy(mb.addr, (const void *)(uintptr_t)ptr, nbytes);
-    Py_END_ALLOW_THREADS
-    if (r < 0)
-        return mpc_py_raise(st, r);
-    BlockObject *b = (BlockObject *)block_new_from(st->BlockType, &mb);
+    BlockObject *b = (BlockObject *)block_copy_of(st, (const void *)(uintptr_t)ptr, nbytes);
     if (b == NULL)
         return NULL;
     PyObject *key = NULL, *tmp = trec_byte_storage(b, 0, nbytes);
