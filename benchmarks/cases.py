@@ -879,10 +879,13 @@ def dl_rss_torch(env, target_s, **params):
     return dl_rss(env, target_s, budget=RSS_TORCH_BUDGET, **params)
 
 
-def best_entry(row, impl):
-    """The extra figures of the side's best value (None without one)."""
-    best = row[impl]["best"]
-    return None if best is None else row[impl]["extra"][row[impl]["values"].index(best)]
+def best_entries(row):
+    """(impl, best value, the extra figures of that value) of each side that
+    has a best value."""
+    for impl in IMPLS:
+        best = row[impl]["best"]
+        if best is not None:
+            yield impl, best, row[impl]["extra"][row[impl]["values"].index(best)]
 
 
 def _best_extra(row, impl, key, pick=min):
@@ -892,12 +895,10 @@ def _best_extra(row, impl, key, pick=min):
 
 def _images_notes(row):
     out = []
-    for impl in IMPLS:
-        best, st = row[impl]["best"], _best_extra(row, impl, "stack_ms")
-        st1 = _best_extra(row, impl, "stack_1thread_ms")
-        if best is None or st is None:
+    for impl, best, e in best_entries(row):
+        st, st1 = _best_extra(row, impl, "stack_ms"), _best_extra(row, impl, "stack_1thread_ms")
+        if st is None:
             continue
-        e = best_entry(row, impl)
         line = (f"{impl} child: in-process torch.stack per batch {st:.3g} ms with "
                 f"{e['stack_threads']} threads, {st1:.3g} ms with 1; "
                 f"loader / stack = {best / st:.2f}x")

@@ -117,11 +117,7 @@ def fresh_16m(env, target_s, maxsize):
 
 def _fresh_notes(row):
     out = []
-    for impl in _c.IMPLS:
-        best = row[impl]["best"]
-        if best is None:
-            continue
-        e = _c.best_entry(row, impl)
+    for impl, best, e in _c.best_entries(row):
         line = (f"{impl}: {best:.3g} ms per item; its producer's floor (torch.full + one "
                 f"16 MB copy) {e['floor_ms']:.3g} ms: {e['vs_floor']:.2f}x the floor")
         if impl == "mpcore":

@@ -83,11 +83,7 @@ def snapshot_row(env, target_s):
 
 def _notes(row):
     out = []
-    for impl in _c.IMPLS:
-        best = row[impl]["best"]
-        if best is None:
-            continue
-        e = _c.best_entry(row, impl)
+    for impl, best, e in _c.best_entries(row):
         line = (f"{e['loader']}: {best:.3g} us a step with state_dict(), "
                 f"{e['without_state_dict_us']:.3g} us without: the checkpoint costs "
                 f"{e['state_dict_us']:.3g} us")

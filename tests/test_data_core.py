@@ -196,13 +196,9 @@ def _dict_of_small_tensors(torch, i):
     return out
 
 
-def test_tensor_leaves_of_one_dtype_and_shape_are_stacked_by_one_call():
-    # NOTE [ One stack per group ]: 16 tensor leaves of 4 kinds cost 4 stack
-    # calls, and the batch is default_collate's in dtype, shape, values and
-    # key order.
-    torch = pytest.importorskip("torch")
-    from torch.utils.data import default_collate
-    samples = [_dict_of_small_tensors(torch, i) for i in range(5)]
+def _collate_counting_stacks(torch, samples):
+    """The lengths of the columns each stack call got, and the batch
+    collated into a block and rebuilt over it."""
     calls = []
     stack = _collate._Stacker()
 
@@ -210,7 +206,18 @@ def test_tensor_leaves_of_one_dtype_and_shape_are_stacked_by_one_call():
         calls.append(len(column))
         stack(column, *rest)
     block, skel = _core.collate(samples, torch.Tensor, _collate._tensor_info, counting)
-    got, want = _collate.rebuild(skel, block), default_collate(samples)
+    return calls, _collate.rebuild(skel, block)
+
+
+def test_tensor_leaves_of_one_dtype_and_shape_are_stacked_by_one_call():
+    # NOTE [ One stack per group ]: 16 tensor leaves of 4 kinds cost 4 stack
+    # calls, and the batch is default_collate's in dtype, shape, values and
+    # key order.
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import default_collate
+    samples = [_dict_of_small_tensors(torch, i) for i in range(5)]
+    calls, got = _collate_counting_stacks(torch, samples)
+    want = default_collate(samples)
     assert calls == [4 * 5] * 4
     assert list(got) == list(want)
     for k in want:
@@ -229,14 +236,8 @@ def test_samples_of_many_shapes_search_only_the_first_groups():
     from torch.utils.data import default_collate
     samples = [[torch.full((k + 1,), i * 100 + k) for k in range(40)]
                + [torch.full((1,), -i), torch.full((36,), -i)] for i in range(3)]
-    calls = []
-    stack = _collate._Stacker()
-
-    def counting(column, *rest):
-        calls.append(len(column))
-        stack(column, *rest)
-    block, skel = _core.collate(samples, torch.Tensor, _collate._tensor_info, counting)
-    got, want = _collate.rebuild(skel, block), default_collate(samples)
+    calls, got = _collate_counting_stacks(torch, samples)
+    want = default_collate(samples)
     assert sorted(calls) == [3] * 40 + [6]
     assert len(got) == len(want) == 42
     for g, w in zip(got, want):
