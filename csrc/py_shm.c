@@ -844,6 +844,7 @@ static struct {
     PyObject *storages;          /* _torch._storages: key -> weak reference */
     PyObject *new_with_weak_ptr; /* torch.UntypedStorage._new_with_weak_ptr */
     PyObject *free_weak_ref;     /* torch.UntypedStorage._free_weak_ref */
+    PyObject *expired;           /* torch.UntypedStorage._expired */
     PyObject *prune;             /* _torch._prune() -> entries left: drops the expired ones */
     PyObject *counts;            /* _stats._counts: "storages_shared" counts the moves */
     Py_ssize_t limit;            /* prune once storages holds twice this many */
@@ -877,23 +878,24 @@ static int trec_intern(void) {
 }
 
 /* torch_hooks(tensor_type, dispatch_keys, plain_keys, codes, descrs, proto,
- * from_numpy, storages, new_with_weak_ptr, free_weak_ref, prune, counts):
+ * from_numpy, storages, new_with_weak_ptr, free_weak_ref, expired, prune, counts):
  * the torch objects of NOTE [ Tensor records in C ].  Called once torch is
  * imported; calling it again replaces them. */
 static PyObject *py_torch_hooks(PyObject *m, PyObject *args) {
-    PyObject *o[12];
-    if (!PyArg_ParseTuple(args, "OOO!O!O!OOO!OOOO!:torch_hooks", &o[0], &o[1], &PyTuple_Type,
+    PyObject *o[13];
+    if (!PyArg_ParseTuple(args, "OOO!O!O!OOO!OOOOO!:torch_hooks", &o[0], &o[1], &PyTuple_Type,
                           &o[2], &PyDict_Type, &o[3], &PyTuple_Type, &o[4], &o[5], &o[6],
-                          &PyDict_Type, &o[7], &o[8], &o[9], &o[10], &PyDict_Type, &o[11]))
+                          &PyDict_Type, &o[7], &o[8], &o[9], &o[10], &o[11], &PyDict_Type,
+                          &o[12]))
         return NULL;
     if (trec_intern() < 0 || PyArray_ImportNumPyAPI() < 0)
         return NULL;
-    PyObject **slot[12] = {&trec_torch.tensor_type, &trec_torch.dispatch_keys,
+    PyObject **slot[13] = {&trec_torch.tensor_type, &trec_torch.dispatch_keys,
                            &trec_torch.plain_keys, &trec_torch.codes, &trec_torch.descrs,
                            &trec_torch.proto, &trec_torch.from_numpy, &trec_torch.storages,
                            &trec_torch.new_with_weak_ptr, &trec_torch.free_weak_ref,
-                           &trec_torch.prune, &trec_torch.counts};
-    for (int i = 0; i < 12; i++)
+                           &trec_torch.expired, &trec_torch.prune, &trec_torch.counts};
+    for (int i = 0; i < 13; i++)
         Py_XSETREF(*slot[i], Py_NewRef(o[i]));
     trec_torch.limit = 1024;
     Py_CLEAR(trec_torch.protos);
@@ -972,6 +974,63 @@ static int trec_remember(PyObject *key, PyObject *storage) {
     return r;
 }
 
+/* NOTE [ Moved storages are forgotten once gone ]
+ * _torch._storages keeps a weak reference to each storage this process
+ * moved into a block, so that one coming back arrives as the original
+ * (NOTE [ Storage identity ] in _torch.py).  torch's weak reference keeps
+ * the storage's StorageImpl, a small allocation of the C heap, until the
+ * reference is freed, and pruning frees expired ones only once the table
+ * has doubled: a thousand moves or more.  A producer that puts tensors it
+ * makes in its loop (q.put(torch.full(...))) then leaves one small chunk
+ * pinned per item, and the next tensor's small allocations find no free
+ * chunk of their size but the large one the move just freed (the tensor's
+ * old memory).  Once split, that chunk no longer fits the next large
+ * tensor, which comes from fresh pages at the top of the heap: every item
+ * faulted its whole size in, and the split chunks, resident and never used
+ * again, grew the producer by the tensor's size per item (16 MB tensors:
+ * 5 GB after 300 items, in five runs of eight; torch's own queue grows the
+ * same way, by 2 GB).  So the keys of the last TREC_MOVED moves are kept,
+ * and each move frees the entries of those whose storage is gone (a
+ * temporary that was put is gone by the next put), before the next tensor
+ * is made.  With that, no run of eight grew or faulted its items in. */
+#define TREC_MOVED 2
+static PyObject *trec_moved[TREC_MOVED]; /* keys of the last moves, or NULL */
+static int trec_moved_next;
+
+/* Frees the entries of _torch._storages of the last moves whose storage is
+ * gone, then records key as the latest move (NOTE [ Moved storages are
+ * forgotten once gone ]); 0, or -1 with an exception set. */
+static int trec_forget_gone_moves(PyObject *key) {
+    for (int i = 0; i < TREC_MOVED; i++) {
+        if (trec_moved[i] == NULL)
+            continue;
+        PyObject *ref = PyDict_GetItemWithError(trec_torch.storages, trec_moved[i]); /* borrowed */
+        if (ref == NULL && PyErr_Occurred())
+            return -1;
+        if (ref != NULL) {
+            PyObject *e = PyObject_CallOneArg(trec_torch.expired, ref);
+            int gone = e == NULL ? -1 : PyObject_IsTrue(e);
+            Py_XDECREF(e);
+            if (gone <= 0) {
+                if (gone < 0)
+                    return -1;
+                continue;
+            }
+            Py_INCREF(ref);
+            PyObject *x = PyDict_DelItem(trec_torch.storages, trec_moved[i]) < 0
+                              ? NULL : PyObject_CallOneArg(trec_torch.free_weak_ref, ref);
+            Py_DECREF(ref);
+            if (x == NULL)
+                return -1;
+            Py_DECREF(x);
+        }
+        Py_CLEAR(trec_moved[i]);
+    }
+    Py_XSETREF(trec_moved[trec_moved_next], Py_NewRef(key));
+    trec_moved_next = (trec_moved_next + 1) % TREC_MOVED;
+    return 0;
+}
+
 /* Counts a storage moved into shared memory in _stats; 0, or -1 with an
  * exception set. */
 static int trec_count_move(void) {
@@ -1036,7 +1095,7 @@ static PyObject *trec_move(mpc_state *st, PyObject *storage, long long ptr, uint
         goto fail;
     Py_DECREF(res);
     key = trec_key(b, 0, nbytes);
-    if (key == NULL || trec_remember(key, storage) < 0)
+    if (key == NULL || trec_remember(key, storage) < 0 || trec_forget_gone_moves(key) < 0)
         goto fail;
     Py_CLEAR(key);
     if (trec_count_move() < 0)
@@ -1046,6 +1105,21 @@ fail:
     Py_XDECREF(key);
     Py_DECREF(b);
     return NULL;
+}
+
+/* move_storage(storage) -> Block: moves a CPU storage that is in no block
+ * into a new one in place, as tensor_record does (trec_move), for the
+ * pickle path (_torch._move).  ValueError for an empty storage;
+ * MemoryError when out of shared memory, the storage then unchanged. */
+static PyObject *py_move_storage(PyObject *m, PyObject *storage) {
+    if (trec_torch.storages == NULL)
+        return PyErr_Format(PyExc_RuntimeError, "move_storage() before torch_hooks()");
+    long long nbytes, ptr;
+    if (trec_call_ll(storage, s_nbytes, &nbytes) < 0 || trec_call_ll(storage, s_data_ptr, &ptr) < 0)
+        return NULL;
+    if (nbytes <= 0)
+        return PyErr_Format(PyExc_ValueError, "move_storage() of an empty storage");
+    return trec_move(mpc_get_state(m), storage, ptr, (uint64_t)nbytes);
 }
 
 /* tensor_record(t) -> (refs, payload) of the tensor record of t (its
@@ -1322,6 +1396,8 @@ PyMethodDef mpc_py_shm_methods[] = {
     {"torch_hooks", py_torch_hooks, METH_VARARGS,
      "torch_hooks(tensor_type, dispatch_keys, plain_keys, codes, descrs, proto, from_numpy,\n"
      "storages, new_with_weak_ptr, remember, moved): torch's objects for tensor records"},
+    {"move_storage", py_move_storage, METH_O,
+     "move_storage(storage) -> Block: the storage moved into a new block in place"},
     {"tensor_record", py_tensor_record, METH_O,
      "tensor_record(t) -> (refs, payload) of t's tensor record, or None: pickle it"},
     {"tensor_from_record", py_tensor_from_record, METH_VARARGS,

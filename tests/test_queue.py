@@ -17,7 +17,7 @@ import traceback
 import pytest
 
 import mpcore
-from conftest import reap, run_scenario
+from conftest import reap, run_program, run_scenario
 
 MODULE = __name__
 METHODS = ["fork", "spawn"]
@@ -674,6 +674,26 @@ def test_bare_tensors_of_every_dtype_and_view_round_trip():
         assert type(r) is type(t) and r.requires_grad and torch.equal(r, t)
 
 
+
+def test_tensor_record_is_read_by_a_process_that_never_imported_torch():
+    # The getter's first import of torch happens inside get(), and serves it.
+    r = run_program("""
+        import sys, mpcore
+        def put_one(q):
+            import torch
+            q.put(torch.arange(3.0))
+        if __name__ == "__main__":
+            q = mpcore.Queue()
+            p = mpcore.get_context("fork").Process(target=put_one, args=(q,))
+            p.start()
+            assert "torch" not in sys.modules
+            print(q.get(timeout=30).tolist())
+            p.join(30)
+            assert p.exitcode == 0
+    """, timeout=90)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[0.0, 1.0, 2.0]"
+
 def _core_drop_journaled(refs):
     from mpcore import _core
     _core.drop_journaled(refs)
@@ -796,3 +816,70 @@ def test_tensor_records_from_another_process_keep_views_and_identity(leak_check)
     assert got[6][1, 1, 1] == -1.0
     got[8][3] = 42.0
     assert got[7][1] == 42.0
+
+
+# --- NOTE [ Moved storages are forgotten once gone ] (py_shm.c) ----------------
+
+def test_moved_storages_are_forgotten_once_gone():
+    import torch
+    from mpcore import _torch
+
+    def key(t):
+        b, off = mpcore._shm.find(t.data_ptr(), t.untyped_storage().nbytes())
+        return (b.handle, off, t.untyped_storage().nbytes())
+    q = mpcore.Queue()
+    kept = torch.full((1000,), 1.0)
+    q.put(kept)                               # a record's move
+    gone = torch.full((1000,), 2.0)
+    q.put([gone])                             # the pickle path's move
+    k_kept, k_gone = key(kept), key(gone)
+    assert k_kept in _torch._storages and k_gone in _torch._storages
+    del gone
+    q.put(torch.full((1000,), 3.0))           # the next move forgets the storage that is gone
+    assert k_gone not in _torch._storages
+    assert k_kept in _torch._storages         # and keeps the one still alive
+    got = [q.get(timeout=10) for _ in range(3)]
+    assert got[0].untyped_storage().data_ptr() == kept.untyped_storage().data_ptr()
+    kept[0] = 5.0                             # one memory: a storage that comes back is the original
+    assert got[0][0] == 5.0
+    assert float(got[1][0][0]) == 2.0 and float(got[2][0]) == 3.0
+
+
+def _fresh_large_producer(q, n):
+    import torch
+
+    def rss_anon_mb():
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) >> 10
+    for i in range(n):
+        q.put(torch.full((4 << 20,), float(i)))   # 16 MB, made in the loop
+        if i == 20:
+            q.put(("rss", rss_anon_mb()))
+    q.put(("rss", rss_anon_mb()))
+
+
+def test_a_producer_of_fresh_large_tensors_does_not_grow(leak_check):
+    # Pinned small chunks made the large chunk each put freed unusable for the
+    # next tensor: the producer grew by 16 MB an item in most runs before.
+    import torch  # noqa: F401
+    ctx = mpcore.get_context("fork")
+    q = mpcore.Queue(maxsize=16)
+    n = 150
+    p = ctx.Process(target=_fresh_large_producer, args=(q, n))
+    try:
+        p.start()
+        rss, items = [], 0
+        while len(rss) < 2:
+            x = q.get(timeout=60)
+            if isinstance(x, tuple):
+                rss.append(x[1])
+            else:
+                assert float(x[-1]) == float(items)
+                items += 1
+        p.join(30)
+        assert p.exitcode == 0 and items == n
+    finally:
+        reap([p])
+    assert rss[1] - rss[0] < 10 * 16, f"the producer grew from {rss[0]} to {rss[1]} MB"

@@ -306,6 +306,7 @@ def decode(refs, payload):
     if len(refs) == 1 and type(payload) is bytes and payload[:4] == _RECORD_TAG:
         receive = _receive_record
         if receive is None:   # torch not served here yet: read it all the same
+            import torch  # noqa: F401  (a first import serves torch, which imports _tensormsg)
             from . import _tensormsg
             receive = _tensormsg.receive
         obj = receive(refs, payload)

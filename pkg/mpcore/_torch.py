@@ -23,7 +23,7 @@ import torch
 from multiprocessing.reduction import ForkingPickler
 from torch.multiprocessing import reductions as _torch_reductions
 
-from . import _shm, _stats
+from . import _core, _shm
 
 _storages = {}  # (handle, offset, nbytes) -> torch's weak reference (an int)
 _orig = {}
@@ -101,13 +101,7 @@ def _move(storage):
     b, off = _shm.find(storage.data_ptr(), n)
     if b is not None:
         return b, off
-    b = _shm.alloc_copy(storage.data_ptr(), n)
-    tmp = torch.from_numpy(b.array(np.uint8, (n,))).untyped_storage()
-    storage._swap_data_ptr_(tmp)
-    del tmp
-    _remember((b.handle, 0, n), storage)
-    _stats.bump("storages_shared")
-    return b, 0
+    return _core.move_storage(storage), 0  # NOTE [ Moved storages are forgotten once gone ] in py_shm.c
 
 
 def _share_memory_(self):
