@@ -43,9 +43,11 @@ const char *mpc_errmsg(void);
  * fails. */
 void mpc_clear_error(void);
 
-/* Copies n bytes like memcpy; a large copy is shared with a helper thread
- * that is joined before returning.  Never fails (without a thread it just
- * copies alone). */
+#define MPC_COPY_SPLIT (4u << 20) /* see mpc_copy */
+
+/* Copies n bytes like memcpy; a copy of MPC_COPY_SPLIT bytes or more is
+ * shared with a helper thread that is joined before returning.  Never fails
+ * (without a thread it just copies alone). */
 void mpc_copy(void *dst, const void *src, size_t n);
 
 extern int mpc_debug_enabled; /* set from MPCORE_DEBUG at load */

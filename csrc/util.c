@@ -33,7 +33,6 @@ void mpc_clear_error(void) { mpc__errbuf[0] = '\0'; }
  * adds most of its own.  The helper is joined before returning, so no
  * thread outlives the call (a process that forks must be single-threaded
  * in between). */
-#define MPC_COPY_SPLIT (4u << 20)
 
 typedef struct {
     void *dst;
