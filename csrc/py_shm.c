@@ -845,6 +845,7 @@ static struct {
     PyObject *new_with_weak_ptr; /* torch.UntypedStorage._new_with_weak_ptr */
     PyObject *free_weak_ref;     /* torch.UntypedStorage._free_weak_ref */
     PyObject *expired;           /* torch.UntypedStorage._expired */
+    PyObject *num_threads;       /* torch.get_num_threads */
     PyObject *prune;             /* _torch._prune() -> entries left: drops the expired ones */
     PyObject *counts;            /* _stats._counts: "storages_shared" counts the moves */
     Py_ssize_t limit;            /* prune once storages holds twice this many */
@@ -879,24 +880,26 @@ static int trec_intern(void) {
 }
 
 /* torch_hooks(tensor_type, dispatch_keys, plain_keys, codes, descrs, proto,
- * from_numpy, storages, new_with_weak_ptr, free_weak_ref, expired, prune, counts):
+ * from_numpy, storages, new_with_weak_ptr, free_weak_ref, expired, num_threads, prune,
+ * counts):
  * the torch objects of NOTE [ Tensor records in C ].  Called once torch is
  * imported; calling it again replaces them. */
 static PyObject *py_torch_hooks(PyObject *m, PyObject *args) {
-    PyObject *o[13];
-    if (!PyArg_ParseTuple(args, "OOO!O!O!OOO!OOOOO!:torch_hooks", &o[0], &o[1], &PyTuple_Type,
+    PyObject *o[14];
+    if (!PyArg_ParseTuple(args, "OOO!O!O!OOO!OOOOOO!:torch_hooks", &o[0], &o[1], &PyTuple_Type,
                           &o[2], &PyDict_Type, &o[3], &PyTuple_Type, &o[4], &o[5], &o[6],
-                          &PyDict_Type, &o[7], &o[8], &o[9], &o[10], &o[11], &PyDict_Type,
-                          &o[12]))
+                          &PyDict_Type, &o[7], &o[8], &o[9], &o[10], &o[11], &o[12],
+                          &PyDict_Type, &o[13]))
         return NULL;
     if (trec_intern() < 0 || PyArray_ImportNumPyAPI() < 0)
         return NULL;
-    PyObject **slot[13] = {&trec_torch.tensor_type, &trec_torch.dispatch_keys,
+    PyObject **slot[14] = {&trec_torch.tensor_type, &trec_torch.dispatch_keys,
                            &trec_torch.plain_keys, &trec_torch.codes, &trec_torch.descrs,
                            &trec_torch.proto, &trec_torch.from_numpy, &trec_torch.storages,
                            &trec_torch.new_with_weak_ptr, &trec_torch.free_weak_ref,
-                           &trec_torch.expired, &trec_torch.prune, &trec_torch.counts};
-    for (int i = 0; i < 13; i++)
+                           &trec_torch.expired, &trec_torch.num_threads, &trec_torch.prune,
+                           &trec_torch.counts};
+    for (int i = 0; i < 14; i++)
         Py_XSETREF(*slot[i], Py_NewRef(o[i]));
     trec_torch.limit = 1024;
     Py_CLEAR(trec_torch.protos);
@@ -1086,13 +1089,22 @@ static int trec_read_dims(PyObject *t, npy_intp *out) {
  * put its helper thread on a core such a worker holds: measured, a 16 MB
  * move right after torch.full took 1.5 ms and 2.9 ms of CPU, against
  * 0.6 ms for torch's own copy.  So a large move copies with the storage's
- * copy_(), on torch's own threads. */
+ * copy_(), on torch's own threads, unless torch has only one thread (then
+ * no worker spins, and the helper thread has a core to itself). */
 
 /* Moves storage (nbytes at ptr) into a new block in place (NOTE [ Moving a
  * storage in place ] in _torch.py): returns the Block (new reference), or
  * NULL with an exception set, the storage then unchanged. */
 static PyObject *trec_move(mpc_state *st, PyObject *storage, long long ptr, uint64_t nbytes) {
-    int by_torch = nbytes >= MPC_COPY_SPLIT; /* NOTE [ Large moves copy on torch's threads ] */
+    int by_torch = 0; /* NOTE [ Large moves copy on torch's threads ] */
+    if (nbytes >= MPC_COPY_SPLIT) {
+        PyObject *n = PyObject_CallNoArgs(trec_torch.num_threads);
+        long threads = n == NULL ? -1 : PyLong_AsLong(n);
+        Py_XDECREF(n);
+        if (threads == -1 && PyErr_Occurred())
+            return NULL;
+        by_torch = threads > 1;
+    }
     void *addr;
     BlockObject *b = (BlockObject *)(by_torch ? mpc_py_block_alloc(st, nbytes, &addr)
                                               : block_copy_of(st, (const void *)(uintptr_t)ptr,
