@@ -15,7 +15,9 @@ DistributedDataParallel of the 10M-parameter MLP of mpcore bench's DDP
 rows, batch 32 a rank: the best of 3 runs of --ddp-steps steps, per step
 (on the mpcore side torch's DDP reaches the hierarchical group through the
 backend).  Prints one row per size and the DDP row, and JSON with --json
-PATH.
+PATH.  Each size's row also gives the mpcore job's all-reduce on the
+leaders' gloo link alone (one rank per node; the others wait) and the
+speed-up it would give: the bound of any hierarchy over that link.
 """
 import argparse
 import json
@@ -65,6 +67,22 @@ for nbytes in sizes:
             break
         n *= 2
     res[nbytes] = min(run(n) for _ in range(4)) / n
+    if backend == "mpcore":
+        # The same all-reduce on the leaders' gloo link alone (the other
+        # ranks wait in the barrier): what the hierarchy cannot go below.
+        leaders = pg._gloo.leaders
+
+        def run_leaders(n):
+            dist.barrier()
+            t = time.perf_counter()
+            if leaders is not None:
+                for _ in range(n):
+                    leaders.allreduce([x]).wait()
+            e = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+            dist.all_reduce(e, op=dist.ReduceOp.MAX)
+            return e.item()
+        run_leaders(3)
+        res[f"leaders_{nbytes}"] = min(run_leaders(n) for _ in range(4)) / n
 if steps:
     # torch's own DDP of the 10M-parameter MLP of mpcore bench's ddp rows, batch 32 a rank
     layers = (1024, 2048, 2048, 1024, 1024, 512)
@@ -137,10 +155,14 @@ def main():
     finally:
         nodes.close()
     rows = []
-    print(f"{'all_reduce, 2 nodes x 2 ranks':32} {'flat gloo':>12} {'mpcore':>12} {'speed-up':>9}")
+    print(f"{'all_reduce, 2 nodes x 2 ranks':32} {'flat gloo':>12} {'mpcore':>12} {'speed-up':>9}"
+          f" {'leaders alone':>14} {'bound':>7}")
     for s in sizes:
-        rows.append({"bytes": s, "gloo_s": gloo[s], "mpcore_s": mp[s], "speedup": gloo[s] / mp[s]})
-        print(f"{s:>32} {gloo[s] * 1e6:>10.1f}us {mp[s] * 1e6:>10.1f}us {gloo[s] / mp[s]:>8.2f}x")
+        lead = mp[f"leaders_{s}"]
+        rows.append({"bytes": s, "gloo_s": gloo[s], "mpcore_s": mp[s], "speedup": gloo[s] / mp[s],
+                     "leaders_s": lead, "bound": gloo[s] / lead})
+        print(f"{s:>32} {gloo[s] * 1e6:>10.1f}us {mp[s] * 1e6:>10.1f}us {gloo[s] / mp[s]:>8.2f}x"
+              f" {lead * 1e6:>12.1f}us {gloo[s] / lead:>6.2f}x")
     if a.ddp_steps:
         g, m = gloo["ddp_step"], mp["ddp_step"]
         rows.append({"ddp_step": True, "gloo_s": g, "mpcore_s": m, "speedup": g / m})
