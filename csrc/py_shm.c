@@ -996,7 +996,8 @@ static int trec_remember(PyObject *key, PyObject *storage) {
  * same way, by 2 GB).  So the keys of the last TREC_MOVED moves are kept,
  * and each move frees the entries of those whose storage is gone (a
  * temporary that was put is gone by the next put), before the next tensor
- * is made.  With that, no run of eight grew or faulted its items in. */
+ * is made.  With that, none of sixteen runs grew (bounded and unbounded
+ * queues, bare tensors and tensors in a list). */
 #define TREC_MOVED 2
 static PyObject *trec_moved[TREC_MOVED]; /* keys of the last moves, or NULL */
 static int trec_moved_next;
