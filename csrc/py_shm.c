@@ -7,6 +7,8 @@
 #include <structmember.h>
 #include <numpy/arrayobject.h>
 #include <numpy/npy_2_compat.h>
+#include <dirent.h>
+#include <pthread.h>
 #include <string.h>
 
 typedef struct BlockObject {
@@ -884,6 +886,9 @@ static int trec_intern(void) {
  * counts):
  * the torch objects of NOTE [ Tensor records in C ].  Called once torch is
  * imported; calling it again replaces them. */
+static void trec_count_threads(void);
+static void trec_note_fork(void);
+
 static PyObject *py_torch_hooks(PyObject *m, PyObject *args) {
     PyObject *o[14];
     if (!PyArg_ParseTuple(args, "OOO!O!O!OOO!OOOOOO!:torch_hooks", &o[0], &o[1], &PyTuple_Type,
@@ -893,6 +898,9 @@ static PyObject *py_torch_hooks(PyObject *m, PyObject *args) {
         return NULL;
     if (trec_intern() < 0 || PyArray_ImportNumPyAPI() < 0)
         return NULL;
+    static int atfork; /* NOTE [ Large moves copy on torch's threads ] */
+    if (!atfork && pthread_atfork(trec_count_threads, NULL, trec_note_fork) == 0)
+        atfork = 1;
     PyObject **slot[14] = {&trec_torch.tensor_type, &trec_torch.dispatch_keys,
                            &trec_torch.plain_keys, &trec_torch.codes, &trec_torch.descrs,
                            &trec_torch.proto, &trec_torch.from_numpy, &trec_torch.storages,
@@ -1091,14 +1099,35 @@ static int trec_read_dims(PyObject *t, npy_intp *out) {
  * move right after torch.full took 1.5 ms and 2.9 ms of CPU, against
  * 0.6 ms for torch's own copy.  So a large move copies with the storage's
  * copy_(), on torch's own threads, unless torch has only one thread (then
- * no worker spins, and the helper thread has a core to itself). */
+ * no worker spins, and the helper thread has a core to itself), or this
+ * process was forked from one that had other threads: a child forked after
+ * OpenMP ran in its parent hangs in its first parallel torch call (libgomp
+ * is not fork-safe), and a put must not be that call. */
+static int trec_threads_at_prepare; /* threads of the process that forks, counted then */
+static int trec_forked_threaded;    /* this process was forked from a threaded one */
+
+static void trec_count_threads(void) {
+    int n = 0;
+    DIR *d = opendir("/proc/self/task");
+    if (d != NULL) {
+        struct dirent *e;
+        while ((e = readdir(d)) != NULL)
+            n += e->d_name[0] != '.';
+        closedir(d);
+    }
+    trec_threads_at_prepare = d == NULL ? 2 : n; /* unknown counts as threaded */
+}
+
+static void trec_note_fork(void) {
+    trec_forked_threaded = trec_forked_threaded || trec_threads_at_prepare > 1;
+}
 
 /* Moves storage (nbytes at ptr) into a new block in place (NOTE [ Moving a
  * storage in place ] in _torch.py): returns the Block (new reference), or
  * NULL with an exception set, the storage then unchanged. */
 static PyObject *trec_move(mpc_state *st, PyObject *storage, long long ptr, uint64_t nbytes) {
     int by_torch = 0; /* NOTE [ Large moves copy on torch's threads ] */
-    if (nbytes >= MPC_COPY_SPLIT) {
+    if (nbytes >= MPC_COPY_SPLIT && !trec_forked_threaded) {
         PyObject *n = PyObject_CallNoArgs(trec_torch.num_threads);
         long threads = n == NULL ? -1 : PyLong_AsLong(n);
         Py_XDECREF(n);
