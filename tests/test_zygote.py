@@ -262,6 +262,27 @@ def test_zygote_forked_at_torch_import_holds_nothing_of_the_program(tmp_path, le
     _wait_gone(int(zpid))
 
 
+def test_program_objects_shared_with_the_zygote_are_frozen(tmp_path, leak_check):
+    # NOTE [ Pages the zygote shares ]: what the program had at the fork is
+    # in the collector's permanent generation; what it makes later is
+    # collected as before.
+    r = _run_in(tmp_path, {}, """
+        import gc
+        before = gc.get_freeze_count()
+        import torch
+        from mpcore import _zygote
+        frozen = gc.get_freeze_count()
+        class Node:
+            pass
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        del a, b
+        print(_zygote._forked, before, frozen > 10000, gc.collect() >= 2)
+        """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "0", "True", "True"], r.stdout
+
+
 def test_zygote_not_started_for_a_program_that_never_imports_torch(tmp_path, leak_check):
     # A program without torch never pays for a zygote until it asks for a
     # spawn child; then one is started by exec and serves it.

@@ -15,6 +15,7 @@ NOTE [ Zygote ] in csrc/proc.c says what the zygote is.  Here:
   child by exec instead, saying so once.
 """
 import errno
+import gc
 import io
 import os
 import pickle
@@ -279,6 +280,22 @@ def fork_at_torch_import():
     when_imported("torch", _fork_now)
 
 
+# NOTE [ Pages the zygote shares ]
+# After _fork_now the program and the zygote share every page the program
+# had then, and the program's first write to each costs it a copy (a page
+# fault).  Python's cyclic collector writes to every object it tracks at
+# each full collection, so the program's first full collection after the
+# fork (or the last ones, at exit) copied nearly all of them: a program
+# that only imports torch ran 0.93x as fast as under python, and one
+# training an MLP 0.93x too (13,600 faults where python had 3,300 for the
+# same few ms of work and a collection).  So the program moves the objects
+# it had at the fork to the collector's permanent generation
+# (gc.freeze(), made for servers that fork): they are modules, classes and
+# functions that live as long as the program, the collector no longer
+# visits them, and their pages stay shared.  What the program makes later is
+# collected as before.  Measured: 1.06x and 1.16x python.
+
+
 def _fork_now(torch):
     global _service, _forked
     if (_launch is None or os.getpid() != _launch[0] or _service is not None
@@ -294,6 +311,7 @@ def _fork_now(torch):
             os._exit(1)
     os.close(theirs)
     os.close(lsock)
+    gc.freeze()  # NOTE [ Pages the zygote shares ]
     _service = (mine, pid)
     _forked = True
     os.environ[ENV] = address
