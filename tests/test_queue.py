@@ -874,6 +874,17 @@ if __name__ == "__main__":
 """
 
 
+def _fresh_program(tmp_path, code, timeout):
+    """Runs code as a fresh program (its own session, cleaned up); its
+    stdout, once it exited 0."""
+    script = tmp_path / "prog.py"
+    script.write_text(code)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MPCORE_")}
+    r = run_in_session([sys.executable, script], cwd=tmp_path, env=env, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
 INHERITED_LARGE_PUT = """
 import mpcore, torch
 
@@ -896,12 +907,8 @@ if __name__ == "__main__":
 def test_a_child_forked_after_torch_threads_ran_puts_a_large_tensor(tmp_path):
     # NOTE [ Large moves copy on torch's threads ]: such a child must not copy
     # with torch, whose OpenMP pool hangs after fork.
-    script = tmp_path / "prog.py"
-    script.write_text(INHERITED_LARGE_PUT)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MPCORE_")}
-    r = run_in_session([sys.executable, script], cwd=tmp_path, env=env, timeout=90)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split() == ["GOT", "3.0", "3.0", str(4 << 20), "0"]
+    out = _fresh_program(tmp_path, INHERITED_LARGE_PUT, 90)
+    assert out.split() == ["GOT", "3.0", "3.0", str(4 << 20), "0"]
 
 
 @pytest.mark.timeout(150)
@@ -911,10 +918,6 @@ def test_a_producer_of_fresh_large_tensors_does_not_grow(tmp_path):
     # The producer is a fresh program's main process: a child forked from a
     # process that has run OpenMP threads (this one) hangs in its first
     # parallel torch call, as torch documents for fork.
-    script = tmp_path / "prog.py"
-    script.write_text(FRESH_LARGE_PRODUCER)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MPCORE_")}
-    r = run_in_session([sys.executable, script], cwd=tmp_path, env=env, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    first, last = (int(v) for v in r.stdout.split("RSS")[1].split())
+    out = _fresh_program(tmp_path, FRESH_LARGE_PRODUCER, 120)
+    first, last = (int(v) for v in out.split("RSS")[1].split())
     assert last - first < 10 * 16, f"the producer grew from {first} to {last} MB"

@@ -95,7 +95,6 @@ def main():
     # environment back).
     os.environ.pop("MPCORE_STATS", None)
     _preload()
-    import gc
     gc.collect()
     gc.freeze()  # children do not copy pages just to touch GC headers
     return _serve(3, 4)
@@ -374,7 +373,6 @@ def _become_zygote(mine, root, lsock):
     import types
     sys.modules["__main__"] = types.ModuleType("__main__")  # as `python -c` has
     os.environ.pop("MPCORE_STATS", None)
-    import gc
     gc.freeze()
     os._exit(_serve(root, lsock))
 
