@@ -392,8 +392,6 @@ PyObject *mpc_py_block_wrap(mpc_state *st, const mpc_block *b) {
     return block_new_from(st->BlockType, b);
 }
 
-/* alloc_copy(address, nbytes) -> Block holding a copy of nbytes bytes at
- * address (memory the caller keeps alive and readable meanwhile). */
 /* A new data Block holding a copy of n bytes at src (the GIL released
  * around the copy); NULL with an exception set. */
 static PyObject *block_copy_of(mpc_state *st, const void *src, uint64_t n) {
@@ -408,13 +406,6 @@ static PyObject *block_copy_of(mpc_state *st, const void *src, uint64_t n) {
     if (r < 0)
         return mpc_py_raise(st, r);
     return block_new_from(st->BlockType, &b);
-}
-
-static PyObject *py_alloc_copy(PyObject *m, PyObject *args) {
-    unsigned long long addr, n;
-    if (!PyArg_ParseTuple(args, "KK", &addr, &n))
-        return NULL;
-    return block_copy_of(mpc_get_state(m), (const void *)(uintptr_t)addr, n);
 }
 
 /* Reads a (segment, index, generation) tuple; -1 with an exception set if
@@ -1431,8 +1422,6 @@ static PyObject *py_keeper_pid(PyObject *m, PyObject *unused) {
 PyMethodDef mpc_py_shm_methods[] = {
     {"alloc", (PyCFunction)(void (*)(void))py_alloc, METH_VARARGS | METH_KEYWORDS,
      "alloc(nbytes, zero=False, kind=1) -> Block"},
-    {"alloc_copy", py_alloc_copy, METH_VARARGS,
-     "alloc_copy(address, nbytes) -> Block holding a copy of that memory"},
     {"attach", py_attach, METH_O, "attach(handle) -> Block: redeems a handle's ticket"},
     {"live_blocks", py_live_blocks, METH_NOARGS, "live_blocks() -> the Blocks held here"},
     {"drop_ticket", py_drop_ticket, METH_VARARGS, "drop_ticket(handle): drops a ticket unused"},

@@ -50,11 +50,6 @@ def alloc(nbytes, zero=False, kind=BLOCK_DATA):
     return _core.alloc(nbytes, zero, kind)
 
 
-def alloc_copy(address, nbytes):
-    """A new block holding a copy of nbytes bytes at address."""
-    return _core.alloc_copy(address, nbytes)
-
-
 def attach(ref):
     """Redeems a handle's ticket and returns this process's Block for it.
     A malformed handle raises HandleError (from the core)."""

@@ -101,7 +101,8 @@ def _move(storage):
     b, off = _shm.find(storage.data_ptr(), n)
     if b is not None:
         return b, off
-    return _core.move_storage(storage), 0  # NOTE [ Moved storages are forgotten once gone ] in py_shm.c
+    # NOTE [ Moved storages are forgotten once gone ] in py_shm.c
+    return _core.move_storage(storage), 0
 
 
 def _share_memory_(self):
