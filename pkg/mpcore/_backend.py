@@ -298,6 +298,22 @@ class _Dense:
             self.orig.copy_(self.t)
 
 
+def _plain_list(lists, like, n):
+    """The one list of n tensors in `lists` (a call's output lists of a
+    gather, input lists of a scatter; n == 0: none, or one empty list),
+    when each is a contiguous CPU tensor of like's dtype and shape; else
+    None (the call's general path, which also names what is wrong)."""
+    if not n:
+        return () if not lists or (len(lists) == 1 and not lists[0]) else None
+    if len(lists) != 1 or len(lists[0]) != n:
+        return None
+    dtype, shape = like.dtype, like.shape
+    for t in lists[0]:
+        if not (t.is_cpu and t.is_contiguous() and t.dtype == dtype and t.shape == shape):
+            return None
+    return lists[0]
+
+
 def _check_cpu(what, tensors):
     for t in tensors:
         if t.device.type != "cpu":
@@ -829,9 +845,17 @@ class ProcessGroupMpcore(dist.ProcessGroup):
     # -- gather, scatter ---------------------------------------------------------------------
     def gather(self, output_lists, inputs, opts=None):
         opts = opts if opts is not None else dist.GatherOptions()
+        shm, root = self.shm, opts.rootRank
+        if shm is not None and len(inputs) == 1 and 0 <= root < self._world:
+            # contiguous CPU tensors of one shape: the core's call
+            inp = inputs[0]
+            outs = _plain_list(output_lists, inp, self._world if self._rank == root else 0)
+            if outs is not None and inp.is_cpu and inp.is_contiguous():
+                return self._run(opts.asyncOp, output_lists, shm.core.gather,
+                                 [o.data_ptr() for o in outs] if outs else 0, inp.data_ptr(),
+                                 _nbytes(inp), root, keep=(inp, outs))
         if self._gloo is not None:
             return self._gloo.gather(output_lists, inputs, opts)
-        root = opts.rootRank
         self._check_root("gather", root)
         if len(inputs) != 1:
             raise ValueError("mpcore: gather takes one input tensor")
@@ -859,9 +883,16 @@ class ProcessGroupMpcore(dist.ProcessGroup):
 
     def scatter(self, outputs, input_lists, opts=None):
         opts = opts if opts is not None else dist.ScatterOptions()
+        shm, root = self.shm, opts.rootRank
+        if shm is not None and len(outputs) == 1 and 0 <= root < self._world:   # as gather's
+            out = outputs[0]
+            ins = _plain_list(input_lists, out, self._world if self._rank == root else 0)
+            if ins is not None and out.is_cpu and out.is_contiguous():
+                return self._run(opts.asyncOp, outputs, shm.core.scatter, out.data_ptr(),
+                                 [t.data_ptr() for t in ins] if ins else 0, _nbytes(out), root,
+                                 keep=(out, ins))
         if self._gloo is not None:
             return self._gloo.scatter(outputs, input_lists, opts)
-        root = opts.rootRank
         self._check_root("scatter", root)
         if len(outputs) != 1:
             raise ValueError("mpcore: scatter takes one output tensor")
@@ -891,6 +922,13 @@ class ProcessGroupMpcore(dist.ProcessGroup):
     # -- all-to-all ------------------------------------------------------------------------
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         opts = opts if opts is not None else dist.AllToAllOptions()
+        shm = self.shm
+        if (shm is not None and output.dtype == input.dtype and output.is_cpu and input.is_cpu
+                and output.is_contiguous() and input.is_contiguous()):   # the core's call
+            return self._run(opts.asyncOp, [output], shm.core.all_to_all, output.data_ptr(),
+                             input.data_ptr(), self._splits("input", input, input_split_sizes),
+                             self._splits("output", output, output_split_sizes),
+                             keep=(input, output))
         if self._gloo is not None:
             return self._gloo.alltoall_base(output, input, output_split_sizes, input_split_sizes,
                                             opts)
@@ -1007,17 +1045,20 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         goes to its lane (NOTE [ Lanes ] in _dist.py)."""
         if self._gloo is not None:
             return self._gloo.send(tensors, dst, tag)
-        self._no_cuda("send", tensors)
-        _check_cpu("send", tensors)
-        self._check_peer("send to", dst)
+        shm = self.shm
+        t = tensors[0] if len(tensors) == 1 else None
+        if not (t is not None and t.is_cpu and t.is_contiguous() and shm is not None
+                and 0 <= dst < self._world and dst != self._rank):
+            self._no_cuda("send", tensors)
+            _check_cpu("send", tensors)
+            self._check_peer("send to", dst)
         src = [_Dense(t).t for t in tensors]
         core = self._core()
         lane = f"mpcore-send-{dst}"
         if len(src) == 1:
             # NOTE [ A send that fits the mailbox ]
             t = src[0]
-            if self.shm._lane(lane).run_if_idle(core.try_send, t.data_ptr(), _nbytes(t), dst,
-                                                tag):
+            if shm._lane(lane).run_if_idle(core.try_send, t.data_ptr(), _nbytes(t), dst, tag):
                 return self._p2p(_Done(tensors))
 
         def run(timeout):
@@ -1037,20 +1078,26 @@ class ProcessGroupMpcore(dist.ProcessGroup):
             if src < 0:
                 return self._gloo.recv_anysource(tensors, tag)
             return self._gloo.recv(tensors, src, tag)
+        shm = self.shm
+        t = tensors[0] if len(tensors) == 1 else None
+        work = Work(tensors)
+        if (t is not None and t.is_cpu and t.is_contiguous() and shm is not None
+                and -1 <= src < self._world and src != self._rank):   # the core's call
+            return self._p2p(shm.run(True, tensors, _recv_into, work, shm.core, t.data_ptr(),
+                                     _nbytes(t), src, tag, keep=t, work=work,
+                                     lane="mpcore-recv"))
         self._no_cuda("recv", tensors)
         _check_cpu("recv", tensors)
         if src >= 0:
             self._check_peer("receive from", src)
         dense = [_Dense(t, read=False) for t in tensors]
         core = self._core()
-        work = Work(tensors)
 
         def run(timeout):
             for d in dense:
-                work._source = core.recv(d.t.data_ptr(), _nbytes(d.t), src, tag, timeout)
+                _recv_into(work, core, d.t.data_ptr(), _nbytes(d.t), src, tag, timeout)
                 d.back()
-        return self._p2p(self.shm.run(True, tensors, run, keep=dense, work=work,
-                                      lane="mpcore-recv"))
+        return self._p2p(shm.run(True, tensors, run, keep=dense, work=work, lane="mpcore-recv"))
 
     def _p2p(self, work):
         if self._batch is not None:
@@ -1063,19 +1110,23 @@ class ProcessGroupMpcore(dist.ProcessGroup):
                              f"group of {self._world}")
 
 
-def _device_of(args):
-    """The device type of the first tensor among a call's arguments (a
-    tensor, a list of them, or a list of lists), or None."""
+def _recv_into(work, core, addr, nbytes, src, tag, timeout):
+    work._source = core.recv(addr, nbytes, src, tag, timeout)
+
+
+def _on_cuda(args):
+    """Whether the first tensor among a call's arguments (a tensor, a list
+    of them, or a list of lists) is on a CUDA device."""
     for a in args:
         if isinstance(a, torch.Tensor):
-            return a.device.type
+            return a.is_cuda
         if isinstance(a, (list, tuple)):
             for b in a:
                 if isinstance(b, torch.Tensor):
-                    return b.device.type
+                    return b.is_cuda
                 if isinstance(b, (list, tuple)) and b and isinstance(b[0], torch.Tensor):
-                    return b[0].device.type
-    return None
+                    return b[0].is_cuda
+    return False
 
 
 def _cuda_to_torch_nccl(name, method):
@@ -1089,7 +1140,7 @@ def _cuda_to_torch_nccl(name, method):
     all-reduce, broadcast and all-gather."""
     @functools.wraps(method)
     def call(self, *args):
-        if _HAVE_TORCH_NCCL and _device_of(args) == "cuda":
+        if _HAVE_TORCH_NCCL and _on_cuda(args):
             return getattr(self._torch_nccl_pg(), name)(*args)
         return method(self, *args)
     return call
