@@ -43,6 +43,8 @@ def _host_id():
 def _nbytes(tensors):
     """The bytes of a tensor, or of the tensors in a (nested) list."""
     if isinstance(tensors, (list, tuple)):
+        if len(tensors) == 1:
+            return _nbytes(tensors[0])
         return sum(_nbytes(t) for t in tensors)
     return getattr(tensors, "nbytes", 0)
 
@@ -323,7 +325,11 @@ class _Lane:
         self.name = name
         self.timeout = timeout
         self.queue = collections.deque()
-        self.cond = threading.Condition()
+        # `with self.lock` is `with self.cond` without threading.Condition's
+        # Python-level __enter__/__exit__ (NOTE [ The backend's cost per
+        # call ] in _backend.py): three of them per call
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
         self.thread = None
         self.queued = 0
         self.running = False   # a call of this lane runs (on its thread or a waiter's)
@@ -332,7 +338,7 @@ class _Lane:
         self.last_put = 0.0
 
     def put(self, item, small=False):
-        with self.cond:
+        with self.lock:
             if self.thread is None:
                 self.thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
                 self.thread.start()
@@ -346,7 +352,7 @@ class _Lane:
         """Waits until every call queued so far is done, running them here
         while the lane's thread has not taken them."""
         while True:
-            with self.cond:
+            with self.lock:
                 if not self.queued:
                     return
                 item = self._take() if threading.current_thread() is not self.thread else None
@@ -363,19 +369,19 @@ class _Lane:
         """fn(*args) now, on this thread, when the lane runs and holds
         nothing (so it keeps its order); returns its result, or None
         without calling it."""
-        with self.cond:
+        with self.lock:
             if self.running or self.queue or threading.current_thread() is self.thread:
                 return None
             self.running = True
         try:
             return fn(*args)
         finally:
-            with self.cond:
+            with self.lock:
                 self.running = False
                 self._wake()
 
     def run_if_next(self, work):
-        with self.cond:
+        with self.lock:
             if (not self.queue or self.queue[0][0] is not work
                     or threading.current_thread() is self.thread):
                 return
@@ -401,7 +407,7 @@ class _Lane:
         finally:
             # nothing of a finished call is held until the next one
             del work, fn, args, keep, item
-            with self.cond:
+            with self.lock:
                 self.running = False
                 self.queued -= 1
                 self._wake()
@@ -414,7 +420,7 @@ class _Lane:
 
     def _loop(self):
         while True:
-            with self.cond:
+            with self.lock:
                 while True:
                     if self.queue and self.queue[0] is None and not self.running:
                         return
@@ -428,7 +434,7 @@ class _Lane:
 
     def stop(self):
         """Stops the thread after what is queued."""
-        with self.cond:
+        with self.lock:
             if self.thread is None:
                 return
             self.queue.append(None)
