@@ -1,0 +1,113 @@
+"""The group's lanes (mpcore._dist._Lane) on their own: calls run in the
+order queued, on the lane's thread or on a thread that waits for the next
+one (NOTE [ A waiter runs its own call ]), and a call's end wakes whoever
+can go on (NOTE [ A finished call wakes only who needs it ])."""
+import threading
+import time
+
+import pytest
+
+from mpcore import _dist
+
+WAIT_S = 10
+
+
+def _call(lane, fn, *args, small=True):
+    work = _dist.Work([])
+    work._lane = lane
+    lane.put((work, fn, args, ()), small)
+    return work
+
+
+@pytest.fixture
+def lane():
+    """A lane whose thread never polls: it moves only when notified, so a
+    notification that a call's end owes is not covered up by a poll."""
+    ln = _dist._Lane("test-lane", 5.0)
+    ln.IDLE_S = 0
+    yield ln
+    ln.stop()
+
+
+def _sleeping(lane):
+    """Until the lane's thread waits on the lane again, having taken the
+    notifications so far (Condition keeps its waiters in _waiters)."""
+    deadline = time.monotonic() + WAIT_S
+    while len(lane.cond._waiters) != 1:
+        assert time.monotonic() < deadline, "the lane's thread never went back to waiting"
+        time.sleep(0.0005)
+
+
+@pytest.mark.timeout(60)
+def test_a_call_queued_while_a_waiter_runs_one_still_runs(lane):
+    """This thread waits for a call and runs it itself; meanwhile a second
+    call is queued, and the lane's thread, woken by it, finds the lane
+    busy and sleeps again.  The first call's end must wake it: nobody that
+    could run the second call waits for it."""
+    for _ in range(20):   # until this thread, not the lane's, took the first call
+        started, release, order, ran_on, later = (threading.Event(), threading.Event(), [],
+                                                   [], [])
+
+        def first(timeout):
+            ran_on.append(threading.current_thread())
+            started.set()
+            assert release.wait(WAIT_S)
+            order.append(1)
+
+        def meanwhile():
+            assert started.wait(WAIT_S)
+            later.append(_call(lane, lambda timeout: order.append(2)))
+            if ran_on[0] is not lane.thread:
+                _sleeping(lane)
+            release.set()
+
+        w1 = _call(lane, first)
+        helper = threading.Thread(target=meanwhile)
+        helper.start()
+        w1.wait()
+        helper.join(WAIT_S)
+        # a wait with a timeout never takes a call: the lane's thread must
+        assert later[0]._wait_done(WAIT_S), "the call queued behind a waiter's never ran"
+        assert order == [1, 2]
+        if ran_on[0] is threading.current_thread():
+            return
+    pytest.fail("the lane's thread took every first call: the case never arose")
+
+
+@pytest.mark.timeout(60)
+def test_drain_returns_when_a_waiters_call_ends(lane):
+    started, release = threading.Event(), threading.Event()
+
+    def slow(timeout):
+        started.set()
+        assert release.wait(WAIT_S)
+
+    w = _call(lane, slow)
+    waiter = threading.Thread(target=w.wait)
+    waiter.start()
+    assert started.wait(WAIT_S)
+    drained = threading.Event()
+    drainer = threading.Thread(target=lambda: (lane.drain(), drained.set()))
+    drainer.start()
+    assert not drained.is_set()   # the call still runs
+    release.set()
+    assert drained.wait(WAIT_S), "drain() missed the end of a call a waiter ran"
+    waiter.join(WAIT_S)
+    drainer.join(WAIT_S)
+    assert lane.queued == 0
+
+
+@pytest.mark.timeout(60)
+def test_calls_run_in_order_and_report_errors(lane):
+    order = []
+    works = [_call(lane, lambda timeout, k=k: order.append(k)) for k in range(50)]
+
+    def boom(timeout):
+        raise ValueError("boom")
+    bad = _call(lane, boom)
+    works[-1].wait()
+    with pytest.raises(ValueError, match="boom"):
+        bad.wait()
+    assert order == list(range(50))
+    assert all(w.is_completed() and w.is_success() for w in works)
+    assert bad.is_completed() and not bad.is_success()
