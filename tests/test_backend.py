@@ -448,6 +448,96 @@ def job_movers(kind, what, noncontig=False, dtypes=DT):
     return st
 
 
+def job_fastpath(kind):
+    """NOTE [ A fast path for torch's module functions ]: which calls take
+    it (torch's own function, replaced by one that raises, must not be
+    reached) and which go to torch's function; receives keep their order
+    behind a pending irecv; a send larger than the mailbox; torch's errors
+    for wrong arguments."""
+    if GROUPS[kind] is None:
+        return "skip"
+    from mpcore import _fastpath
+    m, g, members = GROUPS[kind]
+    r, W = members.index(RANK), len(members)
+    peer = members[(r + 1) % W] if W == 2 else None
+    out = {"installed": all(getattr(getattr(dist, n), "_mpcore_fast", False)
+                            for n in ("send", "recv", "gather", "scatter", "all_to_all_single"))}
+    saved = dict(_fastpath._TORCH)
+
+    def refuse(name):
+        def fn(*a, **k):
+            raise RuntimeError(f"torch's {name} reached")
+        return fn
+    for name in saved:
+        _fastpath._TORCH[name] = refuse(name)
+    fast, slow = [], []
+    try:
+        x = torch.arange(6.0).reshape(2, 3) + 10 * r
+        outs = [torch.zeros(2, 3) for _ in range(W)] if r == 0 else None
+        dist.gather(x, outs, dst=members[0], group=m)
+        fast.append(("gather", outs is None or torch.equal(torch.stack(outs), torch.stack(
+            [torch.arange(6.0).reshape(2, 3) + 10 * q for q in range(W)]))))
+        o = torch.zeros(2, 3)
+        dist.scatter(o, [x + q for q in range(W)] if r == 0 else None, src=members[0], group=m)
+        fast.append(("scatter", torch.equal(o, torch.arange(6.0).reshape(2, 3) + r)))
+        a = torch.zeros(W * 2)
+        dist.all_to_all_single(a, torch.full((W * 2,), float(r)), group=m)
+        fast.append(("all_to_all_single", a.tolist() == [float(q) for q in range(W) for _ in "ab"]))
+        if peer is not None:
+            y = torch.full((4,), float(r))
+            if r == 0:
+                dist.send(y, peer, group=m)
+                got = dist.recv(y, peer, group=m)
+            else:
+                got = dist.recv(y, peer, group=m)
+                dist.send(y + 1, peer, group=m)
+            fast.append(("send/recv", got == peer and y.tolist() == [float(1 - r)] * 4))
+        for what, call in (("async gather", lambda: dist.gather(
+                                x, outs, dst=members[0], group=m, async_op=True)),
+                           ("gather by group_dst", lambda: dist.gather(
+                               x, outs, group_dst=0, group=m)),
+                           ("non-contiguous scatter", lambda: dist.scatter(
+                               torch.zeros(3, 2).t(), None, src=members[-1], group=m)),
+                           ("recv from any rank", lambda: dist.recv(torch.zeros(1), group=m))):
+            try:
+                call()
+                slow.append((what, "served"))
+            except RuntimeError as e:
+                slow.append((what, str(e)))
+    finally:
+        _fastpath._TORCH.update(saved)
+    out["fast"], out["slow"] = fast, slow
+    if peer is not None:
+        # receives stay in order behind a pending irecv; a large send waits
+        big = torch.arange(1 << 20, dtype=torch.float32)
+        if r == 0:
+            dist.send(torch.ones(3), peer, group=m)
+            dist.send(torch.full((3,), 2.0), peer, group=m)
+            dist.send(big, peer, group=m)
+            out["order"] = True
+        else:
+            first, second, b = torch.zeros(3), torch.zeros(3), torch.zeros(1 << 20)
+            w = dist.irecv(first, peer, group=m)
+            dist.recv(second, peer, group=m)
+            w.wait()
+            dist.recv(b, peer, group=m)
+            out["order"] = first.tolist() == [1.0] * 3 and second.tolist() == [2.0] * 3 \
+                and torch.equal(b, big)
+    errs = {}
+    for what, call in (("gather list off the root", lambda: r != W - 1 and dist.gather(
+                            torch.zeros(2), [torch.zeros(2)] * W, dst=members[-1], group=m)),
+                       ("send to a rank outside", lambda: dist.send(torch.zeros(2), 10 ** 6,
+                                                                   group=m))):
+        try:
+            call()
+            errs[what] = None
+        except (ValueError, RuntimeError) as e:
+            errs[what] = f"{type(e).__name__}: {e}"
+    out["errors"] = errs
+    dist.barrier(group=m)
+    return out
+
+
 def job_objects(kind):
     if GROUPS[kind] is None:
         return "skip"
@@ -889,6 +979,24 @@ def test_large_gather_and_scatter_between_separate_tensors(pool):
 @pytest.mark.parametrize("what", ["broadcast", "all_gather_into_tensor", "scatter"])
 def test_movers_non_contiguous(pool, what):
     _assert_all(pool.run("movers", kind="world", what=what, noncontig=True))
+
+
+@pytest.mark.parametrize("kind", ["world", "new_group"])
+def test_fast_path_of_module_functions(pool2, kind):
+    """NOTE [ A fast path for torch's module functions ]."""
+    for r, res in enumerate(pool2.run("fastpath", kind=kind)):
+        assert res["installed"], res
+        for what, ok in res["fast"]:
+            assert ok is True, (r, what, res)   # served, and right, without torch's function
+        assert len(res["fast"]) == 4, res
+        for what, said in res["slow"]:
+            assert "reached" in said, (r, what, said)   # torch's function took them
+        assert len(res["slow"]) == 4, res
+        assert res["order"] is True, res
+        errs = res["errors"]
+        assert "ValueError" in errs["send to a rank outside"], errs
+        if r != 1:   # the root of that gather (rank 1) is not asked
+            assert "ValueError" in errs["gather list off the root"], errs
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -24,8 +24,10 @@ counts.  torch's dist.all_reduce spends about as much as the core before it
 calls the group (its checks, options, logging wrapper); the backend adds
 the reading of opts.reduceOp (a new pybind object each time), one dict
 lookup for what the core reduces (_CORE), and a completed Work without an
-event (_Done) for a synchronous call.  There is no fast path around torch's
-functions: the dispatcher is the one way in.
+event (_Done) for a synchronous call.  The dispatcher is the way in, except
+for five of torch's module functions whose own cost measurement put above
+the core's (NOTE [ A fast path for torch's module functions ] in
+_fastpath.py).
 
 NOTE [ What the core cannot serve ]
 - Ranks on several machines: the group has no region (ShmGroup is None),
@@ -402,6 +404,8 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         self._name = ""
         self._desc = ""
         self._batch = None  # the point-to-point Works of a coalescing block
+        # global rank -> this group's rank (_create_extended sets a subgroup's)
+        self._group_ranks = {r: r for r in range(world)}
         if shm is not None:
             shm.work_type = Work
 
@@ -1178,8 +1182,10 @@ def _create_extended(opts, backend_options):
     name its ranks by their global ranks (the default group's are its own)."""
     pg = create(opts.store, opts.group_rank, opts.group_size, opts.timeout)
     ranks = list(opts.global_ranks_in_group)
-    if pg.shm is not None and len(ranks) == opts.group_size:
-        pg.shm.core.set_labels(ranks)
+    if len(ranks) == opts.group_size:
+        pg._group_ranks = {r: i for i, r in enumerate(ranks)}
+        if pg.shm is not None:
+            pg.shm.core.set_labels(ranks)
     return pg
 
 
@@ -1188,3 +1194,5 @@ def register():
     if "MPCORE" not in dist.Backend._plugins:
         dist.Backend.register_backend("mpcore", _create_extended, extended_api=True,
                                       devices=["cpu"])
+    from . import _fastpath
+    _fastpath.install()   # NOTE [ A fast path for torch's module functions ]
