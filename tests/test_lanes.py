@@ -44,34 +44,34 @@ def test_a_call_queued_while_a_waiter_runs_one_still_runs(lane):
     call is queued, and the lane's thread, woken by it, finds the lane
     busy and sleeps again.  The first call's end must wake it: nobody that
     could run the second call waits for it."""
-    for _ in range(20):   # until this thread, not the lane's, took the first call
-        started, release, order, ran_on, later = (threading.Event(), threading.Event(), [],
-                                                   [], [])
+    # The lane's thread takes nothing until this thread holds the first
+    # call (else it may win the race for it, and there is no waiter's call)
+    taken, take = threading.Event(), lane._take
+    lane._take = lambda: take() if (taken.is_set()
+                                     or threading.current_thread() is not lane.thread) else None
+    started, release, order, later = threading.Event(), threading.Event(), [], []
 
-        def first(timeout):
-            ran_on.append(threading.current_thread())
-            started.set()
-            assert release.wait(WAIT_S)
-            order.append(1)
+    def first(timeout):
+        assert threading.current_thread() is not lane.thread
+        taken.set()
+        started.set()
+        assert release.wait(WAIT_S)
+        order.append(1)
 
-        def meanwhile():
-            assert started.wait(WAIT_S)
-            later.append(_call(lane, lambda timeout: order.append(2)))
-            if ran_on[0] is not lane.thread:
-                _sleeping(lane)
-            release.set()
+    def meanwhile():
+        assert started.wait(WAIT_S)
+        later.append(_call(lane, lambda timeout: order.append(2)))
+        _sleeping(lane)   # woken by that put, it found the lane busy
+        release.set()
 
-        w1 = _call(lane, first)
-        helper = threading.Thread(target=meanwhile)
-        helper.start()
-        w1.wait()
-        helper.join(WAIT_S)
-        # a wait with a timeout never takes a call: the lane's thread must
-        assert later[0]._wait_done(WAIT_S), "the call queued behind a waiter's never ran"
-        assert order == [1, 2]
-        if ran_on[0] is threading.current_thread():
-            return
-    pytest.fail("the lane's thread took every first call: the case never arose")
+    w1 = _call(lane, first)
+    helper = threading.Thread(target=meanwhile)
+    helper.start()
+    w1.wait()
+    helper.join(WAIT_S)
+    # a wait with a timeout never takes a call: the lane's thread must
+    assert later[0]._wait_done(WAIT_S), "the call queued behind a waiter's never ran"
+    assert order == [1, 2]
 
 
 @pytest.mark.timeout(60)
