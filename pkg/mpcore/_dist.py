@@ -413,7 +413,7 @@ class _Lane:
                 self._wake()
 
     def _wake(self):
-        """After a call: wakes whoever can go on (the caller holds cond).
+        """After a call: wakes whoever can go on (the caller holds the lock).
         NOTE [ A finished call wakes only who needs it ]."""
         if self.queue or self.draining:
             self.cond.notify_all()
