@@ -1059,17 +1059,21 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         src = [_Dense(t).t for t in tensors]
         core = self._core()
         lane = f"mpcore-send-{dst}"
-        if len(src) == 1:
-            # NOTE [ A send that fits the mailbox ]
-            t = src[0]
-            if shm._lane(lane).run_if_idle(core.try_send, t.data_ptr(), _nbytes(t), dst, tag):
-                return self._p2p(_Done(tensors))
+        if len(src) == 1 and self._send_now(src[0], dst, tag):
+            return self._p2p(_Done(tensors))
 
         def run(timeout):
             for t in src:
                 core.send(t.data_ptr(), _nbytes(t), dst, tag, timeout)
         # NOTE [ Lanes ] in _dist.py
         return self._p2p(self.shm.run(True, tensors, run, keep=src, lane=lane))
+
+    def _send_now(self, t, dst, tag):
+        """Whether contiguous CPU tensor t went to rank dst's mailbox on
+        this thread (NOTE [ A send that fits the mailbox ])."""
+        shm = self.shm
+        return bool(shm._lane(f"mpcore-send-{dst}").run_if_idle(
+            shm.core.try_send, t.data_ptr(), _nbytes(t), dst, tag))
 
     def recv(self, tensors, src, tag):
         return self._recv(tensors, src, tag)

@@ -82,11 +82,7 @@ def send(tensor, dst=None, group=None, tag=0, group_dst=None):
     if call is None:
         return _SLOW
     g, peer = call
-    # NOTE [ A send that fits the mailbox ] in _backend.py
-    if g.shm._lane(f"mpcore-send-{peer}").run_if_idle(g.shm.core.try_send, tensor.data_ptr(),
-                                                      tensor.nbytes, peer, tag):
-        return None
-    return _SLOW
+    return None if g._send_now(tensor, peer, tag) else _SLOW
 
 
 @_fast("recv")
