@@ -538,6 +538,79 @@ def job_fastpath(kind):
     return out
 
 
+def job_funcol_fast(kind):
+    """NOTE [ A fast path for the functional collectives ]: the calls it
+    serves (torch's functions, replaced by ones that raise, must not be
+    reached) give gloo's results as plain tensors and leave the input
+    alone; the rest reach torch's function."""
+    if GROUPS[kind] is None:
+        return "skip"
+    import torch.distributed._functional_collectives as fc
+    from torch.distributed.device_mesh import DeviceMesh
+    from mpcore import _fastpath
+    m, g, members = GROUPS[kind]
+    r, W = members.index(RANK), len(members)
+    mesh = DeviceMesh.from_group(m, "cpu")
+    names = ("all_reduce", "all_gather_single", "reduce_scatter_single")
+    out = {"installed": all(getattr(getattr(fc, n), "_mpcore_fast", False) for n in names)}
+    x = torch.arange(2.0 * W * 3).reshape(2 * W, 3) + 10 * r
+    i = torch.arange(2 * W, dtype=torch.int32) * (r + 3)
+    # gloo's answers, from torch's own functions on the twin gloo group
+    want = {f"all_reduce {op}": fc.all_reduce(x, op, g).wait()
+            for op in ("sum", "product", "min", "max")}
+    want["all_reduce avg"] = fc.all_reduce(x, "sum", g).wait() / W
+    want["all_reduce bxor int32"] = fc.all_reduce(i, "bxor", g).wait()
+    want["all_gather_single"] = fc.all_gather_single(x, 0, g).wait()
+    want["all_gather_tensor"] = want["all_gather_single"]
+    want["reduce_scatter_single"] = fc.reduce_scatter_single(x, "sum", 0, g).wait()
+    saved = dict(_fastpath._TORCH)
+
+    def refuse(name):
+        def fn(*a, **k):
+            raise RuntimeError(f"torch's {name} reached")
+        return fn
+    for name in saved:
+        _fastpath._TORCH[name] = refuse(name)
+    got, forms, slow = {}, {}, []
+    try:
+        before = x.clone()
+        for op in ("sum", "product", "min", "max", "avg"):
+            got[f"all_reduce {op}"] = fc.all_reduce(x, op.upper() if op == "max" else op, m)
+        got["all_reduce bxor int32"] = fc.all_reduce(i, "bxor", m)
+        got["all_gather_single"] = fc.all_gather_single(x, 0, m)
+        got["all_gather_tensor"] = fc.all_gather_tensor(x, 0, m)
+        got["reduce_scatter_single"] = fc.reduce_scatter_single(x, "sum", 0, m)
+        for form, grp in (("mesh", mesh), ("(mesh, 0)", (mesh, 0)), ("name", m.group_name)):
+            forms[form] = torch.equal(fc.wait_tensor(fc.all_reduce(x, "sum", grp)),
+                                      want["all_reduce sum"])
+        out["input kept"] = torch.equal(x, before)
+        out["types"] = sorted({type(v).__name__ for v in got.values()})
+        for what, call in (("requires grad", lambda: fc.all_reduce(
+                                x.clone().requires_grad_(), "sum", m)),
+                           ("non-contiguous", lambda: fc.all_reduce(x.t(), "sum", m)),
+                           ("gather_dim 1", lambda: fc.all_gather_single(x, 1, m)),
+                           ("scatter_dim 1", lambda: fc.reduce_scatter_single(
+                               x.t().contiguous(), "sum", 1, m)),
+                           ("bxor on floats", lambda: fc.all_reduce(x, "bxor", m)),
+                           ("ranks as a list", lambda: fc.all_reduce(x, "sum", members))):
+            try:
+                call()
+                slow.append((what, "served"))
+            except RuntimeError as e:
+                slow.append((what, str(e)))
+    finally:
+        _fastpath._TORCH.update(saved)
+    out["same"] = {k: torch.equal(got[k], want[k]) for k in want}
+    out["forms"], out["slow"] = forms, slow
+    # after the group's calls in flight
+    y = torch.full((4,), float(r + 1))
+    w = dist.all_reduce(y, group=m, async_op=True)
+    z = fc.all_reduce(y, "sum", m)
+    w.wait()
+    out["ordered"] = z.tolist() == [float(W * (W + 1) // 2 * W)] * 4
+    return out
+
+
 def job_objects(kind):
     if GROUPS[kind] is None:
         return "skip"
@@ -1037,6 +1110,21 @@ def test_monitored_barrier(pool):
     assert res[1:] == ["all came"] * (pool.world - 1), res
     assert res[0].startswith("TimeoutError"), res
     assert all(str(q) in res[0] for q in range(1, pool.world)), res
+
+
+@pytest.mark.parametrize("kind", ["world", "new_group"])
+def test_fast_path_of_functional_collectives(pool, kind):
+    """NOTE [ A fast path for the functional collectives ]."""
+    for r, res in enumerate(pool.run("funcol_fast", kind=kind)):
+        if res == "skip":
+            continue
+        assert res["installed"] and res["input kept"] and res["ordered"], (r, res)
+        assert res["same"] and all(res["same"].values()), (r, res)
+        assert res["forms"] == {"mesh": True, "(mesh, 0)": True, "name": True}, (r, res)
+        assert res["types"] == ["Tensor"], (r, res)
+        assert len(res["slow"]) == 6, res
+        for what, said in res["slow"]:
+            assert "reached" in said, (r, what, said)   # torch's function took them
 
 
 @pytest.mark.parametrize("kind", KINDS)
