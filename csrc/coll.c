@@ -1510,6 +1510,26 @@ static uint64_t up64(uint64_t n) { return (n + MPC_COLL_ALIGN - 1) / MPC_COLL_AL
  * Returns 0 for the caller to look again, or the error (the group is then
  * broken).  what: the call, for messages; peer: the rank waited for, or -1
  * for any. */
+/* NOTE [ Messages name their peer when they are needed ]
+ * A send or receive names what it does ("recv from rank 3 (tag 0)") for its
+ * errors.  Formatting that on every call cost more than a small message's
+ * copy: a 4 KB ping-pong formats it three times per rank.  So a call keeps
+ * an empty buffer and fills it here, once, just before it first waits or
+ * copies between processes: off the path of a message that is there. */
+
+/* Fills what (64 bytes), if empty, with `verb` and peer ("rank N", or "any
+ * rank" for -1), then " (tag T)" when tag >= 0; returns what. */
+static const char *p2p_what(const mpc_coll *c, char *what, const char *verb, int peer,
+                            int64_t tag) {
+    if (what[0] != '\0')
+        return what;
+    int n = peer >= 0 ? snprintf(what, 64, "%s rank %d", verb, lbl(c, peer))
+                      : snprintf(what, 64, "%s any rank", verb);
+    if (tag >= 0 && n > 0 && n < 64)
+        snprintf(what + n, 64 - (size_t)n, " (tag %lld)", (long long)tag);
+    return what;
+}
+
 static int p2p_wait(mpc_coll *c, uint32_t g, const char *what, int peer, int64_t deadline) {
     _Atomic uint32_t *b = bell(c, c->rank);
     if (atomic_load(&c->h->broken))
@@ -1605,14 +1625,15 @@ int mpc_coll_send(mpc_coll *c, const void *buf, uint64_t nbytes, int dst, uint32
                                 "group of %d", c->rank, dst, c->world);
     if (atomic_load(&c->h->broken))
         return broken_error(c);
-    char what[64];
-    snprintf(what, sizeof what, "send to rank %d", lbl(c, dst));
+    /* NOTE [ Messages name their peer when they are needed ] */
+    char what[64] = "";
     mpc_coll_box *bx = box(c, c->rank, dst);
     uint8_t *rg = ring(c, c->rank, dst);
     uint64_t cap = c->at.ring, head = atomic_load_explicit(&bx->head, memory_order_relaxed);
     const uint8_t *src = buf;
     if (nbytes > cap && nbytes >= MPC_COLL_CMA_MIN && atomic_load(&c->h->ranks[dst].cma))
-        return send_direct(c, buf, nbytes, dst, tag, what, deadline);
+        return send_direct(c, buf, nbytes, dst, tag, p2p_what(c, what, "send to", dst, -1),
+                           deadline);
     /* the header, then the data in pieces of what fits (at least a quarter
      * of the ring, or the rest, so that neither side wakes for crumbs) */
     uint64_t sent = 0, total = MPC_COLL_ALIGN + up64(nbytes);
@@ -1623,7 +1644,7 @@ int mpc_coll_send(mpc_coll *c, const void *buf, uint64_t nbytes, int dst, uint32
         uint64_t left = header ? total : up64(nbytes - sent);
         uint64_t want = left < cap / 4 ? left : cap / 4;
         if (room < want || room < MPC_COLL_ALIGN) {
-            int r = p2p_wait(c, g, what, dst, deadline);
+            int r = p2p_wait(c, g, p2p_what(c, what, "send to", dst, -1), dst, deadline);
             if (r < 0)
                 return r;
             continue;
@@ -1670,8 +1691,7 @@ int mpc_coll_try_send(mpc_coll *c, const void *buf, uint64_t nbytes, int dst, ui
  * group is then broken). */
 static int take(mpc_coll *c, int from, void *buf, const mpc_coll_msg *m, int64_t deadline) {
     int me = c->rank;
-    char what[64];
-    snprintf(what, sizeof what, "recv from rank %d", lbl(c, from));
+    char what[64] = "";
     mpc_coll_box *bx = box(c, from, me);
     const uint8_t *rg = ring(c, from, me);
     uint64_t cap = c->at.ring, nbytes = m->nbytes;
@@ -1679,7 +1699,8 @@ static int take(mpc_coll *c, int from, void *buf, const mpc_coll_msg *m, int64_t
     uint64_t got = 0;
     if (m->magic == MPC_COLL_CMA_MAGIC) {
         /* NOTE [ A large receive copies on two threads ] */
-        int r = cma_copy(c, from, buf, m->addr, nbytes, 0, 1, what);
+        int r = cma_copy(c, from, buf, m->addr, nbytes, 0, 1,
+                         p2p_what(c, what, "recv from", from, -1));
         if (r < 0)
             return r;
         atomic_store_explicit(&bx->tail, tail, memory_order_release);
@@ -1693,7 +1714,7 @@ static int take(mpc_coll *c, int from, void *buf, const mpc_coll_msg *m, int64_t
         uint32_t g = atomic_load(bell(c, me));
         uint64_t have = atomic_load_explicit(&bx->head, memory_order_acquire) - tail;
         if (have == 0) {
-            int r = p2p_wait(c, g, what, from, deadline);
+            int r = p2p_wait(c, g, p2p_what(c, what, "recv from", from, -1), from, deadline);
             if (r < 0)
                 return r;
             continue;
@@ -1722,11 +1743,7 @@ int mpc_coll_recv(mpc_coll *c, void *buf, uint64_t nbytes, int src, uint32_t tag
     if (src < -1 || src >= W || src == me || W == 1)
         return mpc_fail(EINVAL, "rank %d cannot receive from rank %d: not another rank of "
                                 "this group of %d, nor -1 (any)", me, src, W);
-    char what[64];
-    if (src >= 0)
-        snprintf(what, sizeof what, "recv from rank %d (tag %u)", lbl(c, src), tag);
-    else
-        snprintf(what, sizeof what, "recv from any rank (tag %u)", tag);
+    char what[64] = "";
     uint64_t cap = c->at.ring;
     for (;;) {
         /* a message held earlier is older than any still in a mailbox */
@@ -1794,7 +1811,8 @@ int mpc_coll_recv(mpc_coll *c, void *buf, uint64_t nbytes, int src, uint32_t tag
             return r < 0 ? r : from;
         }
         if (!held) {
-            int r = p2p_wait(c, g, what, src, deadline);
+            int r = p2p_wait(c, g, p2p_what(c, what, "recv from", src, (int64_t)tag), src,
+                             deadline);
             if (r < 0)
                 return r;
         }

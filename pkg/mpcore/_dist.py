@@ -370,7 +370,8 @@ class _Lane:
         nothing (so it keeps its order); returns its result, or None
         without calling it."""
         with self.lock:
-            if self.running or self.queue or threading.current_thread() is self.thread:
+            if (self.running or self.queue
+                    or (self.thread is not None and threading.current_thread() is self.thread)):
                 return None
             self.running = True
         try:
