@@ -193,6 +193,7 @@ typedef struct {
     uint32_t world, pad;
     uint64_t chunk, size;
     _Atomic uint32_t gen;    /* bumped when a barrier completes */
+    _Atomic uint32_t gen_sleepers; /* ranks asleep on gen (NOTE [ Wakes only for sleepers ]) */
     _Atomic uint32_t broken; /* 0, or 1 + the rank whose loss broke the group */
     char why[200];           /* what broke it */
     mpc_coll_rank ranks[MPC_COLL_MAX_RANKS];
@@ -210,6 +211,7 @@ typedef struct {
  * a mailbox changed, or when the group broke. */
 typedef struct {
     _Alignas(64) _Atomic uint32_t bell;
+    _Atomic uint32_t sleepers; /* NOTE [ Wakes only for sleepers ] in sync.c */
 } mpc_coll_bell;
 
 /* What starts each message in a mailbox (one 64-byte line). */
@@ -362,6 +364,10 @@ static uint8_t *ring(const mpc_coll *c, int src, int dst) {
 
 static _Atomic uint32_t *bell(const mpc_coll *c, int q) {
     return &((mpc_coll_bell *)((uint8_t *)c->h + c->at.bells) + q)->bell;
+}
+
+static _Atomic uint32_t *sleepers(const mpc_coll *c, int q) {
+    return &((mpc_coll_bell *)((uint8_t *)c->h + c->at.bells) + q)->sleepers;
 }
 
 static uint8_t *result(const mpc_coll *c, uint64_t parity) { return stage(c, parity, c->world); }
@@ -600,7 +606,7 @@ static int barrier(mpc_coll *c, const char *what, int64_t deadline) {
     atomic_store(&h->ranks[c->rank].bar, target);
     if (all_reached(c, target)) {
         atomic_fetch_add(&h->gen, 1);
-        mpc_futex_wake(&h->gen, INT32_MAX);
+        mpc_wake_sleepers(&h->gen, &h->gen_sleepers);
         return 0;
     }
     for (;;) {
@@ -621,7 +627,7 @@ static int barrier(mpc_coll *c, const char *what, int64_t deadline) {
         /* As many ranks as CPUs: a rank spins up to MPC_COLL_SPIN_NS first,
          * since a peer a few microseconds behind (a Python caller's
          * overhead) would otherwise cost a futex sleep and wake-up. */
-        int r = mpc_wait_change_spin(&h->gen, g, c->spin_ns, until);
+        int r = mpc_wait_change_spin(&h->gen, g, c->spin_ns, until, &h->gen_sleepers);
         if (r == -EINTR && c->interrupted != NULL && c->interrupted(c->arg)) {
             break_group(c, c->rank, "rank %d was interrupted during %s", lbl(c, c->rank), what);
             return -EINTR;
@@ -1539,7 +1545,7 @@ static int p2p_wait(mpc_coll *c, uint32_t g, const char *what, int peer, int64_t
         until = deadline;
     for (int y = 0; y < c->yields && atomic_load(b) == g; y++)
         sched_yield();
-    int r = mpc_wait_change_spin(b, g, c->spin_ns, until);
+    int r = mpc_wait_change_spin(b, g, c->spin_ns, until, sleepers(c, c->rank));
     if (r == 0 || (r == -EINTR && (c->interrupted == NULL || !c->interrupted(c->arg))))
         return 0;
     if (r == -EINTR || (r == -ETIMEDOUT && c->interrupted != NULL && c->interrupted(c->arg))) {
@@ -1583,7 +1589,7 @@ static void ring_get(uint8_t *dst, const uint8_t *ring, uint64_t cap, uint64_t p
 
 static void ring_bell(mpc_coll *c, int q) {
     atomic_fetch_add(bell(c, q), 1);
-    mpc_futex_wake(bell(c, q), INT32_MAX);
+    mpc_wake_sleepers(bell(c, q), sleepers(c, q));
 }
 
 /* A send whose receiver copies the bytes from buf (NOTE [ Copies between

@@ -101,9 +101,16 @@ int mpc_wait_change(_Atomic uint32_t *addr, uint32_t expected, int64_t deadline_
 
 /* As mpc_wait_change, but looks at the word for up to spin_ns more before
  * it sleeps: for waiters that have a core of their own, where a futex
- * wake-up costs more than the wait.  Same returns. */
+ * wake-up costs more than the wait.  While it sleeps it counts itself in
+ * *sleepers, unless that is NULL (then wakers must always call the kernel);
+ * see mpc_wake_sleepers.  Same returns. */
 int mpc_wait_change_spin(_Atomic uint32_t *addr, uint32_t expected, int64_t spin_ns,
-                         int64_t deadline_ns);
+                         int64_t deadline_ns, _Atomic uint32_t *sleepers);
+
+/* Wakes every waiter of addr, calling the kernel only when *sleepers (the
+ * count mpc_wait_change_spin keeps) is not zero.  Call after changing
+ * *addr.  Never fails. */
+void mpc_wake_sleepers(_Atomic uint32_t *addr, _Atomic uint32_t *sleepers);
 
 /* ------------------------------------------------------------------ */
 /* Memory availability and memfd segments (shm.c)                      */

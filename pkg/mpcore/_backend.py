@@ -407,6 +407,7 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         self._batch = None  # the point-to-point Works of a coalescing block
         # global rank -> this group's rank (_create_extended sets a subgroup's)
         self._group_ranks = {r: r for r in range(world)}
+        self._send_lanes = [f"mpcore-send-{q}" for q in range(world)]  # lane names by rank
         if shm is not None:
             shm.work_type = Work
 
@@ -1059,7 +1060,7 @@ class ProcessGroupMpcore(dist.ProcessGroup):
             self._check_peer("send to", dst)
         src = [_Dense(t).t for t in tensors]
         core = self._core()
-        lane = f"mpcore-send-{dst}"
+        lane = self._send_lanes[dst]
         if len(src) == 1 and self._send_now(src[0], dst, tag):
             return self._p2p(_Done(tensors))
 
@@ -1073,8 +1074,8 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         """Whether contiguous CPU tensor t went to rank dst's mailbox on
         this thread (NOTE [ A send that fits the mailbox ])."""
         shm = self.shm
-        return bool(shm._lane(f"mpcore-send-{dst}").run_if_idle(
-            shm.core.try_send, t.data_ptr(), _nbytes(t), dst, tag))
+        return bool(shm._lane(self._send_lanes[dst]).run_if_idle(
+            shm.core.try_send, t.data_ptr(), t.nbytes, dst, tag))
 
     def recv(self, tensors, src, tag):
         return self._recv(tensors, src, tag)

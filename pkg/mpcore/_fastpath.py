@@ -80,8 +80,10 @@ def _plain(t):
 
 
 def send(tensor, dst=None, group=None, tag=0, group_dst=None):
-    g = _group(group)
-    if g is not None and group_dst is None and _plain(tensor) and not _has_torch_function((tensor,)):
+    g = _c10d._world.default_pg if group is None else group   # _group() and _plain(), inline
+    if (type(g) is _PG and g.shm is not None and g._batch is None and group_dst is None
+            and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
+            and not _has_torch_function((tensor,))):
         peer = g._group_ranks.get(dst)
         if peer is not None and peer != g._rank and g._send_now(tensor, peer, tag):
             return None
@@ -89,8 +91,10 @@ def send(tensor, dst=None, group=None, tag=0, group_dst=None):
 
 
 def recv(tensor, src=None, group=None, tag=0, group_src=None):
-    g = _group(group)
-    if g is not None and group_src is None and _plain(tensor) and not _has_torch_function((tensor,)):
+    g = _c10d._world.default_pg if group is None else group   # _group() and _plain(), inline
+    if (type(g) is _PG and g.shm is not None and g._batch is None and group_src is None
+            and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
+            and not _has_torch_function((tensor,))):
         peer = g._group_ranks.get(src)
         if peer is not None and peer != g._rank:
             shm = g.shm
