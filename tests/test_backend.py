@@ -461,7 +461,8 @@ def job_fastpath(kind):
     r, W = members.index(RANK), len(members)
     peer = members[(r + 1) % W] if W == 2 else None
     out = {"installed": all(getattr(getattr(dist, n), "_mpcore_fast", False)
-                            for n in ("send", "recv", "gather", "scatter", "all_to_all_single"))}
+                            for n in ("send", "recv", "broadcast", "gather", "scatter",
+                                      "all_to_all_single"))}
     saved = dict(_fastpath._TORCH)
 
     def refuse(name):
@@ -480,6 +481,9 @@ def job_fastpath(kind):
         o = torch.zeros(2, 3)
         dist.scatter(o, [x + q for q in range(W)] if r == 0 else None, src=members[0], group=m)
         fast.append(("scatter", torch.equal(o, torch.arange(6.0).reshape(2, 3) + r)))
+        b = torch.full((5,), float(r), dtype=torch.float64)
+        dist.broadcast(b, src=members[-1], group=m)
+        fast.append(("broadcast", b.tolist() == [float(W - 1)] * 5))
         a = torch.zeros(W * 2)
         dist.all_to_all_single(a, torch.full((W * 2,), float(r)), group=m)
         fast.append(("all_to_all_single", a.tolist() == [float(q) for q in range(W) for _ in "ab"]))
@@ -494,6 +498,8 @@ def job_fastpath(kind):
             fast.append(("send/recv", got == peer and y.tolist() == [float(1 - r)] * 4))
         for what, call in (("async gather", lambda: dist.gather(
                                 x, outs, dst=members[0], group=m, async_op=True)),
+                           ("broadcast by group_src", lambda: dist.broadcast(
+                               x, group_src=0, group=m)),
                            ("gather by group_dst", lambda: dist.gather(
                                x, outs, group_dst=0, group=m)),
                            ("non-contiguous scatter", lambda: dist.scatter(
@@ -1061,10 +1067,10 @@ def test_fast_path_of_module_functions(pool2, kind):
         assert res["installed"], res
         for what, ok in res["fast"]:
             assert ok is True, (r, what, res)   # served, and right, without torch's function
-        assert len(res["fast"]) == 4, res
+        assert len(res["fast"]) == 5, res
         for what, said in res["slow"]:
             assert "reached" in said, (r, what, said)   # torch's function took them
-        assert len(res["slow"]) == 4, res
+        assert len(res["slow"]) == 5, res
         assert res["order"] is True, res
         errs = res["errors"]
         assert "ValueError" in errs["send to a rank outside"], errs

@@ -474,15 +474,17 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         shm = self.shm
         if shm is None:
             raise RuntimeError("mpcore: this process group has been destroyed")
+        if not async_op:
+            shm.run(False, result, fn, *args)
+            if after is not None:
+                after()
+            return _Done(result)
         if after is not None:
             inner = fn
 
             def fn(*a):
                 inner(*a)
                 after()
-        if not async_op:
-            shm.run(False, result, fn, *args)
-            return _done(result)
         return shm.run(True, result, fn, *args, keep=keep)
 
     def _core(self):
@@ -799,6 +801,16 @@ class ProcessGroupMpcore(dist.ProcessGroup):
 
     def _reduce_scatter_base(self, output, input, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
+        shm = self.shm
+        if (shm is not None and output.dtype == input.dtype and output.is_cpu and input.is_cpu
+                and input.numel() == output.numel() * self._world
+                and output.is_contiguous() and input.is_contiguous()):
+            row = _CORE_ROWS.get(output.dtype)
+            codes = row[opts.reduceOp.op.value] if row is not None else None
+            if codes is not None:   # the core's call
+                return self._run(opts.asyncOp, [output], shm.core.reduce_scatter,
+                                 output.data_ptr(), input.data_ptr(), output.numel(), codes[0],
+                                 codes[1], keep=(input, output))
         if self._gloo is not None:
             return self._gloo._reduce_scatter_base(output, input, opts)
         if output.dtype != input.dtype or input.numel() != output.numel() * self._world:

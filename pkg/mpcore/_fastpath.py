@@ -105,6 +105,17 @@ def recv(tensor, src=None, group=None, tag=0, group_src=None):
     return _TORCH["recv"](tensor, src, group, tag, group_src)
 
 
+def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
+    g = _group(group)
+    if (g is not None and not async_op and group_src is None and _plain(tensor)
+            and not _has_torch_function((tensor,))):
+        root = g._group_ranks.get(src)
+        if root is not None:
+            g.shm.run(False, None, g.shm.core.broadcast, tensor.data_ptr(), tensor.nbytes, root)
+            return None
+    return _TORCH["broadcast"](tensor, src, group, async_op, group_src)
+
+
 def _rooted(tensor, tensors, rank, group, async_op, group_rank):
     """(group, root's group rank, addresses of the root's list: 0 off the
     root) of a blocking gather or scatter the core serves; None else."""
@@ -262,7 +273,7 @@ def install():
     """Puts the functions above in torch.distributed's place (once), and in
     the functional collectives' once they are imported."""
     import torch.distributed as dist
-    for fn in (send, recv, gather, scatter, all_to_all_single):
+    for fn in (send, recv, broadcast, gather, scatter, all_to_all_single):
         if _put(_c10d, fn.__name__, fn) is not None:
             setattr(dist, fn.__name__, fn)
     _boot.when_imported(_FUNCOL, _install_funcol)
