@@ -25,7 +25,7 @@ calls the group (its checks, options, logging wrapper); the backend adds
 the reading of opts.reduceOp (a new pybind object each time), one dict
 lookup for what the core reduces (_CORE), and a completed Work without an
 event (_Done) for a synchronous call.  The dispatcher is the way in, except
-for five of torch's module functions and three functional collectives
+for six of torch's module functions and three functional collectives
 whose own cost measurement put above the core's (NOTE [ A fast path for
 torch's module functions ] and NOTE [ A fast path for the functional
 collectives ] in _fastpath.py).

@@ -1,17 +1,18 @@
-"""torch.distributed's send, recv, gather, scatter and all_to_all_single,
-and the functional all_reduce, all_gather_single and reduce_scatter_single,
-each with a fast path to the core for an mpcore group.
+"""torch.distributed's send, recv, broadcast, gather, scatter and
+all_to_all_single, and the functional all_reduce, all_gather_single and
+reduce_scatter_single, each with a fast path to the core for an mpcore
+group.
 
 NOTE [ A fast path for torch's module functions ]
 torch's dispatcher is the way into the backend (NOTE [ The backend is a
-ProcessGroup ] in _backend.py), and these five functions are the exception,
+ProcessGroup ] in _backend.py), and these six functions are the exception,
 for what measurement showed.  On one rank, with a 4 KB float32 tensor, the
 core's own gather takes 1.3 us, and torch's dist.gather 12 us: its checks,
 its options object, its logging wrapper and the group's method cost about
 10 us, where the same ranks' all-reduce costs under 6.  dist.recv makes a
-Work and waits on it, on top of the receive's 2 us.  gloo's own calls
-being fast at that size (180 to 270 us), these were the rows that stayed
-under 30x gloo.
+Work and waits on it, on top of the receive's 2 us.  The core's broadcast
+takes 0.4 us, dist.broadcast 7.4.  gloo's own calls being fast at that
+size (160 to 290 us), these were the rows that stayed under 30x gloo.
 
 So each function here first looks for the case the core serves as it
 stands: the group is mpcore's (the default one when `group` is None) and
@@ -22,10 +23,13 @@ calls, the lane that keeps their order is idle.  Then it calls the core
 directly, as the group's method would, and returns what torch's function
 returns.  Anything else goes to torch's function unchanged, which checks
 the arguments and raises its own errors.  The result never depends on the
-path: the core's call is the same one the group's method makes.  Measured
-after it, on one rank: dist.gather 4.8 us; on two ranks (`mpcore bench
---only c10d-gather,...`), at 4 KB: gather 36x gloo, scatter 39x,
-all_to_all_single 51x, a send/recv ping-pong 24x (7x before).
+path: the core's call is the same one the group's method makes.  Each is
+installed only where torch's function has the same parameters (another
+torch's keeps its own).  Measured after it, on one rank: dist.gather
+4.8 us; on two ranks (`mpcore bench --only c10d-...-4k`), at 4 KB, world
+group: gather 53x gloo, scatter 101x, broadcast 103x, all_to_all_single
+57x, a send/recv ping-pong 42x (7x before; with the core's own p2p made
+cheaper, NOTE [ Wakes only for sleepers ] in sync.c).
 
 NOTE [ A fast path for the functional collectives ]
 torch.distributed._functional_collectives (what DTensor and FSDP2's
@@ -49,8 +53,8 @@ complete on return: a plain tensor, as funcol returns under tracing, which
 torch's own callers expect (they wait only on an AsyncCollectiveTensor),
 and which funcol.wait_tensor returns at once.  Everything else goes to
 torch's function.  Measured after it, 4 KB all_reduce + wait: 12.6 us on
-one rank; on two (`mpcore bench --only c10d-funcol-allreduce-4k`) 13.6 us,
-75x gloo's 1,029 us (4.5x before)."""
+one rank; on two (`mpcore bench --only c10d-funcol-allreduce-4k`) 13.6 to
+20 us, 52x to 75x gloo (4.5x before)."""
 import functools
 import inspect
 
