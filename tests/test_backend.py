@@ -38,7 +38,7 @@ def _have_gloo():
 
 
 WORKER = r'''
-import ast, datetime, json, os, sys, threading, time, traceback, zlib
+import ast, contextlib, datetime, json, os, sys, threading, time, traceback, zlib
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
@@ -448,21 +448,11 @@ def job_movers(kind, what, noncontig=False, dtypes=DT):
     return st
 
 
-def job_fastpath(kind):
-    """NOTE [ A fast path for torch's module functions ]: which calls take
-    it (torch's own function, replaced by one that raises, must not be
-    reached) and which go to torch's function; receives keep their order
-    behind a pending irecv; a send larger than the mailbox; torch's errors
-    for wrong arguments."""
-    if GROUPS[kind] is None:
-        return "skip"
+@contextlib.contextmanager
+def torch_refused():
+    """Each of torch's functions behind a fast path (_fastpath._TORCH)
+    replaced by one that raises "torch's NAME reached"."""
     from mpcore import _fastpath
-    m, g, members = GROUPS[kind]
-    r, W = members.index(RANK), len(members)
-    peer = members[(r + 1) % W] if W == 2 else None
-    out = {"installed": all(getattr(getattr(dist, n), "_mpcore_fast", False)
-                            for n in ("send", "recv", "broadcast", "gather", "scatter",
-                                      "all_to_all_single"))}
     saved = dict(_fastpath._TORCH)
 
     def refuse(name):
@@ -471,8 +461,28 @@ def job_fastpath(kind):
         return fn
     for name in saved:
         _fastpath._TORCH[name] = refuse(name)
-    fast, slow = [], []
     try:
+        yield
+    finally:
+        _fastpath._TORCH.update(saved)
+
+
+def job_fastpath(kind):
+    """NOTE [ A fast path for torch's module functions ]: which calls take
+    it (torch's own function, replaced by one that raises, must not be
+    reached) and which go to torch's function; receives keep their order
+    behind a pending irecv; a send larger than the mailbox; torch's errors
+    for wrong arguments."""
+    if GROUPS[kind] is None:
+        return "skip"
+    m, g, members = GROUPS[kind]
+    r, W = members.index(RANK), len(members)
+    peer = members[(r + 1) % W] if W == 2 else None
+    out = {"installed": all(getattr(getattr(dist, n), "_mpcore_fast", False)
+                            for n in ("send", "recv", "broadcast", "gather", "scatter",
+                                      "all_to_all_single"))}
+    fast, slow = [], []
+    with torch_refused():
         x = torch.arange(6.0).reshape(2, 3) + 10 * r
         outs = [torch.zeros(2, 3) for _ in range(W)] if r == 0 else None
         dist.gather(x, outs, dst=members[0], group=m)
@@ -510,8 +520,6 @@ def job_fastpath(kind):
                 slow.append((what, "served"))
             except RuntimeError as e:
                 slow.append((what, str(e)))
-    finally:
-        _fastpath._TORCH.update(saved)
     out["fast"], out["slow"] = fast, slow
     if peer is not None:
         # receives stay in order behind a pending irecv; a large send waits
@@ -553,7 +561,6 @@ def job_funcol_fast(kind):
         return "skip"
     import torch.distributed._functional_collectives as fc
     from torch.distributed.device_mesh import DeviceMesh
-    from mpcore import _fastpath
     m, g, members = GROUPS[kind]
     r, W = members.index(RANK), len(members)
     mesh = DeviceMesh.from_group(m, "cpu")
@@ -569,16 +576,8 @@ def job_funcol_fast(kind):
     want["all_gather_single"] = fc.all_gather_single(x, 0, g).wait()
     want["all_gather_tensor"] = want["all_gather_single"]
     want["reduce_scatter_single"] = fc.reduce_scatter_single(x, "sum", 0, g).wait()
-    saved = dict(_fastpath._TORCH)
-
-    def refuse(name):
-        def fn(*a, **k):
-            raise RuntimeError(f"torch's {name} reached")
-        return fn
-    for name in saved:
-        _fastpath._TORCH[name] = refuse(name)
     got, forms, slow = {}, {}, []
-    try:
+    with torch_refused():
         before = x.clone()
         for op in ("sum", "product", "min", "max", "avg"):
             got[f"all_reduce {op}"] = fc.all_reduce(x, op.upper() if op == "max" else op, m)
@@ -604,8 +603,6 @@ def job_funcol_fast(kind):
                 slow.append((what, "served"))
             except RuntimeError as e:
                 slow.append((what, str(e)))
-    finally:
-        _fastpath._TORCH.update(saved)
     out["same"] = {k: torch.equal(got[k], want[k]) for k in want}
     out["forms"], out["slow"] = forms, slow
     # after the group's calls in flight
