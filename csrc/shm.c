@@ -155,8 +155,13 @@ int mpc_mem_available(uint64_t *avail, char *why, size_t whylen) {
  * returns its error instead of setting errno, and can return EINTR. */
 /* Reading /proc and the cgroup files costs tens of microseconds, so a small
  * reservation may rely on a reading taken in the last 50 ms, less what has
- * been reserved since; anything larger than a sixteenth of that reading
- * reads again. */
+ * been reserved since; anything larger than a sixteenth of that reading, or
+ * than MPC_AVAIL_CACHED_MAX, reads again.  The absolute bound matters: the
+ * limit itself can change within those 50 ms (the process moved into a
+ * smaller memory cgroup), and a reservation the kernel then cannot charge
+ * gets the process killed, not an error.  Faulting in a reservation of a
+ * megabyte costs more than the reading, so larger ones always read. */
+#define MPC_AVAIL_CACHED_MAX (1u << 20)
 static pthread_mutex_t mpc__avail_lock = PTHREAD_MUTEX_INITIALIZER;
 static uint64_t mpc__avail_cached;
 static int64_t mpc__avail_when = -1;
@@ -165,7 +170,7 @@ static int mpc__check_available(uint64_t len, uint64_t *avail, char *why, size_t
     int64_t now = mpc_now_ns();
     pthread_mutex_lock(&mpc__avail_lock);
     if (mpc__avail_when >= 0 && now - mpc__avail_when < 50000000 &&
-        len <= mpc__avail_cached / 16) {
+        len <= MPC_AVAIL_CACHED_MAX && len <= mpc__avail_cached / 16) {
         mpc__avail_cached -= len;
         pthread_mutex_unlock(&mpc__avail_lock);
         return 0;

@@ -151,6 +151,38 @@ def test_memory_cgroup_shortage_is_a_memory_error(leak_check, scenario):
     scenario.check_clean()
 
 
+LIMIT_CHANGED_CHILD = r'''
+import json, os, sys
+import mpcore
+
+keep = mpcore.zeros((1 << 16,), "uint8")   # a reservation: the core reads what is available
+print("READY", os.getpid(), flush=True)
+if sys.stdin.readline().strip() != "GO":
+    sys.exit(5)
+res = {"cgroup": open("/proc/self/cgroup").read()}
+try:
+    mpcore.empty((48 << 20,), "uint8")
+    res["big"] = {"outcome": "ok"}
+except MemoryError as e:
+    res["big"] = {"outcome": "MemoryError", "msg": str(e)}
+print("RESULT " + json.dumps(res), flush=True)
+'''
+
+
+@pytest.mark.timeout(120)
+def test_a_limit_lowered_just_after_a_reservation_is_seen(leak_check, scenario):
+    """The process moves into a 32 MB memory cgroup right after a
+    reservation, then asks for 48 MB at once: a MemoryError naming the
+    cgroup, not a kill for a reservation checked against the reading taken
+    before the move (NOTE in shm.c, MPC_AVAIL_CACHED_MAX)."""
+    res, cg = run_in_memcg(scenario, LIMIT_CHANGED_CHILD, 32 << 20)
+    assert cg in res["cgroup"]
+    big = res["big"]
+    assert big["outcome"] == "MemoryError", big
+    assert "memory cgroup" in big["msg"] and "available" in big["msg"], big
+    scenario.check_clean()
+
+
 # --------------------------------------------------------------------------
 # 3. Producer and consumer SIGKILLed mid-transfer
 # --------------------------------------------------------------------------
