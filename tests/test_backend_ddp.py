@@ -5,9 +5,10 @@ The program (DDP) uses torch.nn.parallel.DistributedDataParallel as any
 program does and, in the "gloo" and "run-gloo" modes, never imports mpcore:
 under `mpcore run` it asks for "gloo" and must be served by mpcore.  In the
 "mpcore" mode it is plain python with init_process_group("mpcore").  It
-trains twice (default buckets; tiny buckets with gradient_as_bucket_view and
-a no_sync accumulation step), and once unwrapped in one process on all
-ranks' batches, the reference that makes the gloo run meaningful.
+trains three times (default buckets; tiny buckets with gradient_as_bucket_view
+and a no_sync accumulation step; default buckets under torch.compile), and
+once unwrapped in one process on all ranks' batches, the reference that makes
+the gloo run meaningful.
 NOTE [ One start per stack ] in _ranks.py.
 """
 import pytest
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.timeout(400)
 # 2 ranks: the 4-rank pools of test_backend.py cover every operation on 4 ranks, and
 # a 4-rank DDP run costs minutes of the suite on a 2-core machine.
 WORLDS = (2,)
-CONFIGS = ("default", "small-buckets")
+CONFIGS = ("default", "small-buckets", "compiled")
 STEPS = 10
 
 DDP = r'''
@@ -49,11 +50,16 @@ def batch(rank, step):
 
 
 CONFIG = {"default": {}, "small-buckets": {"bucket_cap_mb": 0.01,
-                                           "gradient_as_bucket_view": True}}
+                                           "gradient_as_bucket_view": True},
+          "compiled": {}}
 for name, kw in CONFIG.items():
     @check(f"ddp/{name}")
     def _():
         ddp = DistributedDataParallel(model(), **kw)
+        if name == "compiled":
+            # dynamo's frame hook is on when the reducer calls the group
+            # (the bucket rebuild's broadcast); "eager" skips code generation.
+            ddp = torch.compile(ddp, backend="eager")
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.5)
         losses = []
         for step in range(STEPS):

@@ -36,8 +36,10 @@ ENV_NAMES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCA
 # What a rank sees and computes; the same text under torchrun and mpcore run.
 # It asks mpcore.distributed for its group, so that under torchrun too it
 # goes through mpcore's init_process_group (the agent's store).
+# No `if __name__ == "__main__"` guard, as in many programs torchrun starts:
+# the DataLoader's workers must not run it again.
 PROG = r'''
-import json, os, sys
+import json, multiprocessing, os, sys
 import torch
 import mpcore.distributed as dist
 NAMES = %r
@@ -45,8 +47,11 @@ env = {n: os.environ.get(n) for n in NAMES}
 dist.init_process_group("gloo")
 t = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(t)
+method = multiprocessing.get_start_method(allow_none=True)
+loaded = [b.tolist() for b in torch.utils.data.DataLoader(range(6), batch_size=4, num_workers=2)]
 line = json.dumps({"env": env, "argv": sys.argv, "name": __name__, "path0": sys.path[0],
-                   "sum": t.item(), "mp": dist.shm_group_active()})
+                   "sum": t.item(), "mp": dist.shm_group_active(), "start_method": method,
+                   "loaded": loaded})
 os.write(1, f"rank-line {line}\n".encode())  # one write: the ranks share stdout
 dist.destroy_process_group()
 ''' % (ENV_NAMES,)
@@ -158,8 +163,9 @@ def test_workers_see_what_torchrun_gives(side_by_side):
         t, o = theirs[r], ours[r]
         _same_but_per_job(t.pop("env"), o.pop("env"), r)
         assert t.pop("mp") and o.pop("mp")  # mpcore's group in both
-        assert t == o  # argv, __name__, sys.path[0], the all_reduce
+        assert t == o  # argv, __name__, sys.path[0], the all_reduce, the start method, the loader
         assert o["sum"] == 3.0 and o["argv"] == ["prog.py", "a", "--b=c"]
+        assert o["start_method"] is None and o["loaded"] == [[0, 1, 2, 3], [4, 5]]
     for job in ("torchrun", "mpcore1"):
         assert side_by_side[job].p.returncode == 0, side_by_side[job].err
 

@@ -117,8 +117,17 @@ def _end_as_python_would(queue):
 def rank_main(module, target, *argv):
     """One rank: runs the program as `mpcore run` runs it (NOTE [ torchrun
     on the zygote ]); `module` is true for `-m target`."""
+    import multiprocessing
     from . import _boot, _launcher
     _boot.activate_run()
+    # NOTE [ A rank's start method is its own ]
+    # A zygote child takes its parent's start method, as a spawned process
+    # does (multiprocessing.spawn.prepare): here the agent's, "spawn" by
+    # default.  torchrun's ranks are fresh interpreters, where none is set
+    # and a DataLoader's workers are forked; under "spawn" they would run
+    # the program's __main__ again, init_process_group and all, in a script
+    # without an `if __name__ == "__main__"` guard.
+    multiprocessing.set_start_method(None, force=True)
     # As torchrun's `python -u`.
     sys.stdout.reconfigure(write_through=True)
     sys.stderr.reconfigure(write_through=True)

@@ -97,6 +97,9 @@ def _hook(hooks, bucket):
     return work.get_future().then(lambda fut: t)
 
 
+_backend.run_uncompiled(_hook)   # called by the reducer (NOTE [ The backend runs uncompiled ])
+
+
 class DistributedDataParallel(_TorchDDP):
     """torch.nn.parallel.DistributedDataParallel, with torch's arguments.
     NOTE [ DDP over shared memory ]."""
