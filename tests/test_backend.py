@@ -63,14 +63,12 @@ UNSIGNED = {"uint8", "uint16", "uint32", "uint64"}
 
 class real_gloo:
     """torch's own gloo for the groups made inside (mpcore serves "gloo"
-    otherwise): torch's BackendConfig and CPU default while inside."""
+    otherwise): torch's BackendConfig while inside."""
     def __enter__(self):
         self.cfg = c10d.BackendConfig
         c10d.BackendConfig = self.cfg.__mro__[1]
-        dist.Backend.default_device_backend_map["cpu"] = "gloo"
     def __exit__(self, *a):
         c10d.BackendConfig = self.cfg
-        dist.Backend.default_device_backend_map["cpu"] = "mpcore"
 
 
 GROUPS = {}

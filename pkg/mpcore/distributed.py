@@ -18,10 +18,13 @@ torch's own.  "cpu:mpcore,cuda:nccl" is one group for both (NOTE [ CUDA
 tensors in an mpcore group ] in _backend.py).  The one place that decides is torch's
 BackendConfig, which every group's creation (init_process_group,
 new_group, new_subgroups, DeviceMesh, torch's internals asking for gloo)
-goes through: install() makes it translate the name first, and makes
-"mpcore" the default backend of the CPU.  torch still records the name the
-program asked for, so dist.get_backend() says "gloo" to a program that
-asked for gloo, and its own tests of that name go as under python.
+goes through: install() makes it translate the names it resolves, both
+those asked for and the defaults it fills in from torch's
+Backend.default_device_backend_map, which stays torch's ("gloo" for the
+CPU).  torch still records the name the program asked for, so
+dist.get_backend() says "gloo" to a program that asked for gloo (or for
+the CPU's default by that map, as Lightning does), and its own tests of
+that name go as under python.
 """
 import datetime
 
@@ -72,6 +75,8 @@ class _BackendConfig(_c10d.BackendConfig):
 
     def __init__(self, backend):
         super().__init__(_td.Backend(translate(backend)))
+        if self.device_backend_map.get("cpu") == "gloo":   # a default torch filled in
+            self.device_backend_map["cpu"] = _td.Backend("mpcore")
         if "nccl" in self.device_backend_map.values() and not _td.is_nccl_available():
             # torch's own error: the mpcore group would otherwise stand in for NCCL
             raise RuntimeError("Distributed package doesn't have NCCL built in")
@@ -106,7 +111,6 @@ def install():
     _dist.serve_agent_store()
     if _c10d.BackendConfig is not _BackendConfig:
         _c10d.BackendConfig = _BackendConfig
-    _td.Backend.default_device_backend_map["cpu"] = "mpcore"
     _c10d.monitored_barrier = _td.monitored_barrier = monitored_barrier
 
 
