@@ -111,3 +111,47 @@ def test_calls_run_in_order_and_report_errors(lane):
     assert order == list(range(50))
     assert all(w.is_completed() and w.is_success() for w in works)
     assert bad.is_completed() and not bad.is_success()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["future", "work", "drain"])
+def test_a_callback_on_the_lanes_thread_waits_for_a_call_it_queued(how):
+    """NOTE [ Callbacks that call again ]: a callback of a finished call's
+    future, run on the lane's own thread, queues another call and waits for
+    it (on its torch future, as PowerSGD's hook does; on its Work; or by
+    draining the lane).  Nobody else runs the lane, so that thread must run
+    it, after a call queued before it, in order.  The test's own waits are
+    bounded; a lane stuck in the callback is left to its daemon thread."""
+    lane = _dist._Lane("test-lane", 5.0)
+    order, results = [], []
+    gate = threading.Event()
+
+    def first(timeout):
+        assert threading.current_thread() is lane.thread
+        assert gate.wait(WAIT_S)   # the second call is queued before this one ends
+        order.append("first")
+
+    def callback(fut):
+        assert threading.current_thread() is lane.thread
+        inner = _call(lane, lambda timeout: order.append("inner"))
+        if how == "future":
+            inner.get_future().wait()
+        elif how == "work":
+            inner.wait()
+        else:
+            lane.drain()
+        results.append(inner.is_completed())
+
+    w = _call(lane, first, small=False)
+    chained = w.get_future().then(callback)
+    second = _call(lane, lambda timeout: order.append("second"), small=False)
+    gate.set()
+    deadline = time.monotonic() + WAIT_S
+    while not chained.done():
+        assert time.monotonic() < deadline, f"the callback never finished (ran: {order})"
+        time.sleep(0.001)
+    chained.wait()   # done: raises what the callback raised
+    assert second.is_completed()
+    assert order == ["first", "second", "inner"]
+    assert results == [True]
+    lane.stop()

@@ -262,6 +262,40 @@ def test_zygote_forked_at_torch_import_holds_nothing_of_the_program(tmp_path, le
     _wait_gone(int(zpid))
 
 
+def test_a_childs_thread_imports_what_the_fork_was_importing(tmp_path, leak_check):
+    # NOTE [ The zygote is born inside an import ]: the zygote is forked in
+    # the hook on torch's import, here inside the program's own `import
+    # outer` too.  In its child, a thread other than the main one imports
+    # both (as a collectives thread's callback or a loader's thread does).
+    r = _run_in(tmp_path, {"outer.py": "import torch\n"}, """
+        import threading
+        import outer                             # imports torch: the fork happens inside
+        import mpcore
+
+        def child(q):
+            got = []
+
+            def imports():
+                import torch
+                import outer
+                got.append((torch.__name__, outer.__name__))
+            t = threading.Thread(target=imports, daemon=True)
+            t.start()
+            t.join(20)
+            q.put(got)
+
+        if __name__ == "__main__":
+            q = mpcore.Queue()
+            p = mpcore.get_context("spawn").Process(target=child, args=(q,))
+            p.start()
+            print(q.get(timeout=60))
+            p.join(60)
+            print(p.exitcode)
+        """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:2] == ["[('torch', 'outer')]", "0"], r.stdout
+
+
 def test_program_objects_shared_with_the_zygote_are_frozen(tmp_path, leak_check):
     # NOTE [ Pages the zygote shares ]: what the program had at the fork is
     # in the collector's permanent generation; what it makes later is

@@ -220,13 +220,19 @@ class Work:
         self._future = None
         self._lane = None
 
-    def _finish(self, exc=None):
+    def _end(self, exc=None):
+        """Marks the call done; returns its future when one was asked for
+        before (the caller settles it), else None (get_future settles it)."""
         self._exc = exc
         with _futures:
             self._done = True
             fut = self._future
         self._latch.release()
-        if fut is not None:   # asked for before: settled here (else by get_future)
+        return fut
+
+    def _finish(self, exc=None):
+        fut = self._end(exc)
+        if fut is not None:
             self._settle(fut)
 
     def _settle(self, fut):
@@ -297,8 +303,7 @@ class _Lane:
     a call which is next in its lane, while the lane's thread has not
     taken it, takes it and runs it itself.  The order of the lane holds:
     only the next call is taken, and never while another runs.  A wait with
-    a timeout does not take the call (it could not keep its timeout), nor
-    does a wait from the lane's own thread.
+    a timeout does not take the call (it could not keep its timeout).
 
     Waking the lane's thread for a call its caller then runs itself would
     still cost the switches (and, on a machine with no idle core, time of
@@ -315,7 +320,18 @@ class _Lane:
     threads in drain().  Waking the polling thread after every call a
     waiter ran itself cost a thread switch and a pass of the GIL per call:
     half of a small send/recv ping-pong's time (52 us against 24 us, 2
-    ranks)."""
+    ranks).
+
+    NOTE [ Callbacks that call again ]
+    A finished call's future is settled, and so its callbacks run, once
+    the lane is free again: after `running` is cleared, on the thread that
+    ran the call.  A callback may queue another call and wait for it
+    (PowerSGD's DDP hook waits, inside a callback, on the future of the
+    all-reduce it has just queued).  On a waiter's thread that call is run
+    by the lane's thread or by the waiter.  On the lane's own thread
+    nobody else would run it: so there a call queued (put), waited for
+    (Work.wait) or drained is run at once, on that thread, after what was
+    queued before it, the lane's order kept."""
 
     SMALL = 64 << 10
     POLL_S = 0.002
@@ -345,8 +361,11 @@ class _Lane:
             self.queued += 1
             self.queue.append(item)
             self.last_put = time.monotonic()
-            if not (small and self.polling):
+            here = threading.current_thread() is self.thread
+            if not (here or small and self.polling):
                 self.cond.notify()
+        if here:   # a callback on the lane's thread (NOTE [ Callbacks that call again ])
+            self._run_through(item[0])
 
     def drain(self):
         """Waits until every call queued so far is done, running them here
@@ -355,7 +374,7 @@ class _Lane:
             with self.lock:
                 if not self.queued:
                     return
-                item = self._take() if threading.current_thread() is not self.thread else None
+                item = self._take()
                 if item is None:
                     self.draining += 1
                     try:
@@ -370,8 +389,7 @@ class _Lane:
         nothing (so it keeps its order); returns its result, or None
         without calling it."""
         with self.lock:
-            if (self.running or self.queue
-                    or (self.thread is not None and threading.current_thread() is self.thread)):
+            if self.running or self.queue:
                 return None
             self.running = True
         try:
@@ -382,12 +400,30 @@ class _Lane:
                 self._wake()
 
     def run_if_next(self, work):
+        if threading.current_thread() is self.thread:
+            return self._run_through(work)   # NOTE [ Callbacks that call again ]
         with self.lock:
-            if (not self.queue or self.queue[0][0] is not work
-                    or threading.current_thread() is self.thread):
+            if not self.queue or self.queue[0][0] is not work:
                 return
             item = self._take()
         if item is not None:
+            self._call(item)
+
+    def _run_through(self, work):
+        """On the lane's own thread: runs the lane's calls here, in order,
+        until `work` is done."""
+        while not work._done:
+            with self.lock:
+                item = self._take()
+                if item is None:   # a waiter runs one: wait for its end
+                    if work._done:
+                        return
+                    self.draining += 1
+                    try:
+                        self.cond.wait()
+                    finally:
+                        self.draining -= 1
+                    continue
             self._call(item)
 
     def _take(self):
@@ -400,18 +436,23 @@ class _Lane:
 
     def _call(self, item):
         work, fn, args, keep = item
+        fut = None
         try:
-            fn(*args, self.timeout)
-            work._finish()
-        except BaseException as e:  # reported through the Work
-            work._finish(e)
+            try:
+                fn(*args, self.timeout)
+            except BaseException as e:  # reported through the Work
+                fut = work._end(e)
+            else:
+                fut = work._end()
         finally:
             # nothing of a finished call is held until the next one
-            del work, fn, args, keep, item
+            del fn, args, keep, item
             with self.lock:
                 self.running = False
                 self.queued -= 1
                 self._wake()
+        if fut is not None:   # NOTE [ Callbacks that call again ]
+            work._settle(fut)
 
     def _wake(self):
         """After a call: wakes whoever can go on (the caller holds the lock).

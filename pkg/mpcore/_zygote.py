@@ -341,6 +341,28 @@ def _program_modules():
     return names
 
 
+def _leave_the_import():
+    """NOTE [ The zygote is born inside an import ]
+    _fork_now runs in the hook on torch's import, so the zygote and every
+    child it forks run with the import of torch (and of whatever the program
+    was importing around it) still on the main thread's stack: torch's spec
+    says it is initializing, and the main thread holds importlib's lock of
+    each of those modules, for good.  Another thread of a child that imports
+    torch (a callback on a collectives thread, a loader's thread) would wait
+    on that lock forever.  torch's own import is done when the hook runs, so
+    it is marked so, and the zygote (one thread, nothing importing) drops
+    importlib's table of module locks: a later import makes a fresh one.  The
+    program's modules that were still being imported are gone from
+    sys.modules by then (_program_modules), to be imported afresh."""
+    from importlib import _bootstrap
+    torch = sys.modules.get("torch")
+    if torch is not None and getattr(torch, "__spec__", None) is not None:
+        torch.__spec__._initializing = False
+    locks = getattr(_bootstrap, "_module_locks", None)
+    if locks is not None:
+        locks.clear()
+
+
 def _become_zygote(mine, root, lsock):
     """In the child of _fork_now: drops what it has of the program and
     serves as the zygote; never returns."""
@@ -370,6 +392,7 @@ def _become_zygote(mine, root, lsock):
     _w._filters_mutated()
     for name in _program_modules():
         sys.modules.pop(name, None)
+    _leave_the_import()
     import types
     sys.modules["__main__"] = types.ModuleType("__main__")  # as `python -c` has
     os.environ.pop("MPCORE_STATS", None)
