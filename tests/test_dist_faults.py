@@ -271,8 +271,13 @@ def ddp_shortage():
         popt.step()
     del grads
     # find_unused_parameters: torch then never rebuilds the buckets, which
-    # would allocate them anew inside the cgroup
-    ddp = DDP(model, find_unused_parameters=True)
+    # would allocate them anew inside the cgroup.  gradient_as_bucket_view:
+    # the no_sync pass then writes the buckets' pages (the gradients are
+    # views of them) before the move; copied into them instead, the 15 MB
+    # bucket was first written by the first synchronised backward, inside
+    # the cgroup, which then killed the rank whenever that memory was not
+    # heap the rank had touched before.
+    ddp = DDP(model, find_unused_parameters=True, gradient_as_bucket_view=True)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     with ddp.no_sync():
         ddp(xs[RANK]).sum().backward()
@@ -511,9 +516,7 @@ def test_ddp_rank_without_shared_memory_for_a_bucket_stages_it(scenario, job):
     DDP's big bucket.  Training goes on, correct, on every rank (they all
     stage that bucket), and that rank says why its all-reduce is slower."""
     world, starved = 2, 1
-    # under the 15 MB buffer whatever the rank uses; 12 MB left too little
-    # room for the rank's own steps (killed, rarely, by the cgroup)
-    cg = make_memcg(14 << 20)
+    cg = make_memcg(14 << 20)   # under the 15 MB buffer whatever the rank uses
     j = None
     try:
         j = job("ddp_shortage", world, args=(starved,))
