@@ -365,14 +365,15 @@ class _Lane:
             if not (here or small and self.polling):
                 self.cond.notify()
         if here:   # a callback on the lane's thread (NOTE [ Callbacks that call again ])
-            self._run_through(item[0])
+            self.drain(item[0])
 
-    def drain(self):
-        """Waits until every call queued so far is done, running them here
-        while the lane's thread has not taken them."""
+    def drain(self, work=None):
+        """Waits until every call queued so far is done (given `work`, until
+        that call is), running them here, in order, while the lane's thread
+        has not taken them."""
         while True:
             with self.lock:
-                if not self.queued:
+                if work._done if work is not None else not self.queued:
                     return
                 item = self._take()
                 if item is None:
@@ -401,29 +402,12 @@ class _Lane:
 
     def run_if_next(self, work):
         if threading.current_thread() is self.thread:
-            return self._run_through(work)   # NOTE [ Callbacks that call again ]
+            return self.drain(work)   # NOTE [ Callbacks that call again ]
         with self.lock:
             if not self.queue or self.queue[0][0] is not work:
                 return
             item = self._take()
         if item is not None:
-            self._call(item)
-
-    def _run_through(self, work):
-        """On the lane's own thread: runs the lane's calls here, in order,
-        until `work` is done."""
-        while not work._done:
-            with self.lock:
-                item = self._take()
-                if item is None:   # a waiter runs one: wait for its end
-                    if work._done:
-                        return
-                    self.draining += 1
-                    try:
-                        self.cond.wait()
-                    finally:
-                        self.draining -= 1
-                    continue
             self._call(item)
 
     def _take(self):
