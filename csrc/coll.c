@@ -146,6 +146,7 @@
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
+#include <time.h>
 
 #define MPC_COLL_MAGIC 0x33306c6c6f63706dULL /* "mpcoll03" */
 #define MPC_COLL_DATA 16384                   /* header bytes, page aligned */
@@ -190,7 +191,8 @@ typedef struct {
 
 typedef struct {
     uint64_t magic;
-    uint32_t world, pad;
+    uint32_t world;
+    _Atomic uint32_t why_told; /* 1 once why is written (NOTE [ The reason comes before the word ]) */
     uint64_t chunk, size;
     _Atomic uint32_t gen;    /* bumped when a barrier completes */
     _Atomic uint32_t gen_sleepers; /* ranks asleep on gen (NOTE [ Wakes only for sleepers ]) */
@@ -392,6 +394,7 @@ int mpc_coll_create(int world, uint64_t chunk, int *fd) {
     h->size = size;
     atomic_store(&h->gen, 0);
     atomic_store(&h->broken, 0);
+    atomic_store(&h->why_told, 0);
     h->magic = MPC_COLL_MAGIC;
     munmap(h, MPC_COLL_DATA);
     return 0;
@@ -536,7 +539,20 @@ int mpc_coll_pid(const mpc_coll *c, int rank) {
 /* Barriers                                                            */
 /* ------------------------------------------------------------------ */
 
+/* NOTE [ The reason comes before the word ]
+ * One rank wins the right to break the group (the compare-exchange on
+ * broken) and then writes why.  A peer can see broken in between, so it
+ * reads why only once why_told says it is whole.  The writer is a
+ * vsnprintf away; if it died there, the peer says who broke the group
+ * instead of waiting on. */
 static int broken_error(mpc_coll *c) {
+    for (int i = 0; i < 1000 && !atomic_load_explicit(&c->h->why_told, memory_order_acquire); i++) {
+        struct timespec ts = {0, 100000};
+        nanosleep(&ts, NULL);
+    }
+    if (!atomic_load_explicit(&c->h->why_told, memory_order_acquire))
+        return mpc_fail(EPIPE, "the group was broken by rank %d, which gave no reason",
+                        lbl(c, (int)atomic_load(&c->h->broken) - 1));
     return mpc_fail(EPIPE, "%s", c->h->why);
 }
 
@@ -550,6 +566,7 @@ static void break_group(mpc_coll *c, int who, const char *fmt, ...) {
         va_start(ap, fmt);
         vsnprintf(c->h->why, sizeof c->h->why, fmt, ap);
         va_end(ap);
+        atomic_store_explicit(&c->h->why_told, 1, memory_order_release);
     }
     atomic_fetch_add(&c->h->gen, 1);
     mpc_futex_wake(&c->h->gen, INT32_MAX);
