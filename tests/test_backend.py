@@ -788,6 +788,34 @@ def job_timeout():
     return res
 
 
+def job_own_backend():
+    """NOTE [ The group is its own backend ]: the devices and backend torch's
+    Python asks a group for, and a default timeout set on the group, which
+    rank 0 then meets alone at a barrier given none."""
+    sub = dist.new_group(list(range(WORLD)))
+    try:
+        sub._get_backend(torch.device("meta"))
+        meta = "no error"
+    except RuntimeError as e:
+        meta = str(e)
+    res = {"devices": [str(d) for d in sub._device_types],
+           "backend_is_group": sub._get_backend(torch.device("cpu")) is sub,
+           "meta": meta, "alloc": sub._get_backend("cpu").supports_tensor_alloc("cpu"),
+           "object_device": str(dist.distributed_c10d._get_object_coll_device(sub))}
+    sub.set_timeout(datetime.timedelta(seconds=0.5))
+    if RANK == 0:
+        t0 = time.monotonic()
+        try:
+            dist.barrier(group=sub)
+            res["timeout"] = "no error"
+        except Exception as e:
+            res["timeout"] = f"{type(e).__name__}: {e}"
+        res["took"] = time.monotonic() - t0
+    dist.barrier()
+    dist.destroy_process_group(sub)
+    return res
+
+
 def job_monitored():
     """torch's monitored_barrier on mpcore groups (asked for as gloo): every
     rank comes; then only rank 0, which is told who did not."""
@@ -1103,6 +1131,16 @@ def test_timeout_names_the_missing_ranks(pool):
     msg, took = res
     assert msg.startswith("TimeoutError") and took < 0.5 + 1.0, res
     assert all(str(q) in msg for q in range(1, pool.world)), res
+
+
+def test_the_group_is_its_own_backend(pool2):
+    res = pool2.run("own_backend")
+    for r in res:
+        assert r["devices"] == ["cpu"] and r["backend_is_group"] and r["alloc"] is False, r
+        assert r["meta"] == "No backend type associated with device type meta", r
+        assert r["object_device"] == "cpu", r
+    assert res[0]["timeout"].startswith("TimeoutError") and "1" in res[0]["timeout"], res[0]
+    assert res[0]["took"] < 0.5 + 1.0, res[0]
 
 
 def test_monitored_barrier(pool):

@@ -91,6 +91,44 @@ for kind in ("sgd", "adam"):
         # the whole batch's loss.
         return {"losses": losses, "params": {k: v.detach() for k, v in model.state_dict().items()}}
 
+
+def sharded():
+    model = mlp()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def full(model):
+    return {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
+
+
+@check("checkpoint")
+def _():
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         set_model_state_dict)
+    model = sharded()
+    train(model, optimizer("sgd", model.parameters()), [batch(RANK, s) for s in range(3)])
+    path = os.path.join(OUT, "checkpoint")
+    dcp.save(get_model_state_dict(model), checkpoint_id=path)
+    dcp.async_save(get_model_state_dict(model), checkpoint_id=path + "-async").result()
+    loaded, init = [], None
+    for where in (path, path + "-async"):
+        fresh = sharded()
+        init = full(fresh)
+        sd = get_model_state_dict(fresh)
+        dcp.load(sd, checkpoint_id=where)
+        set_model_state_dict(fresh, sd)
+        loaded.append(full(fresh))
+    trained = full(model)
+    fresh = sharded()
+    given = {k: v + 1 for k, v in trained.items()} if RANK == 0 else {}
+    set_model_state_dict(fresh, given, options=StateDictOptions(full_state_dict=True,
+                                                                broadcast_from_rank0=True))
+    return {"init": init, "trained": trained, "loaded": loaded, "from_rank0": full(fresh)}
+
 finish()
 '''
 
@@ -127,6 +165,24 @@ def test_mpcore_trains_as_gloo_does(runs, mode, world, opt):
         same(got[r]["losses"], ref[r]["losses"], f"{mode} rank {r} losses")
         same(got[r]["shards"], ref[r]["shards"], f"{mode} rank {r} shards")
         same(got[r]["params"], ref[r]["params"], f"{mode} rank {r} params")
+
+
+@pytest.mark.parametrize("mode", ["gloo", "mpcore", "run-gloo"])
+def test_checkpoints_save_load_and_broadcast(runs, mode):
+    """DCP's save and async_save, loaded into a fresh sharded model, and a
+    full state dict given on rank 0 only and broadcast from it
+    (NOTE [ The group is its own backend ]): the same parameters as gloo's."""
+    import torch
+    ref = runs.get("gloo", 2).value("checkpoint")
+    got = runs.get(mode, 2).value("checkpoint")
+    for r in range(2):
+        trained, init = got[r]["trained"], got[r]["init"]
+        same(trained, ref[r]["trained"], f"{mode} rank {r} trained")
+        assert all(not torch.equal(trained[k], init[k]) for k in trained), "nothing to load"
+        for i, loaded in enumerate(got[r]["loaded"]):
+            same(loaded, trained, f"{mode} rank {r} loaded ({['save', 'async_save'][i]})")
+        same(got[r]["from_rank0"], {k: v + 1 for k, v in trained.items()},
+             f"{mode} rank {r} broadcast from rank 0")
 
 
 test_reference_run_is_gloo_and_finishes, test_served_by_mpcore_and_finishes, \

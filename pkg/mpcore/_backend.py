@@ -18,6 +18,17 @@ surface.  A call with asyncOp false runs at once on the caller's thread
 group's thread, in the order asked for.  Point-to-point calls always run
 on the group's thread, since torch gives them no asyncOp.
 
+NOTE [ The group is its own backend ]
+A C++ ProcessGroup lists the Backends registered on it, one per device;
+ours has none registered, since it is the group and the backend at once.
+torch's Python asks a group for them: `_device_types` decides the device
+of object collectives, whether DCP's async_save may run, and where
+set_model_state_dict broadcasts from rank 0; `_get_backend(device)` is
+asked for a backend's capabilities (FSDP2's comm allocator, split_group,
+time estimates).  So the group answers both for itself: the devices it
+serves (CPU, and CUDA through NCCL where torch sees a GPU), itself as
+their backend, and no capability beyond the collectives.
+
 NOTE [ The backend's cost per call ]
 A small all-reduce is a few microseconds in the core, so the layer above
 counts.  torch's dist.all_reduce spends about as much as the core before it
@@ -443,6 +454,33 @@ class ProcessGroupMpcore(dist.ProcessGroup):
 
     def get_group_store(self):
         return self._store
+
+    # -- the group as its own device backend (NOTE [ The group is its own backend ]) --
+    @property
+    def _device_types(self):
+        cuda = torch.cuda.is_available()
+        return [torch.device("cpu")] + ([torch.device("cuda")] if cuda else [])
+
+    def _get_backend(self, device):
+        device = torch.device(device)
+        if all(d.type != device.type for d in self._device_types):
+            raise RuntimeError(f"No backend type associated with device type {device.type}")
+        return self
+
+    supports_splitting = False
+    supports_coalescing = False
+    supports_shrinking = False
+    supports_time_estimate = False
+
+    def supports_tensor_alloc(self, device):
+        return False
+
+    def set_timeout(self, timeout):
+        """The group's default timeout from now on, as torch's groups take it."""
+        self._timeout_s = timeout.total_seconds()
+        for inner in (self._gloo, self._torch_nccl):
+            if inner is not None and hasattr(inner, "set_timeout"):
+                inner.set_timeout(timeout)
 
     def __repr__(self):
         where = ("shared memory" if self.shm is not None else
