@@ -445,6 +445,57 @@ def test_spawn_program_without_launcher_is_torchs(tmp_path):
     assert r["handles_received"] == 0
 
 
+def test_a_spawn_childs_classes_come_back_to_the_parent(tmp_path):
+    """A spawn child defines the script's classes as `__mp_main__.X`; the
+    parent unpickles them from its own __main__, as multiprocessing makes
+    `__mp_main__` name it (mpcore's launcher imports multiprocessing before
+    the program runs)."""
+    script = write(tmp_path / "classes.py", '''
+        import collections
+        import sys
+        import torch
+        from torch.utils.data import DataLoader, Dataset
+        import torch.multiprocessing as mp
+
+        Pair = collections.namedtuple("Pair", "x y")
+
+        class Box:
+            def __init__(self, v):
+                self.v = v
+
+        class Items(Dataset):
+            def __len__(self):
+                return 6
+
+            def __getitem__(self, i):
+                return Pair(torch.tensor(i), Box(i))
+
+        def child(q):
+            q.put([Pair(1, Box(2))])
+
+        def as_they_are(samples):
+            return samples
+
+        if __name__ == "__main__":
+            ctx = mp.get_context("spawn")
+            q = ctx.Queue()
+            p = ctx.Process(target=child, args=(q,))
+            p.start()
+            got = q.get(timeout=60)
+            p.join()
+            out = [(type(got[0]).__name__, got[0].x, got[0].y.v)]
+            dl = DataLoader(Items(), batch_size=3, num_workers=2, multiprocessing_context="spawn",
+                            collate_fn=as_they_are)
+            out += [(s.x.item(), s.y.v, type(s).__name__) for batch in dl for s in batch]
+            print("REPORT", repr(out))
+    ''')
+    want = [("Pair", 1, 2)] + [(i, i, "Pair") for i in range(6)]
+    for how in (plain, launched):
+        got = how(script, cwd=tmp_path)
+        assert got.returncode == 0, (how.__name__, got.stderr)
+        assert parse_report(got.stdout) == want, how.__name__
+
+
 def test_fork_and_forkserver_children_are_served(tmp_path):
     script = write(tmp_path / "methods.py", '''
         import torch

@@ -39,7 +39,13 @@ def _run_script(path, argv, report=_report):
     main.__builtins__ = builtins
     main.__cached__ = None
     main.__loader__ = SourceFileLoader("__main__", full)
+    launcher = sys.modules["__main__"]
     sys.modules["__main__"] = main
+    if sys.modules.get("__mp_main__") is launcher:
+        # multiprocessing, imported before the program was, named the
+        # launcher as what a spawn child's classes (`__mp_main__.X`) come
+        # from; a parent unpickles them from the program.
+        sys.modules["__mp_main__"] = main
     sys.argv = argv
     sys.path[0:1] = [os.path.dirname(os.path.realpath(path))]
     try:
