@@ -168,6 +168,46 @@ def test_state_moves_between_mpcore_and_torchdata(kind, workers):
             assert before + after == full, f"{src.__name__} -> {dst.__name__} after {k}"
 
 
+class Seeded(rd.Items):
+    """An item and the seed of the worker (or process) that made it."""
+
+    def __getitem__(self, i):
+        return torch.tensor([i, torch.initial_seed() % 100_003])
+
+
+@pytest.mark.parametrize("generator", [True, False], ids=["generator", "global"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stateful_loader_gives_torchdatas_batches(workers, generator):
+    """NOTE [ torchdata's samplers ]: mpcore's StatefulDataLoader, shuffled,
+    gives what torchdata's gives (an order and worker seeds that torch's
+    DataLoader does not), over two epochs, and a state moves between them."""
+    from mpcore.data import StatefulDataLoader as Ours
+    Theirs = _torchdata()
+
+    def make(cls):
+        torch.manual_seed(11)
+        g = torch.Generator().manual_seed(7) if generator else None
+        return cls(Seeded(), batch_size=rd.BATCH, shuffle=True, generator=g, num_workers=workers)
+
+    def epochs(loader):
+        return [[b.tolist() for b in loader] for _ in range(2)]
+
+    want = epochs(make(Theirs))
+    assert epochs(make(Ours)) == want
+    assert want != epochs(make(torch.utils.data.DataLoader))
+    for src, dst in ((Ours, Theirs), (Theirs, Ours)):
+        for k in (0, 3):
+            loader = make(src)
+            it = iter(loader)
+            before = [next(it).tolist() for _ in range(k)]
+            state = loader.state_dict()
+            del it
+            other = make(dst)
+            other.load_state_dict(state)
+            assert before + [b.tolist() for b in other] == want[0], \
+                f"{src.__module__} -> {dst.__module__} after {k}"
+
+
 def test_torchdata_loader_is_served_under_mpcore_run():
     _torchdata()
     r = run_program("""

@@ -213,11 +213,50 @@ class StatefulDataLoader(DataLoader):
     """torchdata's StatefulDataLoader, served by mpcore's DataLoader, which
     resumes by itself.  snapshot_every_n_steps is accepted and needs doing
     nothing: mpcore's state is exact at every step without snapshots (NOTE
-    [ Resumable loading ] in _state.py)."""
+    [ Resumable loading ] in _state.py).
 
-    def __init__(self, *args, snapshot_every_n_steps=1, **kwargs):
-        super().__init__(*args, **kwargs)
+    NOTE [ torchdata's samplers ]
+    Where the program gives no sampler, torchdata's loader takes its own
+    RandomSampler and BatchSampler, not torch's.  They draw differently:
+    torchdata's RandomSampler draws an epoch's order when its iterator is
+    made, before the loader's seeds, and torch's at the first index, after
+    them; without a generator it takes its seed at construction.  So the
+    same program gives other batches and worker seeds under each loader.
+    With torchdata installed this class takes torchdata's samplers where
+    torchdata's loader would, so that a program gets torchdata's batches
+    and seeds whichever of the two serves it; without torchdata it has
+    torch's, as DataLoader does."""
+
+    def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None,
+                 num_workers=0, collate_fn=None, pin_memory=False, drop_last=False, timeout=0,
+                 worker_init_fn=None, multiprocessing_context=None, generator=None, *,
+                 prefetch_factor=None, persistent_workers=False, pin_memory_device="",
+                 in_order=True, snapshot_every_n_steps=1):
+        td = _torchdata_samplers()
+        if (td is not None and shuffle and sampler is None and batch_sampler is None
+                and not isinstance(dataset, _compat.IterableDataset)):
+            sampler, shuffle = td.RandomSampler(dataset, generator=generator), None
+        super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers,
+                         collate_fn, pin_memory, drop_last, timeout, worker_init_fn,
+                         multiprocessing_context, generator, prefetch_factor=prefetch_factor,
+                         persistent_workers=persistent_workers,
+                         pin_memory_device=pin_memory_device, in_order=in_order)
+        if td is not None and batch_sampler is None and type(self.batch_sampler) is \
+                _compat.BatchSampler:
+            # past torch's guard on the attribute, as construction is
+            self.__dict__["batch_sampler"] = td.BatchSampler(self.sampler, self.batch_size,
+                                                             self.drop_last)
         self.snapshot_every_n_steps = snapshot_every_n_steps
+
+
+def _torchdata_samplers():
+    """torchdata's sampler module, or None where torchdata is missing
+    (NOTE [ torchdata's samplers ])."""
+    try:
+        from torchdata.stateful_dataloader import sampler
+    except ImportError:
+        return None
+    return sampler
 
 
 class _Stats:
