@@ -802,17 +802,26 @@ def job_own_backend():
            "backend_is_group": sub._get_backend(torch.device("cpu")) is sub,
            "meta": meta, "alloc": sub._get_backend("cpu").supports_tensor_alloc("cpu"),
            "object_device": str(dist.distributed_c10d._get_object_coll_device(sub))}
-    sub.set_timeout(datetime.timedelta(seconds=0.5))
+    # A group per call: a timeout breaks its group.
+    groups = [sub, dist.new_group(list(range(WORLD))), dist.new_group(list(range(WORLD)))]
+    for g in groups:
+        g.set_timeout(datetime.timedelta(seconds=0.5))
     if RANK == 0:
-        t0 = time.monotonic()
-        try:
-            dist.barrier(group=sub)
-            res["timeout"] = "no error"
-        except Exception as e:
-            res["timeout"] = f"{type(e).__name__}: {e}"
-        res["took"] = time.monotonic() - t0
+        # no timeout given: a barrier, a blocking all_reduce, an async one
+        calls = {"barrier": lambda g: dist.barrier(group=g),
+                 "all_reduce": lambda g: dist.all_reduce(torch.ones(2), group=g),
+                 "async": lambda g: dist.all_reduce(torch.ones(2), group=g, async_op=True).wait()}
+        for g, (name, call) in zip(groups, calls.items()):
+            t0 = time.monotonic()
+            try:
+                call(g)
+                res[name] = "no error"
+            except Exception as e:
+                res[name] = f"{type(e).__name__}: {e}"
+            res[name + "_s"] = time.monotonic() - t0
     dist.barrier()
-    dist.destroy_process_group(sub)
+    for g in groups:
+        dist.destroy_process_group(g)
     return res
 
 
@@ -1139,8 +1148,9 @@ def test_the_group_is_its_own_backend(pool2):
         assert r["devices"] == ["cpu"] and r["backend_is_group"] and r["alloc"] is False, r
         assert r["meta"] == "No backend type associated with device type meta", r
         assert r["object_device"] == "cpu", r
-    assert res[0]["timeout"].startswith("TimeoutError") and "1" in res[0]["timeout"], res[0]
-    assert res[0]["took"] < 0.5 + 1.0, res[0]
+    for name in ("barrier", "all_reduce", "async"):
+        assert res[0][name].startswith("TimeoutError") and "1" in res[0][name], res[0]
+        assert res[0][name + "_s"] < 10, res[0]   # the default is 60 s
 
 
 def test_monitored_barrier(pool):
@@ -1209,6 +1219,11 @@ def test_ranks_on_several_machines_get_gloo_inside(pool_hosts):
                                    dtypes=GLOO_DTYPES))
     for res in pool_hosts.run("objects", kind="world"):
         assert res["mpcore"] == res["gloo"]
+    # set_timeout reaches the gloo groups inside (a timeout there is gloo's error)
+    res = pool_hosts.run("own_backend")
+    assert [r["backend_is_group"] for r in res] == [True, True], res
+    for name in ("barrier", "all_reduce", "async"):
+        assert res[0][name] != "no error" and res[0][name + "_s"] < 10, res[0]
 
 
 def test_work_surface(pool2):

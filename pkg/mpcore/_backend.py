@@ -478,8 +478,10 @@ class ProcessGroupMpcore(dist.ProcessGroup):
     def set_timeout(self, timeout):
         """The group's default timeout from now on, as torch's groups take it."""
         self._timeout_s = timeout.total_seconds()
+        if self.shm is not None:
+            self.shm.set_timeout(self._timeout_s)
         for inner in (self._gloo, self._torch_nccl):
-            if inner is not None and hasattr(inner, "set_timeout"):
+            if inner is not None:
                 inner.set_timeout(timeout)
 
     def __repr__(self):

@@ -496,6 +496,13 @@ class ShmGroup:
         self._lanes = {}
         self._lanes_lock = threading.Lock()
 
+    def set_timeout(self, seconds):
+        """The timeout of every call from now on, queued ones included."""
+        with self._lanes_lock:
+            self.timeout = seconds
+            for lane in self._lanes.values():
+                lane.timeout = seconds
+
     def _lane(self, name):
         lane = self._lanes.get(name)
         if lane is None:

@@ -137,6 +137,13 @@ class HierGroup:
             self.leaders = dist.ProcessGroupGloo(dist.PrefixStore("mpcore/leaders/", store),
                                                  self._h, self._H, timeout)
 
+    def set_timeout(self, timeout):
+        self._timeout_s = _dist._seconds(timeout)
+        self.local.set_timeout(self._timeout_s)
+        for g in (self.flat, self.leaders):
+            if g is not None:
+                g.set_timeout(timeout)
+
     def __repr__(self):
         return (f"HierGroup(rank={self._rank}, hosts={self._H}, host={self._names[self._h]}, "
                 f"local={self._local_of[self._rank]}/{self._L})")
