@@ -157,15 +157,20 @@ def test_state_moves_between_mpcore_and_torchdata(kind, workers):
     for src, dst in ((DataLoader, StatefulDataLoader), (StatefulDataLoader, DataLoader)):
         full = [b.tolist() for b in make(src)]
         for k in (0, 1, 6):
-            loader = make(src)
-            it = iter(loader)
-            before = [next(it).tolist() for _ in range(k)]
-            state = loader.state_dict()
-            del it
-            other = make(dst)
-            other.load_state_dict(state)
-            after = [b.tolist() for b in other]
-            assert before + after == full, f"{src.__name__} -> {dst.__name__} after {k}"
+            assert _moved(make, src, dst, k) == full, f"{src.__name__} -> {dst.__name__} after {k}"
+
+
+def _moved(make, src, dst, k):
+    """The epoch's batches: k from make(src), then the rest from make(dst)
+    given make(src)'s state after those k."""
+    loader = make(src)
+    it = iter(loader)
+    before = [next(it).tolist() for _ in range(k)]
+    state = loader.state_dict()
+    del it
+    other = make(dst)
+    other.load_state_dict(state)
+    return before + [b.tolist() for b in other]
 
 
 class Seeded(rd.Items):
@@ -197,14 +202,7 @@ def test_stateful_loader_gives_torchdatas_batches(workers, generator):
     assert want != epochs(make(torch.utils.data.DataLoader))
     for src, dst in ((Ours, Theirs), (Theirs, Ours)):
         for k in (0, 3):
-            loader = make(src)
-            it = iter(loader)
-            before = [next(it).tolist() for _ in range(k)]
-            state = loader.state_dict()
-            del it
-            other = make(dst)
-            other.load_state_dict(state)
-            assert before + [b.tolist() for b in other] == want[0], \
+            assert _moved(make, src, dst, k) == want[0], \
                 f"{src.__module__} -> {dst.__module__} after {k}"
 
 
