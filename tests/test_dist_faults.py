@@ -382,8 +382,9 @@ class Rank:
 class Job:
     """The ranks of one job, each a fresh program running PROGRAM `mode`."""
 
-    def __init__(self, scenario, tmp_path, mode, world, args=(), ranks=None):
+    def __init__(self, scenario, tmp_path, mode, world, args=(), ranks=None, env=None):
         self.port = free_port()
+        self.env = env or {}
         self.tmp, self.scenario, self.mode, self.world = tmp_path, scenario, mode, world
         self.args = [str(a) for a in args]
         with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
@@ -400,6 +401,7 @@ class Job:
         env.update(self.scenario.env())
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port), RANK=str(r),
                    WORLD_SIZE=str(self.world), LOCAL_RANK=str(r))
+        env.update(self.env)
         errpath = str(self.tmp / f"rank{r}.err")
         with open(errpath, "wb") as err:
             p = subprocess.Popen([sys.executable, self.script, self.mode, str(self.tmp),
@@ -509,6 +511,17 @@ def test_rank_dies_mid_collective(scenario, job, tmp_path, victim, how, where):
     scenario.check_clean()
 
 
+# torch's first synchronised DDP backward allocates about the model's size
+# again (16 MB here), and frees it.  With glibc's defaults that memory may
+# come fresh from the kernel inside the cgroup (an mmap per gradient, or a
+# heap trimmed after the earlier training), and the rank is then killed for
+# memory that has nothing to do with the group buffer.  One heap that keeps
+# what it freed makes those allocations reuse pages the rank faulted before
+# its move, so that the cgroup limits only what the test is about.
+_HEAP_KEPT = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
+              "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+
+
 @pytest.mark.timeout(90)
 def test_ddp_rank_without_shared_memory_for_a_bucket_stages_it(scenario, job):
     """A real shortage: rank 1 is moved into a 14 MB memory cgroup before
@@ -519,7 +532,7 @@ def test_ddp_rank_without_shared_memory_for_a_bucket_stages_it(scenario, job):
     cg = make_memcg(14 << 20)   # under the 15 MB buffer whatever the rank uses
     j = None
     try:
-        j = job("ddp_shortage", world, args=(starved,))
+        j = job("ddp_shortage", world, args=(starved,), env=_HEAP_KEPT)
         for r in range(world):
             j[r].line("READY", 60)
         with open(os.path.join(cg, "cgroup.procs"), "w") as f:
