@@ -60,6 +60,7 @@ typedef struct mpc_seg {
     uint64_t idle_tick; /* when nheld last fell to zero */
     uint32_t hint;      /* owned arena: where to look for a free block next */
     uint32_t pins;      /* threads freeing a block in it without the lock */
+    int forget;         /* unmapped when our last hold goes (mpc_forget_idle) */
     struct mpc_seg *next;             /* hash chain */
     struct mpc_seg *all_prev, *all_next; /* every segment mapped here */
 } mpc_seg;
@@ -230,12 +231,18 @@ static void mpc__free_unlocked(mpc_seg *s, uint32_t i) {
  * segment is retired, no more will come: the mapping is dropped as soon as
  * our last hold in it goes, so that the memory of a finished producer (a
  * DataLoader worker) is not kept mapped here until some later mapping
- * trims it. */
+ * trims it.  The keeper learns of a death a moment after the parent has
+ * reaped the child, so a hold released in that moment would find the
+ * segment not yet orphan, and its mapping would stay.  So mpc_forget_idle,
+ * which a process calls when it knows its producers finished, also marks
+ * the mappings it finds still held (`forget`): each goes with its last
+ * hold, whatever the keeper knows by then.  A live producer's segment so
+ * marked costs one mmap more when it next sends from it. */
 static void mpc__unmap_if_orphan(uint64_t seg_id) {
     pthread_mutex_lock(&mpc__lock);
     mpc_seg *s = mpc__lookup(seg_id);
     if (s && !s->owned && !s->nheld && !s->pins &&
-        (atomic_load(&s->hdr->flags) & (MPC_SEG_ORPHAN | MPC_SEG_RETIRED)))
+        (s->forget || (atomic_load(&s->hdr->flags) & (MPC_SEG_ORPHAN | MPC_SEG_RETIRED))))
         mpc__unmap(s);
     pthread_mutex_unlock(&mpc__lock);
 }
@@ -762,8 +769,12 @@ void mpc_forget_idle(void) {
     pthread_mutex_lock(&mpc__lock);
     for (mpc_seg *s = mpc__all, *n; s; s = n) {
         n = s->all_next;
-        if (!s->owned && !s->nheld && !s->pins)
+        if (s->owned)
+            continue;
+        if (!s->nheld && !s->pins)
             mpc__unmap(s);
+        else
+            s->forget = 1; /* NOTE [ Mappings of orphans ] */
     }
     pthread_mutex_unlock(&mpc__lock);
 }

@@ -238,8 +238,9 @@ int mpc_block_claim(const mpc_block *b);
 void mpc_block_release(const mpc_block *b);
 
 /* Unmaps every mapping of another process's segment in which this process
- * holds no block (the next attach maps it again).  Used when the producers
- * of those segments are known to be finished.  Never fails. */
+ * holds no block (the next attach maps it again), and marks the others to
+ * be unmapped when this process's last hold in them goes.  Used when the
+ * producers of those segments are known to be finished.  Never fails. */
 void mpc_forget_idle(void);
 
 /* Drops a ticket without redeeming it.  Never fails. */

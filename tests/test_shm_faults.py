@@ -1,6 +1,6 @@
 """Shared memory under faults: a low fd limit, a memory cgroup too small for
-the request, processes killed mid-transfer, a sender that exits at once, and
-the keeper's exit with its program.
+the request, processes killed mid-transfer, a sender that exits at once, the
+keeper's exit with its program, and the mappings of producers that are done.
 
 Each scenario runs as a fresh program (conftest.run_program) tagged through
 its environment, with the test process as the subreaper of its tree, so that
@@ -462,3 +462,65 @@ def test_keeper_exits_with_program(leak_check, scenario, how):
     scenario.check_clean()
     assert exited(keeper), f"keeper {keeper} is still running"
 
+
+
+# --------------------------------------------------------------------------
+# 6. A finished producer's memory is not kept mapped
+# --------------------------------------------------------------------------
+
+FORGET_PROGRAM = TESTS_ON_PATH + r'''
+import gc, json, os
+import torch
+torch.set_num_threads(1)
+import mpcore
+from conftest import memfd_inodes
+
+
+def producer(q, more):
+    q.put(torch.full((1 << 18,), 1.0))     # 1 MB: a segment of its own
+    more.wait(60)
+    q.put(torch.full((1 << 18,), 2.0))
+
+
+if __name__ == "__main__":
+    ctx = mpcore.get_context("fork")
+    q, more = ctx.Queue(), ctx.Event()
+    mpcore._core.connect()
+    before = set(memfd_inodes(os.getpid(), maps=True))
+    p = ctx.Process(target=producer, args=(q, more))
+    p.start()
+    t = q.get(timeout=60)
+    theirs = set(memfd_inodes(os.getpid(), maps=True)) - before
+    # The producer lives on, so the keeper never calls its segment orphan:
+    # only forget_idle's mark can drop the mapping when the hold goes.
+    mpcore._core.forget_idle()
+    held = sorted(theirs & set(memfd_inodes(os.getpid(), maps=True)))
+    value = float(t[7])
+    del t
+    gc.collect()
+    after_release = sorted(theirs & set(memfd_inodes(os.getpid(), maps=True)))
+    more.set()
+    t2 = q.get(timeout=60)                 # a live producer still reaches us
+    res = {"theirs": len(theirs), "held": len(held), "after_release": after_release,
+           "values": [value, float(t2[7])], "alive": p.is_alive()}
+    del t2
+    p.join(60)
+    res["exitcode"] = p.exitcode
+    print("RESULT " + json.dumps(res), flush=True)
+'''
+
+
+@pytest.mark.timeout(120)
+def test_a_mapping_held_at_forget_idle_goes_with_its_last_hold(leak_check, scenario):
+    # A DataLoader's end calls forget_idle once its workers are reaped, but
+    # the keeper learns of their deaths a moment later: a batch released in
+    # that moment found its segment not yet orphan, and the mapping (the
+    # worker's memory) stayed (NOTE [ Mappings of orphans ] in arena.c).
+    r = scenario.run(FORGET_PROGRAM, timeout=100)
+    res = result(r)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert res["theirs"] >= 1 and res["held"] == res["theirs"], res
+    assert res["after_release"] == [], (
+        f"the producer's segment is still mapped after its last hold went: {res}")
+    assert res["values"] == [1.0, 2.0] and res["exitcode"] == 0, res
+    scenario.check_clean()
