@@ -38,7 +38,7 @@ def _have_gloo():
 
 
 WORKER = r'''
-import ast, contextlib, datetime, json, os, sys, threading, time, traceback, zlib
+import ast, contextlib, datetime, json, os, sys, threading, time, traceback, warnings, zlib
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
@@ -804,8 +804,14 @@ def job_own_backend():
            "object_device": str(dist.distributed_c10d._get_object_coll_device(sub))}
     # A group per call: a timeout breaks its group.
     groups = [sub, dist.new_group(list(range(WORLD))), dist.new_group(list(range(WORLD)))]
-    for g in groups:
+    for g in groups[:2]:
         g.set_timeout(datetime.timedelta(seconds=0.5))
+    # the third through torch's private _set_pg_timeout, as training stacks
+    # set it, which looks for gloo's and NCCL's backends only
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=0.5), groups[2])
+    res["pg_timeout_warnings"] = [str(w.message) for w in said]
     if RANK == 0:
         # no timeout given: a barrier, a blocking all_reduce, an async one
         calls = {"barrier": lambda g: dist.barrier(group=g),
@@ -1148,6 +1154,7 @@ def test_the_group_is_its_own_backend(pool2):
         assert r["devices"] == ["cpu"] and r["backend_is_group"] and r["alloc"] is False, r
         assert r["meta"] == "No backend type associated with device type meta", r
         assert r["object_device"] == "cpu", r
+        assert r["pg_timeout_warnings"] == [], r
     for name in ("barrier", "all_reduce", "async"):
         assert res[0][name].startswith("TimeoutError") and "1" in res[0][name], res[0]
         assert res[0][name + "_s"] < 10, res[0]   # the default is 60 s
@@ -1222,6 +1229,7 @@ def test_ranks_on_several_machines_get_gloo_inside(pool_hosts):
     # set_timeout reaches the gloo groups inside (a timeout there is gloo's error)
     res = pool_hosts.run("own_backend")
     assert [r["backend_is_group"] for r in res] == [True, True], res
+    assert [r["pg_timeout_warnings"] for r in res] == [[], []], res
     for name in ("barrier", "all_reduce", "async"):
         assert res[0][name] != "no error" and res[0][name + "_s"] < 10, res[0]
 

@@ -27,7 +27,11 @@ set_model_state_dict broadcasts from rank 0; `_get_backend(device)` is
 asked for a backend's capabilities (FSDP2's comm allocator, split_group,
 time estimates).  So the group answers both for itself: the devices it
 serves (CPU, and CUDA through NCCL where torch sees a GPU), itself as
-their backend, and no capability beyond the collectives.
+their backend, and no capability beyond the collectives.  One of torch's
+functions looks past that: `_set_pg_timeout(timeout, group)` (called by
+training stacks after their first step) sets the timeout only of the
+gloo and NCCL backends it finds, and warns otherwise; on our group it
+calls the group's set_timeout instead (_set_pg_timeout below).
 
 NOTE [ The backend's cost per call ]
 A small all-reduce is a few microseconds in the core, so the layer above
@@ -91,6 +95,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 from torch._C._distributed_c10d import AllgatherOptions as _AllgatherOptions  # not re-exported
+from torch.distributed import distributed_c10d as _c10d
 
 from . import _core, _dist
 
@@ -1283,11 +1288,30 @@ def _mark_uncompiled(eval_frame, objs):
                     eval_frame.set_code_exec_strategy(code, plain)
 
 
+def _set_pg_timeout(timeout, group=None):
+    """torch's _set_pg_timeout, which reaches our group too (NOTE [ The
+    group is its own backend ])."""
+    pg = group
+    if pg is None and _c10d.is_initialized():
+        pg = _c10d._get_default_group()
+    if isinstance(pg, ProcessGroupMpcore):
+        pg.set_timeout(timeout)
+        return None
+    return _torch_set_pg_timeout(timeout, group)
+
+
+_torch_set_pg_timeout = None
+
+
 def register():
     """Registers the backend with torch.distributed (once)."""
+    global _torch_set_pg_timeout
     if "MPCORE" not in dist.Backend._plugins:
         dist.Backend.register_backend("mpcore", _create_extended, extended_api=True,
                                       devices=["cpu"])
         run_uncompiled(ProcessGroupMpcore, Work, _dist.Work, _Done, _AllOf, _create_extended)
+    if _torch_set_pg_timeout is None and hasattr(_c10d, "_set_pg_timeout"):
+        _torch_set_pg_timeout = _c10d._set_pg_timeout
+        _c10d._set_pg_timeout = functools.wraps(_torch_set_pg_timeout)(_set_pg_timeout)
     from . import _fastpath
     _fastpath.install()   # NOTE [ A fast path for torch's module functions ]
