@@ -804,14 +804,30 @@ static void bool_apply(int op, uint8_t *d, const uint8_t *s, size_t n) {
     }
 }
 
-CLONES static void f32_scale(float *d, float k, size_t n) {
+/* d[i] / k, the average's division.  For k a power of two (two ranks, four)
+ * it multiplies by 1/k instead: both are exact scalings rounded once, so the
+ * results are the same bits, and a vector multiply costs a fraction of a
+ * divide. */
+CLONES static void f32_scale(float *d, int k, size_t n) {
+    if ((k & (k - 1)) == 0) {
+        float inv = 1.0f / (float)k;
+        for (size_t i = 0; i < n; i++)
+            d[i] = d[i] * inv;
+        return;
+    }
     for (size_t i = 0; i < n; i++)
-        d[i] = d[i] / k;
+        d[i] = d[i] / (float)k;
 }
 
-CLONES static void f64_scale(double *d, double k, size_t n) {
+CLONES static void f64_scale(double *d, int k, size_t n) {
+    if ((k & (k - 1)) == 0) {
+        double inv = 1.0 / (double)k;
+        for (size_t i = 0; i < n; i++)
+            d[i] = d[i] * inv;
+        return;
+    }
     for (size_t i = 0; i < n; i++)
-        d[i] = d[i] / k;
+        d[i] = d[i] / (double)k;
 }
 
 CLONES static void f16_to_f32(float *restrict d, const _Float16 *restrict s, size_t n) {
@@ -886,7 +902,7 @@ static void reduce(int dtype, int op, void *dst, void *const *srcs, int nsrc, si
         void *d = (uint8_t *)dst + off * es;
         if (half) {
             if (op == MPC_OP_AVG)
-                f32_scale(acc, (float)nsrc, m);
+                f32_scale(acc, nsrc, m);
             if (dtype == MPC_DT_F16)
                 f32_to_f16(d, acc, m);
             else
@@ -895,9 +911,9 @@ static void reduce(int dtype, int op, void *dst, void *const *srcs, int nsrc, si
         }
         if (op == MPC_OP_AVG) {
             if (dtype == MPC_DT_F32)
-                f32_scale((float *)acc_b, (float)nsrc, m);
+                f32_scale((float *)acc_b, nsrc, m);
             else
-                f64_scale((double *)acc_b, (double)nsrc, m);
+                f64_scale((double *)acc_b, nsrc, m);
         }
         memcpy(d, acc_b, m * es);
     }
