@@ -375,15 +375,24 @@ def _major_minor(version):
 
 # --- torch's entry points -------------------------------------------------------
 
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
 def _ours(value):
-    """Whether a value is one of mpcore's objects."""
+    """Whether a value is one of mpcore's objects: by its module, or, for a
+    function that wears the name and module of the torch function it stands
+    in for (functools.wraps), by where its code is."""
     if isinstance(value, str):
         return value == "mpcore"  # the backend's name, in torch's registries
     try:
         value = getattr(value, "__func__", value)  # staticmethod, classmethod, bound method
         mod = getattr(value, "__module__", None)
+        code = getattr(value, "__code__", None)
+        where = getattr(code, "co_filename", None)
     except Exception:  # an object whose attributes cannot be read is not ours
         return False
+    if isinstance(where, str) and where.startswith(_PKG_DIR):
+        return True
     return isinstance(mod, str) and (mod == "mpcore" or mod.startswith("mpcore."))
 
 
