@@ -808,27 +808,20 @@ static void bool_apply(int op, uint8_t *d, const uint8_t *s, size_t n) {
  * it multiplies by 1/k instead: both are exact scalings rounded once, so the
  * results are the same bits, and a vector multiply costs a fraction of a
  * divide. */
-CLONES static void f32_scale(float *d, int k, size_t n) {
-    if ((k & (k - 1)) == 0) {
-        float inv = 1.0f / (float)k;
-        for (size_t i = 0; i < n; i++)
-            d[i] = d[i] * inv;
-        return;
+#define SCALE(T, name)                                                       \
+    CLONES static void name(T *d, int k, size_t n) {                         \
+        if ((k & (k - 1)) == 0) {                                            \
+            T inv = (T)1 / (T)k;                                             \
+            for (size_t i = 0; i < n; i++)                                   \
+                d[i] = d[i] * inv;                                           \
+            return;                                                          \
+        }                                                                    \
+        for (size_t i = 0; i < n; i++)                                       \
+            d[i] = d[i] / (T)k;                                              \
     }
-    for (size_t i = 0; i < n; i++)
-        d[i] = d[i] / (float)k;
-}
 
-CLONES static void f64_scale(double *d, int k, size_t n) {
-    if ((k & (k - 1)) == 0) {
-        double inv = 1.0 / (double)k;
-        for (size_t i = 0; i < n; i++)
-            d[i] = d[i] * inv;
-        return;
-    }
-    for (size_t i = 0; i < n; i++)
-        d[i] = d[i] / (double)k;
-}
+SCALE(float, f32_scale)
+SCALE(double, f64_scale)
 
 CLONES static void f16_to_f32(float *restrict d, const _Float16 *restrict s, size_t n) {
     for (size_t i = 0; i < n; i++)
