@@ -689,7 +689,7 @@ def test_async_input_not_kept_by_caller(world, case, async_reports, tmp_path, sc
 # --- 3, 4. DDP: mpcore's against torch's ---------------------------------------------
 
 DDP_PROGRAM = r'''
-import copy, gc, os, socket, sys, traceback
+import copy, gc, os, socket, sys, threading, traceback, weakref
 import torch
 from torch import nn
 
@@ -762,10 +762,18 @@ def worker(rank, mode, W, out):
                            b.address <= p.grad.data_ptr() < b.address + b.nbytes for b in bufs))
             params = {k: v.detach().clone() for k, v in model.named_parameters()}
             kind = f"{type(ddp).__module__}.{type(ddp).__name__}"
+            # Each buffer says when it is freed: the group's thread may still
+            # be settling its last call's future (which holds the last
+            # bucket) when drain() returns, so the test waits on that, bounded.
+            freed = threading.Semaphore(0)
+            nbufs = len([weakref.finalize(b, freed.release) for b in bufs])
             del ddp, opt, model, bufs, loss   # the last loss holds the graph: the parameters
             if hooks is not None:
-                hooks.group.drain()   # the group's thread has let go of its last call
+                hooks.group.drain()
             gc.collect()
+            for _ in range(nbufs):
+                if not freed.acquire(timeout=10):
+                    break
             res["configs"][name] = {
                 "params": params,
                 "losses": losses,
