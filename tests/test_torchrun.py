@@ -54,6 +54,12 @@ line = json.dumps({"env": env, "argv": sys.argv, "name": __name__, "path0": sys.
                    "loaded": loaded})
 os.write(1, f"rank-line {line}\n".encode())  # one write: the ranks share stdout
 dist.destroy_process_group()
+# Left to the interpreter's end: a file never flushed, and an atexit handler.
+import atexit
+tag = f"{env['TORCHELASTIC_RUN_ID']}.{env['RANK']}"
+kept = open(f"{tag}.open", "w")
+kept.write("left open")
+atexit.register(lambda: open(f"{tag}.atexit", "w").close())
 ''' % (ENV_NAMES,)
 
 
@@ -139,6 +145,7 @@ def side_by_side(tmp_path_factory):
         for job in jobs.values():
             job.wait()
         jobs["left"] = left_behind(sc)
+        jobs["dir"] = d
     finally:
         sc.close()
     return jobs
@@ -180,6 +187,19 @@ def test_omp_threads_and_agent_store(side_by_side):
         assert "failed to bind" not in side_by_side[job].err, side_by_side[job].err
 
 
+def test_a_rank_ends_as_python_would(side_by_side):
+    # NOTE [ A spawned child ends as python would ]: as a `python -u` rank
+    # of torchrun's, a rank's unflushed file is written and its atexit
+    # handlers run when its program ends.
+    for job in ("torchrun", "mpcore1", "mpcore2"):
+        lines = rank_lines(side_by_side[job])
+        assert sorted(lines) == ["0", "1"], side_by_side[job].err
+        for r, d in lines.items():
+            tag = side_by_side["dir"] / f"{d['env']['TORCHELASTIC_RUN_ID']}.{r}"
+            assert open(f"{tag}.open").read() == "left open", (job, r)
+            assert os.path.exists(f"{tag}.atexit"), (job, r)
+
+
 def test_two_jobs_at_once_on_one_node(side_by_side):
     a, b = rank_lines(side_by_side["mpcore1"]), rank_lines(side_by_side["mpcore2"])
     assert side_by_side["mpcore2"].p.returncode == 0, side_by_side["mpcore2"].err
@@ -192,12 +212,15 @@ def test_two_jobs_at_once_on_one_node(side_by_side):
 
 
 FAIL = r'''
-import os, time
+import atexit, os, time
 rank = int(os.environ["RANK"])
 def deep():
     raise ValueError(f"boom from rank {rank}")
 print("up", rank, flush=True)
 if rank == 1:
+    kept = open("rank1.open", "w")
+    kept.write("left open")
+    atexit.register(lambda: open("rank1.atexit", "w").close())
     deep()
 time.sleep(120)   # rank 0 must be stopped by the launcher
 '''
@@ -214,6 +237,9 @@ def test_failing_rank_traceback_error_file_and_summary(tmp_path, scenario):
     assert "[rank1]: Traceback (most recent call last):" in err
     assert re.search(r'\[rank1\]:   File ".*fail.py", line 5, in deep', err), err
     assert "[rank1]: ValueError: boom from rank 1" in err
+    # It ended as python would: its open file flushed, its atexit handler run.
+    assert (tmp_path / "rank1.open").read_text() == "left open"
+    assert (tmp_path / "rank1.atexit").exists()
     # torchrun's summary, naming the rank, its exit code and its error file.
     summary = err[err.index("ChildFailedError"):]
     assert "fail.py FAILED" in summary

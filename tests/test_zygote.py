@@ -374,3 +374,56 @@ def test_zygote_not_forked_while_the_program_runs_threads(tmp_path, leak_check):
     code, zpid = lines[2].split()
     assert code == "0"
     _wait_gone(int(zpid))
+
+
+ENDINGS_PROGRAM = """
+    import atexit, os, sys, tempfile
+    import multiprocessing
+    import mpcore
+    def child(out, how):
+        f = open(os.path.join(out, "file"), "w")   # left open, never flushed
+        f.write("written")
+        globals()["kept"] = f
+        td = tempfile.TemporaryDirectory(dir=out)  # removed at exit by python
+        globals()["td"] = td
+        atexit.register(lambda: open(os.path.join(out, "atexit"), "w").close())
+        if how == "exit3":
+            sys.exit(3)
+        if how == "raise":
+            raise ValueError("from the child")
+    if __name__ == "__main__":
+        side, method, out = sys.argv[1:4]
+        ctx = (multiprocessing if side == "stdlib" else mpcore).get_context(method)
+        for how in ("return", "exit3", "raise"):
+            d = os.path.join(out, how)
+            os.mkdir(d)
+            p = ctx.Process(target=child, args=(d, how))
+            p.start()
+            p.join(60)
+            left = sorted(n for n in os.listdir(d) if n not in ("file", "atexit"))
+            with open(os.path.join(d, "file")) as f:
+                text = f.read()
+            print(how, p.exitcode, repr(text), os.path.exists(os.path.join(d, "atexit")),
+                  "tmpdirs left:", len(left))
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_child_ends_as_the_standard_librarys_would(tmp_path, method, leak_check):
+    # NOTE [ A spawned child ends as python would ]: a spawned child runs its
+    # atexit handlers (a TemporaryDirectory is removed) and flushes the files
+    # it left open, whether it returns, exits or raises; a forkserver child
+    # does neither.  The standard library's own contexts are the reference.
+    outs = {}
+    for side in ("stdlib", "mpcore"):
+        d = tmp_path / side
+        d.mkdir()
+        r = run_program(ENDINGS_PROGRAM, side, method, str(d), launcher=(side == "mpcore"))
+        assert r.returncode == 0, r.stderr
+        outs[side] = r.stdout
+    assert outs["mpcore"] == outs["stdlib"], outs
+    if method == "spawn":
+        assert outs["mpcore"].splitlines() == [
+            "return 0 'written' True tmpdirs left: 0",
+            "exit3 3 'written' True tmpdirs left: 0",
+            "raise 1 'written' True tmpdirs left: 0"], outs

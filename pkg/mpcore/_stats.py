@@ -21,13 +21,18 @@ def snapshot():
     return out
 
 
+_reported = None  # the pid that appended its line already
+
+
 def report():
-    """Appends this process's counters to $MPCORE_STATS, if set (at exit,
-    and when a Process's run() ends: a forked child leaves by os._exit,
-    which runs no atexit hook)."""
+    """Appends this process's counters to $MPCORE_STATS, if set, once per
+    process (at exit, and when a Process's run() ends: a forked child
+    leaves by os._exit, which runs no atexit hook)."""
+    global _reported
     path = os.environ.get("MPCORE_STATS")
-    if not path:
+    if not path or _reported == os.getpid():
         return
+    _reported = os.getpid()
     line = json.dumps({"pid": os.getpid(), **snapshot()})
     with open(path, "a") as f:
         f.write(line + "\n")

@@ -84,7 +84,7 @@ def _torch_return_queue():
     return None
 
 
-def _end_as_python_would(queue):
+def _end_as_python_would(queue, code):
     """NOTE [ A rank whose program is done ends at once ]
     torch's wrapper of a function entry point puts the return value on a
     queue, then waits until every rank has returned before it lets the
@@ -92,26 +92,15 @@ def _end_as_python_would(queue):
     them go, so a rank whose program ended on the launcher's SIGTERM (a
     handler that saves and exits, the graceful case) would sit there
     until SIGKILL at the end of the grace.  torchrun's ranks are programs
-    that end when they end; so are these: the rank puts its return value
-    (None) on torch's queue itself (the queue's ring is shared memory the
-    agent holds, so the value outlives the rank), then ends as the
-    interpreter would (non-daemon threads joined, atexit handlers run,
-    output flushed) with exit code 0."""
-    import atexit
-    import threading
-    queue.put(None)
-    try:
-        threading._shutdown()
-    finally:
-        try:
-            atexit._run_exitfuncs()
-        finally:
-            for f in (sys.stdout, sys.stderr):
-                try:
-                    f.flush()
-                except Exception:
-                    pass
-            os._exit(0)
+    that end when they end; so are these: a rank whose program succeeded
+    puts its return value (None) on torch's queue itself (the queue's ring
+    is shared memory the agent holds, so the value outlives the rank), and
+    every rank then ends as the interpreter would, with the program's exit
+    code (NOTE [ A spawned child ends as python would ] in _zygote.py)."""
+    from . import _zygote
+    if code == 0 and queue is not None:
+        queue.put(None)
+    _zygote.end_as_python_would(code)
 
 
 def rank_main(module, target, *argv):
@@ -132,6 +121,7 @@ def rank_main(module, target, *argv):
     sys.stdout.reconfigure(write_through=True)
     sys.stderr.reconfigure(write_through=True)
     queue = _torch_return_queue()
+    code = 0
     try:
         if module:
             _launcher._run_module(target, [target, *argv], report=_rank_report)
@@ -142,10 +132,17 @@ def rank_main(module, target, *argv):
                 sys.exit(2)
             _launcher._run_script(target, [target, *argv], report=_rank_report)
     except SystemExit as e:
-        if e.code not in (None, 0):
-            raise
-    if queue is not None:
-        _end_as_python_would(queue)
+        code = _exit_code(e)
+    _end_as_python_would(queue, code)
+
+
+def _exit_code(e):
+    """The exit status python gives a SystemExit that ends the program
+    (a message is printed, and is status 1)."""
+    if e.code is None or isinstance(e.code, int):
+        return e.code or 0
+    print(e.code, file=sys.stderr)
+    return 1
 
 
 # --- the launcher --------------------------------------------------------------

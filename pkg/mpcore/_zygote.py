@@ -96,8 +96,21 @@ def main():
     os.environ.pop("MPCORE_STATS", None)
     _preload()
     gc.collect()
+    _keep_finalizers_at_exit()
     gc.freeze()  # children do not copy pages just to touch GC headers
     return _serve(3, 4)
+
+
+def _keep_finalizers_at_exit():
+    """The weakref.finalize callbacks registered so far (torch's 134
+    operator libraries, each unregistered at exit: 26 ms) stay uncalled
+    at a child's end (NOTE [ A spawned child ends as python would ]): a
+    process about to end need not tidy memory it leaves anyway, and one
+    that the program registered before the zygote was forked (a
+    TemporaryDirectory) is the program's to run, not every child's."""
+    import weakref
+    for f in list(weakref.finalize._registry):
+        f.atexit = False
 
 
 def _serve(root, lsock):
@@ -136,6 +149,8 @@ def _child_main(payload):
         finally:
             del process.current_process()._inheriting
         code = proc._bootstrap(parent_sentinel=head["parent_sentinel"])
+        if head["method"] == "spawn":
+            end_as_python_would(code)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except BaseException:
@@ -147,6 +162,59 @@ def _child_main(payload):
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def end_as_python_would(code):
+    """NOTE [ A spawned child ends as python would ]
+    A process that multiprocessing spawns ends through sys.exit, so the
+    interpreter finalizes: non-daemon threads are joined, atexit handlers
+    run (weakref.finalize's among them: a TemporaryDirectory is removed,
+    logging's handlers are flushed and closed), and the files the program
+    left open are flushed as their objects go.  A zygote child cannot
+    finalize (its stack is the import of torch that the zygote was born
+    in, NOTE [ The zygote is born inside an import ]), so it ends with
+    os._exit after doing those steps itself: threads, atexit, a collection
+    (files in garbage cycles close as they are freed), and a flush of every
+    file object still open.  Files are flushed, not closed: a daemon
+    thread may still write to one, and python stops those threads before
+    it frees anything.  Objects are not freed, so a __del__ that writes
+    (zipfile's central directory) runs only for garbage.  A 'fork' or
+    'forkserver' child ends by os._exit alone, as the standard library's
+    do.  Handlers registered before torch's import, in the program the
+    zygote was forked from, are inherited as well; a spawned process gets
+    them only where re-importing __main__ registers them again.
+    Never returns."""
+    import atexit
+    import threading
+    try:
+        try:
+            threading._shutdown()
+        finally:
+            try:
+                atexit._run_exitfuncs()
+            finally:
+                gc.collect()
+                _flush_files()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _flush_files():
+    """Flushes every open file object the collector tracks, text ones
+    first (each pushes its text into its binary buffer)."""
+    import _io  # its bases: io's are ABCs, slower to test against
+    files = [o for o in gc.get_objects() if isinstance(o, _io._IOBase)]
+    files.sort(key=lambda o: not isinstance(o, _io._TextIOBase))
+    for f in files:
+        try:
+            if not f.closed:
+                f.flush()
+        except Exception:
+            pass
 
 
 def _fresh_seeds():
@@ -396,6 +464,7 @@ def _become_zygote(mine, root, lsock):
     import types
     sys.modules["__main__"] = types.ModuleType("__main__")  # as `python -c` has
     os.environ.pop("MPCORE_STATS", None)
+    _keep_finalizers_at_exit()
     gc.freeze()
     os._exit(_serve(root, lsock))
 
@@ -477,13 +546,16 @@ _warned = False
 
 
 class Popen(popen_fork.Popen):
-    """Starts a Process by asking the zygote to fork it."""
+    """Starts a Process by asking the zygote to fork it; `start_method`,
+    'spawn' or 'forkserver', is the one whose ending the child has (NOTE
+    [ A spawned child ends as python would ])."""
 
     method = "spawn"
     DupFd = popen_spawn_posix._DupFd
 
-    def __init__(self, process_obj):
+    def __init__(self, process_obj, start_method="spawn"):
         self._fds = []
+        self._start_method = start_method
         super().__init__(process_obj)
 
     def duplicate_for_child(self, fd):
@@ -503,7 +575,7 @@ class Popen(popen_fork.Popen):
             _mpctx.set_spawning_popen(self)
             try:
                 reduction.dump({"env": dict(os.environ), "prep": prep, "tracker_fd": tracker_fd,
-                                "parent_sentinel": child_r,
+                                "parent_sentinel": child_r, "method": self._start_method,
                                 "unbuffered": bool(os.environ.get("PYTHONUNBUFFERED"))}, fp)
                 reduction.dump(process_obj, fp)
             finally:
@@ -548,7 +620,7 @@ def popen(process_obj, method):
     the zygote's, or the standard library's spawn if the zygote cannot."""
     global _warned
     try:
-        return Popen(process_obj)
+        return Popen(process_obj, method)
     except _Fallback as e:
         if not _warned:
             _warned = True
