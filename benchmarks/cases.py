@@ -359,6 +359,23 @@ def _start_join(ctx):
     return el
 
 
+def square(x):
+    return x * x
+
+
+def _pool_map(nprocs):
+    # torch.multiprocessing's spawn Pool, as a program writes it (under
+    # `mpcore run`, torch's get_context is mpcore's): made, one map, ended.
+    ctx = torch.multiprocessing.get_context("spawn")
+    t0 = time.perf_counter()
+    with ctx.Pool(nprocs) as pool:
+        got = pool.map(square, range(64))
+    el = time.perf_counter() - t0
+    if got != [x * x for x in range(64)]:
+        raise RuntimeError(f"Pool.map gave {got}")
+    return el
+
+
 def _first_batch(nworkers):
     # From DataLoader(...) to its first batch, with spawned workers, over the
     # article's dataset.  torch side: torch's DataLoader; mpcore side:
@@ -409,6 +426,13 @@ def main():
         while len(times) < 2 or (time.perf_counter() < t_end and len(times) < 1000):
             times.append(_start_join(ctx))
         out["process_s"] = times
+    if "pool" in sections:
+        times = []
+        t_end = time.perf_counter() + target_s
+        while len(times) < 2 or (time.perf_counter() < t_end and len(times) < 100):
+            times.append(_pool_map(nprocs))
+        out["pool_s"] = times
+        out["pool_ctx"] = repr(torch.multiprocessing.get_context("spawn"))
     if "dataloader" in sections:
         out.update(_first_batch(nprocs))
     print("%s%s" % (os.environ["MPCORE_BENCH_PROG_TAG"], json.dumps(out)), flush=True)
@@ -422,7 +446,8 @@ _batch = []          # the cases this child runs (set by main)
 _prog_results = {}   # impl -> [program results not yet used by a case]
 _prog_dir = None
 _PROG_SECTIONS = {"spawn-first": ("first",), "spawn-repeat": ("first", "repeat"),
-                  "process-spawn": ("process",), "dl-first-spawn": ("dataloader",)}
+                  "process-spawn": ("process",), "pool-spawn": ("pool",),
+                  "dl-first-spawn": ("dataloader",)}
 # Program runs are shared only within a group: a DataLoader's first batch must
 # be its program's first start of processes, as the first spawn must be its own.
 _PROG_GROUP = {"dl-first-spawn": "dataloader"}   # others: "spawn"
@@ -512,7 +537,7 @@ def _program_result(env, case_name, target_s):
         if (other in _PROG_SECTIONS and other != case_name
                 and _PROG_GROUP.get(other, "spawn") == group):
             want |= set(_PROG_SECTIONS[other])
-    order = ("first", "repeat", "process", "dataloader")
+    order = ("first", "repeat", "process", "pool", "dataloader")
     r = run_program(env.impl, [s for s in order if s in want], target_s)
     r["used_by"] = [case_name]
     pool.append(r)
@@ -520,7 +545,8 @@ def _program_result(env, case_name, target_s):
 
 
 def _prog_extra(r):
-    keep = ("import_torch_s", "spawn_impl", "process_ctx", "program_wall_s", "mpcore_run")
+    keep = ("import_torch_s", "spawn_impl", "process_ctx", "pool_ctx", "program_wall_s",
+            "mpcore_run")
     return {k: r[k] for k in keep if k in r}
 
 
@@ -549,6 +575,14 @@ def process_spawn(env, target_s):
     extra = _prog_extra(r)
     extra.update(min_ms=min(times) * 1e3, warmup_ms=r["process_warmup_s"] * 1e3)
     return Measurement(mean * 1e3, len(times), sum(times), extra)
+
+
+def pool_spawn(env, target_s):
+    r = _program_result(env, "pool-spawn", target_s)
+    times = r["pool_s"]
+    extra = _prog_extra(r)
+    extra.update(pool_ms_all=[x * 1e3 for x in times], nprocs=SPAWN_NPROCS)
+    return Measurement(sum(times) / len(times) * 1e3, len(times), sum(times), extra)
 
 
 # --- 11-15: DataLoader ------------------------------------------------------
@@ -1552,6 +1586,12 @@ add_case("process-spawn", "spawn Process start+join", "ms", False, process_spawn
          note="ctx.Process(target=noop).start(); join() with the spawn context, after a "
               "warm-up one; mean per process, in a program that imported torch (mpcore: "
               "under `mpcore run`).")
+
+add_case("pool-spawn", "spawn Pool(4): made, map(64), ended", "ms", False, pool_spawn,
+         timeout_s=PROG_TIMEOUT_S + 30,
+         note="torch.multiprocessing.get_context('spawn').Pool(4), one map of 64 small items, "
+              "then the with-block's end; mean per pool, at least 2, in a program that "
+              "imported torch (mpcore: the same program under `mpcore run`).")
 
 add_case("dl-ints", "DataLoader ints, batch 32", "us/batch", False, dl_ints,
          row_notes=_ints_notes,

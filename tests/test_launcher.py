@@ -527,6 +527,34 @@ def test_fork_and_forkserver_children_are_served(tmp_path):
         assert r[method] == (True, True, True, 0, [1.0, 1.0]), (method, r[method])
 
 
+def test_a_pool_is_served(tmp_path):
+    # torch.multiprocessing's Pool, module-level and from each context: its
+    # workers are mpcore's (a spawn worker comes from the zygote).
+    script = write(tmp_path / "pool.py", '''
+        import torch
+        import torch.multiprocessing as mp
+
+        def work(i):
+            from mpcore import _zygote
+            return torch.full((3,), float(i)).sum().item(), _zygote.forked
+
+        if __name__ == "__main__":
+            out = {}
+            with mp.Pool(2) as pool:
+                out["module"] = pool.map(work, range(3))
+            for method in ("fork", "forkserver", "spawn"):
+                with mp.get_context(method).Pool(2) as pool:
+                    out[method] = pool.map(work, range(3))
+            print("REPORT", repr(out))
+    ''')
+    got = launched(script, cwd=tmp_path)
+    assert got.returncode == 0, got.stderr
+    r = parse_report(got.stdout)
+    for kind, forked in (("module", False), ("fork", False), ("forkserver", True),
+                         ("spawn", True)):
+        assert r[kind] == [(0.0, forked), (3.0, forked), (6.0, forked)], (kind, r)
+
+
 def test_subprocess_of_a_launched_program_is_served(tmp_path):
     # A python started by exec (not multiprocessing) is part of the program too.
     script = write(tmp_path / "sub.py", '''

@@ -31,7 +31,7 @@ SURFACE = [
 # module, never the standard library's reached through mpcore's fallback
 # (its module __getattr__ hands out whatever mpcore does not define).
 OWN = [
-    "Process", "Queue", "SimpleQueue", "JoinableQueue", "get_context", "set_sharing_strategy",
+    "Process", "Queue", "SimpleQueue", "JoinableQueue", "Pool", "get_context", "set_sharing_strategy",
     "get_sharing_strategy", "get_all_sharing_strategies", "spawn", "start_processes",
     "ProcessContext", "ProcessException", "ProcessRaisedException", "ProcessExitedException",
     "SpawnContext",
@@ -138,6 +138,35 @@ def test_pool_map():
     finally:
         pool.close()
         pool.join()
+
+
+def _worker_kind(x):
+    from mpcore import _zygote
+    if x < 0:
+        raise ValueError(f"negative {x}")
+    return x * x, _zygote.forked
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_pool_workers_are_mpcores(method):
+    # NOTE [ A Pool's workers are mpcore's ]: the standard library's Pool,
+    # whose 'spawn' and 'forkserver' workers come from the zygote; results,
+    # errors and termination are the Pool's.
+    pool = mp.get_context(method).Pool(2, maxtasksperchild=3)
+    try:
+        got = pool.map(_worker_kind, range(10))
+        assert [x for x, _ in got] == [x * x for x in range(10)]
+        assert {z for _, z in got} == {method != "fork"}
+        assert sorted(x for x, _ in pool.imap_unordered(_worker_kind, range(4))) == [0, 1, 4, 9]
+        with pytest.raises(ValueError, match="negative -1"):
+            pool.apply(_worker_kind, (-1,))
+        assert pool.apply_async(_worker_kind, (5,)).get(30)[0] == 25
+        workers = [p.pid for p in pool._pool]
+    finally:
+        pool.terminate()
+        pool.join()
+    for pid in workers:
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
 
 
 def _add_to_value(v, n):

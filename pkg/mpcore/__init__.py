@@ -31,10 +31,17 @@ get_start_method = _mp.get_start_method
 get_all_start_methods = _mp.get_all_start_methods
 cpu_count = _mp.cpu_count
 
+
+def Pool(processes=None, initializer=None, initargs=(), maxtasksperchild=None):
+    """multiprocessing's Pool under the current start method, with mpcore's
+    processes as its workers (NOTE [ A Pool's workers are mpcore's ])."""
+    return get_context().Pool(processes, initializer, initargs, maxtasksperchild)
+
+
 __all__ = [
     "HandleError", "Process", "Queue", "SimpleQueue", "JoinableQueue", "Empty", "Full",
     "get_context", "set_start_method", "get_start_method", "get_all_start_methods",
-    "cpu_count", "set_sharing_strategy", "get_sharing_strategy",
+    "cpu_count", "Pool", "set_sharing_strategy", "get_sharing_strategy",
     "get_all_sharing_strategies", "empty", "zeros", "share_memory_", "stats",
     "spawn", "start_processes", "ProcessContext", "SpawnContext", "ProcessException",
     "ProcessRaisedException", "ProcessExitedException",

@@ -90,7 +90,7 @@ def serve_torch(patch_multiprocessing):
 def _patch_torch_multiprocessing(tmp):
     """Makes torch.multiprocessing's names mpcore's."""
     import mpcore
-    for name in ("Process", "Queue", "SimpleQueue", "JoinableQueue", "get_context",
+    for name in ("Process", "Queue", "SimpleQueue", "JoinableQueue", "Pool", "get_context",
                  "set_sharing_strategy", "get_sharing_strategy", "get_all_sharing_strategies",
                  "spawn", "start_processes", "ProcessContext", "ProcessException",
                  "ProcessRaisedException", "ProcessExitedException"):

@@ -6,7 +6,8 @@ NOTE [ Contexts ]
 An mpcore context wraps the standard library's context of the same start
 method.  Process and the three queues are mpcore's; any other attribute is
 looked up on the wrapped context, so nothing of multiprocessing is missing.
-Pool stays the standard library's: it reaches into its queues' pipes.
+Pool stays the standard library's (it reaches into its queues' pipes), with
+mpcore's Process for its workers (NOTE [ A Pool's workers are mpcore's ]).
 """
 import multiprocessing as _mp
 from multiprocessing import context as _mpctx
@@ -93,8 +94,29 @@ class Context:
     def JoinableQueue(self, maxsize=0):
         return _queue.JoinableQueue(maxsize)
 
+    def Pool(self, processes=None, initializer=None, initargs=(), maxtasksperchild=None):
+        """NOTE [ A Pool's workers are mpcore's ]
+        The standard library's Pool, whose queues it reaches into, given a
+        context that is the standard library's but for Process: its
+        workers are mpcore's (a 'spawn' or 'forkserver' worker comes from
+        the zygote instead of importing torch again)."""
+        from multiprocessing.pool import Pool
+        return Pool(processes, initializer, initargs, maxtasksperchild,
+                    context=_PoolContext(self))
+
     def __repr__(self):
         return f"<mpcore context {self._method!r}>"
+
+
+class _PoolContext:
+    """NOTE [ A Pool's workers are mpcore's ]."""
+
+    def __init__(self, ctx):
+        self._ctx = ctx._ctx
+        self.Process = ctx.Process
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
 
 
 _contexts = {}
