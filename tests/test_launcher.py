@@ -527,10 +527,12 @@ def test_fork_and_forkserver_children_are_served(tmp_path):
         assert r[method] == (True, True, True, 0, [1.0, 1.0]), (method, r[method])
 
 
-def test_a_pool_is_served(tmp_path):
-    # torch.multiprocessing's Pool, module-level and from each context: its
-    # workers are mpcore's (a spawn worker comes from the zygote).
+def test_a_pool_and_an_executor_are_served(tmp_path):
+    # torch.multiprocessing's Pool, module-level and from each context, and
+    # concurrent.futures' executor on each context: their workers are
+    # mpcore's (a spawn worker comes from the zygote).
     script = write(tmp_path / "pool.py", '''
+        from concurrent.futures import ProcessPoolExecutor
         import torch
         import torch.multiprocessing as mp
 
@@ -545,13 +547,16 @@ def test_a_pool_is_served(tmp_path):
             for method in ("fork", "forkserver", "spawn"):
                 with mp.get_context(method).Pool(2) as pool:
                     out[method] = pool.map(work, range(3))
+                with ProcessPoolExecutor(2, mp_context=mp.get_context(method)) as ex:
+                    out["executor-" + method] = list(ex.map(work, range(3)))
             print("REPORT", repr(out))
     ''')
     got = launched(script, cwd=tmp_path)
     assert got.returncode == 0, got.stderr
     r = parse_report(got.stdout)
     for kind, forked in (("module", False), ("fork", False), ("forkserver", True),
-                         ("spawn", True)):
+                         ("spawn", True), ("executor-fork", False),
+                         ("executor-forkserver", True), ("executor-spawn", True)):
         assert r[kind] == [(0.0, forked), (3.0, forked), (6.0, forked)], (kind, r)
 
 

@@ -169,6 +169,36 @@ def test_pool_workers_are_mpcores(method):
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
 
 
+def _die_in_task(x):
+    os._exit(7)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_process_pool_executor_on_an_mpcore_context(method):
+    # NOTE [ An executor's workers are mpcore's ]: concurrent.futures'
+    # executor given an mpcore context works as with the standard library's,
+    # its spawn and forkserver workers from the zygote; a worker that dies
+    # breaks the pool with its error, and nothing is left behind.
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+    with ProcessPoolExecutor(2, mp_context=mp.get_context(method)) as ex:
+        got = list(ex.map(_worker_kind, range(6)))
+        assert [x for x, _ in got] == [x * x for x in range(6)]
+        assert {z for _, z in got} == {method != "fork"}
+        with pytest.raises(ValueError, match="negative -2"):
+            ex.submit(_worker_kind, -2).result(60)
+        workers = list(ex._processes)
+    ex = ProcessPoolExecutor(1, mp_context=mp.get_context(method))
+    try:
+        with pytest.raises(BrokenProcessPool):
+            ex.submit(_die_in_task, 0).result(60)
+        workers += list(ex._processes or ())
+    finally:
+        ex.shutdown(wait=True)
+    for pid in workers:
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+
 def _add_to_value(v, n):
     for _ in range(n):
         with v.get_lock():

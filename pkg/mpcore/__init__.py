@@ -12,7 +12,7 @@ if not _sys.platform.startswith("linux"):
 import multiprocessing as _mp
 
 from ._core import HandleError
-from . import _boot, _shm, _stats
+from . import _boot, _context, _shm, _stats
 from ._context import (
     Context, Process, get_all_sharing_strategies, get_context, get_sharing_strategy,
     set_sharing_strategy,
@@ -49,6 +49,7 @@ __all__ = [
 
 # Tensor sharing is served from mpcore memory once torch is imported.
 _boot.serve_torch(patch_multiprocessing=False)
+_boot.when_imported("concurrent.futures.process", _context.serve_executor)
 _shm.ensure_keeper()
 
 

@@ -109,7 +109,8 @@ class Context:
 
 
 class _PoolContext:
-    """NOTE [ A Pool's workers are mpcore's ]."""
+    """NOTE [ A Pool's workers are mpcore's ]; NOTE [ An executor's
+    workers are mpcore's ]."""
 
     def __init__(self, ctx):
         self._ctx = ctx._ctx
@@ -117,6 +118,32 @@ class _PoolContext:
 
     def __getattr__(self, name):
         return getattr(self._ctx, name)
+
+
+def serve_executor(cfp):
+    """NOTE [ An executor's workers are mpcore's ]
+    concurrent.futures' ProcessPoolExecutor, given an mpcore context as
+    its mp_context (torch.multiprocessing.get_context(...) under `mpcore
+    run`), asks it for a SimpleQueue and then waits on that queue's pipe
+    (`_reader`), which a ring does not have.  So, as a Pool, it is given
+    the standard library's context but for Process: its queues are pipes,
+    its workers mpcore's.  Installed when concurrent.futures.process is
+    imported, by a wrapper of the executor's __init__ that changes nothing
+    else."""
+    import functools
+    cls = cfp.ProcessPoolExecutor
+    init = cls.__init__
+    if getattr(init, "__mpcore__", False):
+        return
+
+    @functools.wraps(init)
+    def __init__(self, max_workers=None, mp_context=None, *args, **kwargs):
+        if isinstance(mp_context, Context):
+            mp_context = _PoolContext(mp_context)
+        init(self, max_workers, mp_context, *args, **kwargs)
+
+    __init__.__mpcore__ = True
+    cls.__init__ = __init__
 
 
 _contexts = {}
