@@ -464,6 +464,30 @@ def test_default_context():
     assert mp.get_context("spawn") is mp.get_context("spawn")
 
 
+def test_a_context_is_a_standard_context():
+    # torch's contexts are the standard library's, and code checks that
+    # (torch's DataLoader does): mpcore's are BaseContexts, with its methods.
+    import multiprocessing
+    for method in ("fork", "spawn", "forkserver"):
+        ctx = mp.get_context(method)
+        assert isinstance(ctx, multiprocessing.context.BaseContext)
+        assert ctx.get_context() is ctx and ctx.get_context("fork") is mp.get_context("fork")
+        assert ctx.get_start_method() == method
+        assert ctx.cpu_count() == multiprocessing.cpu_count()
+        assert type(ctx.Lock()) is type(multiprocessing.get_context(method).Lock())
+        with pytest.raises(multiprocessing.TimeoutError):
+            raise ctx.TimeoutError
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_torchs_dataloader_takes_an_mpcore_context(method):
+    # Its workers are then mpcore's processes.
+    import torch.utils.data
+    loader = torch.utils.data.DataLoader(list(range(10)), batch_size=4, num_workers=2,
+                                         multiprocessing_context=mp.get_context(method))
+    assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
 def test_sharing_strategies():
     import torch.multiprocessing as tmp
     assert mp.get_all_sharing_strategies() == tmp.get_all_sharing_strategies()

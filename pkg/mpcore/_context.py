@@ -71,8 +71,12 @@ class Process(_ProcessMixin, _mpctx.Process):
         return _PROCESS[_mp.get_start_method()]._Popen(process_obj)
 
 
-class Context:
-    """A start-method context whose Process and queues are mpcore's."""
+class Context(_mpctx.BaseContext):
+    """A start-method context whose Process, queues and Pool are mpcore's.
+    It is a BaseContext, as torch's contexts are (torch's DataLoader checks
+    its multiprocessing_context so); BaseContext's other methods, and any
+    other attribute, are those of the standard library's context of the
+    same start method."""
 
     def __init__(self, method):
         self._ctx = _mp.get_context(method)
@@ -84,6 +88,9 @@ class Context:
 
     def get_start_method(self, allow_none=False):
         return self._method
+
+    def get_context(self, method=None):
+        return self if method is None else get_context(method)
 
     def Queue(self, maxsize=0):
         return _queue.Queue(maxsize)
@@ -106,6 +113,20 @@ class Context:
 
     def __repr__(self):
         return f"<mpcore context {self._method!r}>"
+
+
+def _delegate(name):
+    def method(self, *args, **kwargs):
+        return getattr(self._ctx, name)(*args, **kwargs)
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = getattr(_mpctx.BaseContext, name).__doc__
+    return method
+
+
+for _name, _value in list(vars(_mpctx.BaseContext).items()):
+    if (callable(_value) and not isinstance(_value, type) and not _name.startswith("__")
+            and _name not in vars(Context)):
+        setattr(Context, _name, _delegate(_name))
 
 
 class _PoolContext:
