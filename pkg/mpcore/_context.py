@@ -3,11 +3,12 @@ surface, with mpcore's Process and queues, and the standard library's
 everything else (Pool, Event, Lock, Value, Array, Manager, ...).
 
 NOTE [ Contexts ]
-An mpcore context wraps the standard library's context of the same start
-method.  Process and the three queues are mpcore's; any other attribute is
-looked up on the wrapped context, so nothing of multiprocessing is missing.
-Pool stays the standard library's (it reaches into its queues' pipes), with
-mpcore's Process for its workers (NOTE [ A Pool's workers are mpcore's ]).
+An mpcore context is a multiprocessing BaseContext that wraps the
+standard library's context of the same start method.  Process and the
+three queues are mpcore's; every other method and attribute is the
+wrapped context's, so nothing of multiprocessing is missing.  Pool stays
+the standard library's (it reaches into its queues' pipes), with mpcore's
+Process for its workers (NOTE [ A Pool's workers are mpcore's ]).
 """
 import multiprocessing as _mp
 from multiprocessing import context as _mpctx
