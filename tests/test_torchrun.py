@@ -51,7 +51,7 @@ method = multiprocessing.get_start_method(allow_none=True)
 loaded = [b.tolist() for b in torch.utils.data.DataLoader(range(6), batch_size=4, num_workers=2)]
 line = json.dumps({"env": env, "argv": sys.argv, "name": __name__, "path0": sys.path[0],
                    "sum": t.item(), "mp": dist.shm_group_active(), "start_method": method,
-                   "loaded": loaded})
+                   "loaded": loaded, "threads": torch.get_num_threads()})
 os.write(1, f"rank-line {line}\n".encode())  # one write: the ranks share stdout
 dist.destroy_process_group()
 # Left to the interpreter's end: a file never flushed, and an atexit handler.
@@ -173,6 +173,7 @@ def test_workers_see_what_torchrun_gives(side_by_side):
         assert t == o  # argv, __name__, sys.path[0], the all_reduce, the start method, the loader
         assert o["sum"] == 3.0 and o["argv"] == ["prog.py", "a", "--b=c"]
         assert o["start_method"] is None and o["loaded"] == [[0, 1, 2, 3], [4, 5]]
+        assert o["threads"] == 1  # torchrun's OMP_NUM_THREADS=1, as a fresh import reads it
     for job in ("torchrun", "mpcore1"):
         assert side_by_side[job].p.returncode == 0, side_by_side[job].err
 

@@ -427,3 +427,41 @@ def test_a_child_ends_as_the_standard_librarys_would(tmp_path, method, leak_chec
             "return 0 'written' True tmpdirs left: 0",
             "exit3 3 'written' True tmpdirs left: 0",
             "raise 1 'written' True tmpdirs left: 0"], outs
+
+
+THREADS_PROGRAM = """
+    import os, sys
+    import multiprocessing
+    import torch
+    import mpcore
+    def child(q):
+        q.put(torch.get_num_threads())
+    if __name__ == "__main__":
+        ctx = (multiprocessing if sys.argv[1] == "stdlib" else mpcore).get_context("spawn")
+        for omp, mkl in ((None, None), ("1", None), ("3", None), ("x", None), ("2", "1")):
+            for name, value in (("OMP_NUM_THREADS", omp), ("MKL_NUM_THREADS", mkl)):
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+            q = ctx.Queue()
+            p = ctx.Process(target=child, args=(q,))
+            p.start()
+            print(omp, mkl, q.get(timeout=60), flush=True)
+            p.join()
+"""
+
+
+def test_a_childs_torch_threads_follow_its_environment(leak_check):
+    # NOTE [ A child's torch threads follow its environment ]: a spawned
+    # child's intra-op thread count is what its OMP_NUM_THREADS and
+    # MKL_NUM_THREADS give a fresh import of torch, as the standard
+    # library's spawned child has it, whatever the zygote was started with.
+    outs = {}
+    for side in ("stdlib", "mpcore"):
+        r = run_program(THREADS_PROGRAM, side, launcher=(side == "mpcore"),
+                        env={"OMP_NUM_THREADS": "2"})
+        assert r.returncode == 0, r.stderr
+        outs[side] = r.stdout
+    assert outs["mpcore"] == outs["stdlib"], outs
+    assert outs["mpcore"].splitlines()[1] == "1 None 1", outs

@@ -97,6 +97,7 @@ def main():
     _preload()
     gc.collect()
     _keep_finalizers_at_exit()
+    _note_threads()
     gc.freeze()  # children do not copy pages just to touch GC headers
     return _serve(3, 4)
 
@@ -133,6 +134,7 @@ def _child_main(payload):
         os.environ.update(head["env"])
         signal.signal(signal.SIGINT, signal.default_int_handler)
         _fresh_seeds()
+        _threads_as_the_environment_says()
         # The zygote's stdout was /dev/null, so Python made it block-buffered;
         # buffer it as a spawned child would buffer the stdout it now has.
         if head["unbuffered"]:
@@ -215,6 +217,62 @@ def _flush_files():
                 f.flush()
         except Exception:
             pass
+
+
+# NOTE [ A child's torch threads follow its environment ]
+# torch (with MKL's OpenMP, which reads the variables when it loads) takes
+# its intra-op thread count from MKL_NUM_THREADS, else OMP_NUM_THREADS,
+# else the physical cores, at import; MKL caps it at the physical cores.
+# A zygote child has the zygote's count, set from the zygote's environment,
+# while a spawned process reads the one it is given: torchrun's ranks get
+# OMP_NUM_THREADS=1, and a program may set it before it starts children.
+# So the zygote notes the two variables it imported torch with, and a
+# child whose environment has others sets the count a fresh import would.
+_THREAD_VARS = ("MKL_NUM_THREADS", "OMP_NUM_THREADS")
+_threads_env = None  # the zygote's values of _THREAD_VARS, once torch is imported
+
+
+def _note_threads():
+    global _threads_env
+    if "torch" in sys.modules:
+        _threads_env = tuple(os.environ.get(v) for v in _THREAD_VARS)
+
+
+def _env_threads(value):
+    """A variable's thread count as OpenMP and MKL read it, or None when
+    unset or not a positive number (they then ignore it)."""
+    value = (value or "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def _physical_cores():
+    seen = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            phys = "0"
+            for line in f:
+                key, _, val = line.partition(":")
+                key = key.strip()
+                if key == "physical id":
+                    phys = val.strip()
+                elif key == "core id":
+                    seen.add((phys, val.strip()))
+    except OSError:
+        pass
+    return len(seen) or os.cpu_count() or 1
+
+
+def _threads_as_the_environment_says():
+    """NOTE [ A child's torch threads follow its environment ]."""
+    env = tuple(os.environ.get(v) for v in _THREAD_VARS)
+    if _threads_env is None or env == _threads_env:
+        return
+    torch = sys.modules["torch"]
+    cores = _physical_cores()
+    n = next(filter(None, map(_env_threads, env)), None) or cores
+    if torch.backends.mkl.is_available():
+        n = min(n, cores)
+    torch.set_num_threads(n)
 
 
 def _fresh_seeds():
@@ -465,6 +523,7 @@ def _become_zygote(mine, root, lsock):
     sys.modules["__main__"] = types.ModuleType("__main__")  # as `python -c` has
     os.environ.pop("MPCORE_STATS", None)
     _keep_finalizers_at_exit()
+    _note_threads()
     gc.freeze()
     os._exit(_serve(root, lsock))
 
