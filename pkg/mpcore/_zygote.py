@@ -159,11 +159,16 @@ def _child_main(payload):
         import traceback
         traceback.print_exc()
     finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+        _exit_now(code)
+
+
+def _exit_now(code):
+    """Flushes stdout and stderr, then ends this process with `code`."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
 
 
 def end_as_python_would(code):
@@ -198,11 +203,7 @@ def end_as_python_would(code):
                 gc.collect()
                 _flush_files()
     finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+        _exit_now(code)
 
 
 def _flush_files():
