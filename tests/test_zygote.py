@@ -429,39 +429,49 @@ def test_a_child_ends_as_the_standard_librarys_would(tmp_path, method, leak_chec
             "raise 1 'written' True tmpdirs left: 0"], outs
 
 
-THREADS_PROGRAM = """
+START_ENV_PROGRAM = """
     import os, sys
     import multiprocessing
     import torch
     import mpcore
     def child(q):
-        q.put(torch.get_num_threads())
+        from torch._logging import _internal
+        seeded = os.environ.get("PYTHONHASHSEED") not in (None, "random")
+        q.put((torch.get_num_threads(), hash("abc") if seeded else None,
+               sorted(_internal.log_state.get_log_level_pairs())))
     if __name__ == "__main__":
         ctx = (multiprocessing if sys.argv[1] == "stdlib" else mpcore).get_context("spawn")
-        for omp, mkl in ((None, None), ("1", None), ("3", None), ("x", None), ("2", "1")):
-            for name, value in (("OMP_NUM_THREADS", omp), ("MKL_NUM_THREADS", mkl)):
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+        rows = (("OMP_NUM_THREADS", None), ("OMP_NUM_THREADS", "1"), ("OMP_NUM_THREADS", "3"),
+                ("OMP_NUM_THREADS", "x"), ("MKL_NUM_THREADS", "1"), ("TORCH_LOGS", "dynamo"),
+                ("PYTHONHASHSEED", "0"))
+        for name, value in rows:
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
             q = ctx.Queue()
             p = ctx.Process(target=child, args=(q,))
             p.start()
-            print(omp, mkl, q.get(timeout=60), flush=True)
+            print(name, value, q.get(timeout=60), flush=True)
             p.join()
 """
 
 
-def test_a_childs_torch_threads_follow_its_environment(leak_check):
-    # NOTE [ A child's torch threads follow its environment ]: a spawned
-    # child's intra-op thread count is what its OMP_NUM_THREADS and
-    # MKL_NUM_THREADS give a fresh import of torch, as the standard
-    # library's spawned child has it, whatever the zygote was started with.
+def test_a_child_reads_the_environment_as_a_fresh_start_would(leak_check):
+    # NOTE [ What a fresh start reads from the environment ]: a spawned
+    # child's torch threads and torch logging come from the environment it
+    # is given, and its string hashes from its PYTHONHASHSEED, as the
+    # standard library's spawned child has them, whatever the zygote was
+    # started with.
     outs = {}
     for side in ("stdlib", "mpcore"):
-        r = run_program(THREADS_PROGRAM, side, launcher=(side == "mpcore"),
+        r = run_program(START_ENV_PROGRAM, side, launcher=(side == "mpcore"),
                         env={"OMP_NUM_THREADS": "2"})
         assert r.returncode == 0, r.stderr
         outs[side] = r.stdout
+        if side == "mpcore":
+            assert r.stderr.count("PYTHONHASHSEED is '0' here but was 'random'") == 1, r.stderr
     assert outs["mpcore"] == outs["stdlib"], outs
-    assert outs["mpcore"].splitlines()[1] == "1 None 1", outs
+    lines = outs["mpcore"].splitlines()
+    assert lines[1].startswith("OMP_NUM_THREADS 1 (1, None, [])"), outs
+    assert "torch._dynamo" in lines[5] and "None" not in lines[6].split("(", 1)[1], outs

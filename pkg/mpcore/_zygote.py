@@ -97,7 +97,7 @@ def main():
     _preload()
     gc.collect()
     _keep_finalizers_at_exit()
-    _note_threads()
+    _note_start_env()
     gc.freeze()  # children do not copy pages just to touch GC headers
     return _serve(3, 4)
 
@@ -134,7 +134,7 @@ def _child_main(payload):
         os.environ.update(head["env"])
         signal.signal(signal.SIGINT, signal.default_int_handler)
         _fresh_seeds()
-        _threads_as_the_environment_says()
+        _as_a_fresh_start_reads_the_environment()
         # The zygote's stdout was /dev/null, so Python made it block-buffered;
         # buffer it as a spawned child would buffer the stdout it now has.
         if head["unbuffered"]:
@@ -220,23 +220,46 @@ def _flush_files():
             pass
 
 
-# NOTE [ A child's torch threads follow its environment ]
-# torch (with MKL's OpenMP, which reads the variables when it loads) takes
-# its intra-op thread count from MKL_NUM_THREADS, else OMP_NUM_THREADS,
-# else the physical cores, at import; MKL caps it at the physical cores.
-# A zygote child has the zygote's count, set from the zygote's environment,
-# while a spawned process reads the one it is given: torchrun's ranks get
-# OMP_NUM_THREADS=1, and a program may set it before it starts children.
-# So the zygote notes the two variables it imported torch with, and a
-# child whose environment has others sets the count a fresh import would.
+# NOTE [ What a fresh start reads from the environment ]
+# A spawned process reads some variables as it starts, where a zygote
+# child has what the zygote read from its own environment; a program may
+# set them before it starts children (torchrun's ranks get
+# OMP_NUM_THREADS=1).  So the zygote notes the values it started with,
+# and a child whose environment has others does what a fresh start would:
+# - torch's intra-op thread count, from MKL_NUM_THREADS, else
+#   OMP_NUM_THREADS, else the physical cores, at import (MKL, whose
+#   OpenMP reads them when it loads, caps it at the physical cores): the
+#   child sets it;
+# - torch's logging (TORCH_LOGS, TORCH_LOGS_OUT, TORCH_LOGS_FORMAT), set
+#   up at import: the child sets it up again;
+# - PYTHONHASHSEED, read by the interpreter before anything runs, which
+#   no child can change: the requester starts such a child by exec
+#   (_hash_seed_differs), saying so once.
 _THREAD_VARS = ("MKL_NUM_THREADS", "OMP_NUM_THREADS")
-_threads_env = None  # the zygote's values of _THREAD_VARS, once torch is imported
+_LOG_VARS = ("TORCH_LOGS", "TORCH_LOGS_OUT", "TORCH_LOGS_FORMAT")
+HASH_SEED_ENV = "MPCORE_ZYGOTE_HASHSEED"  # the zygote's PYTHONHASHSEED, for requesters
+_start_env = None  # the zygote's values of _THREAD_VARS + _LOG_VARS, once torch is imported
 
 
-def _note_threads():
-    global _threads_env
+def _note_start_env():
+    global _start_env
     if "torch" in sys.modules:
-        _threads_env = tuple(os.environ.get(v) for v in _THREAD_VARS)
+        _start_env = {v: os.environ.get(v) for v in _THREAD_VARS + _LOG_VARS}
+
+
+def _hash_seed():
+    seed = os.environ.get("PYTHONHASHSEED", "random")
+    return "random" if seed in ("", "random") else seed
+
+
+def _hash_seed_differs():
+    """Why a child must be started by exec for its PYTHONHASHSEED, or None
+    (NOTE [ What a fresh start reads from the environment ])."""
+    theirs = os.environ.get(HASH_SEED_ENV)
+    if theirs is None or theirs == _hash_seed():
+        return None
+    return (f"PYTHONHASHSEED is {_hash_seed()!r} here but was {theirs!r} when the zygote "
+            f"started, and a forked child keeps the zygote's")
 
 
 def _env_threads(value):
@@ -263,17 +286,23 @@ def _physical_cores():
     return len(seen) or os.cpu_count() or 1
 
 
-def _threads_as_the_environment_says():
-    """NOTE [ A child's torch threads follow its environment ]."""
-    env = tuple(os.environ.get(v) for v in _THREAD_VARS)
-    if _threads_env is None or env == _threads_env:
+def _as_a_fresh_start_reads_the_environment():
+    """NOTE [ What a fresh start reads from the environment ]."""
+    if _start_env is None:
+        return
+    changed = {v for v in _start_env if os.environ.get(v) != _start_env[v]}
+    if not changed:
         return
     torch = sys.modules["torch"]
-    cores = _physical_cores()
-    n = next(filter(None, map(_env_threads, env)), None) or cores
-    if torch.backends.mkl.is_available():
-        n = min(n, cores)
-    torch.set_num_threads(n)
+    if changed & set(_THREAD_VARS):
+        cores = _physical_cores()
+        n = next(filter(None, (_env_threads(os.environ.get(v)) for v in _THREAD_VARS)), None)
+        n = n or cores
+        if torch.backends.mkl.is_available():
+            n = min(n, cores)
+        torch.set_num_threads(n)
+    if changed & set(_LOG_VARS):
+        torch._logging._internal._init_logs()
 
 
 def _fresh_seeds():
@@ -390,7 +419,7 @@ _forked = False  # ... by forking itself (fork_at_torch_import)
 # while threads run, MPCORE_ZYGOTE_PRELOAD set) the zygote is started by
 # exec on first need and imports what it preloads itself.
 
-_launch = None  # (pid, warning filters at start-up) of the launcher
+_launch = None  # (pid, warning filters, hash seed at start-up) of the launcher
 
 
 def fork_at_torch_import():
@@ -401,7 +430,7 @@ def fork_at_torch_import():
     if os.environ.get(ENV) or os.environ.get(PRELOAD_ENV) is not None:
         return
     import warnings as _w
-    _launch = (os.getpid(), list(_w.filters))
+    _launch = (os.getpid(), list(_w.filters), _hash_seed())
     from ._boot import when_imported
     when_imported("torch", _fork_now)
 
@@ -441,6 +470,7 @@ def _fork_now(torch):
     _service = (mine, pid)
     _forked = True
     os.environ[ENV] = address
+    os.environ[HASH_SEED_ENV] = _launch[2]  # the interpreter's, as it started
 
 
 def _program_modules():
@@ -524,7 +554,7 @@ def _become_zygote(mine, root, lsock):
     sys.modules["__main__"] = types.ModuleType("__main__")  # as `python -c` has
     os.environ.pop("MPCORE_STATS", None)
     _keep_finalizers_at_exit()
-    _note_threads()
+    _note_start_env()
     gc.freeze()
     os._exit(_serve(root, lsock))
 
@@ -545,12 +575,14 @@ def start():
             os.close(_service[0])
             _service, _forked = None, False
             os.environ.pop(ENV, None)
+            os.environ.pop(HASH_SEED_ENV, None)
         if os.environ.get(ENV) or _service is not None:
             return
         argv = [sys.executable, "-c", "import mpcore._zygote as z, sys; sys.exit(z.main())"]
         address, fd, pid = _core.spawn_service(argv, "mpcore-zygote")
         _service = (fd, pid)
         os.environ[ENV] = address
+        os.environ[HASH_SEED_ENV] = _hash_seed()
 
 
 def stop():
@@ -565,6 +597,7 @@ def stop():
             _client = None
         service, _service, _forked = _service, None, False
         os.environ.pop(ENV, None)
+        os.environ.pop(HASH_SEED_ENV, None)
     if service is None:
         return None
     os.close(service[0])
@@ -625,6 +658,9 @@ class Popen(popen_fork.Popen):
     def _launch(self, process_obj):
         from multiprocessing import reduction, resource_tracker
         start()
+        why = _hash_seed_differs()
+        if why is not None:
+            raise _Fallback(why)
         tracker_fd = resource_tracker.getfd()
         self._fds.append(tracker_fd)
         prep = _mpspawn.get_preparation_data(process_obj._name)
