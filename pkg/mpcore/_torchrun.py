@@ -107,7 +107,7 @@ def rank_main(module, target, *argv):
     """One rank: runs the program as `mpcore run` runs it (NOTE [ torchrun
     on the zygote ]); `module` is true for `-m target`."""
     import multiprocessing
-    from . import _boot, _launcher
+    from . import _boot, _launcher, _zygote
     _boot.activate_run()
     # NOTE [ A rank's start method is its own ]
     # A zygote child takes its parent's start method, as a spawned process
@@ -132,17 +132,8 @@ def rank_main(module, target, *argv):
                 sys.exit(2)
             _launcher._run_script(target, [target, *argv], report=_rank_report)
     except SystemExit as e:
-        code = _exit_code(e)
+        code = _zygote.exit_code(e)
     _end_as_python_would(queue, code)
-
-
-def _exit_code(e):
-    """The exit status python gives a SystemExit that ends the program
-    (a message is printed, and is status 1)."""
-    if e.code is None or isinstance(e.code, int):
-        return e.code or 0
-    print(e.code, file=sys.stderr)
-    return 1
 
 
 # --- the launcher --------------------------------------------------------------

@@ -96,10 +96,15 @@ def main():
     os.environ.pop("MPCORE_STATS", None)
     _preload()
     gc.collect()
-    _keep_finalizers_at_exit()
-    _note_start_env()
+    _before_serving()
     gc.freeze()  # children do not copy pages just to touch GC headers
     return _serve(3, 4)
+
+
+def _before_serving():
+    """What the zygote settles once it has imported what it preloads."""
+    _keep_finalizers_at_exit()
+    _note_start_env()
 
 
 def _keep_finalizers_at_exit():
@@ -154,12 +159,21 @@ def _child_main(payload):
         if head["method"] == "spawn":
             end_as_python_would(code)
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
+        code = exit_code(e)
     except BaseException:
         import traceback
         traceback.print_exc()
     finally:
         _exit_now(code)
+
+
+def exit_code(e):
+    """The exit status python gives a SystemExit that ends the program
+    (a message is printed, and is status 1)."""
+    if e.code is None or isinstance(e.code, int):
+        return e.code or 0
+    print(e.code, file=sys.stderr)
+    return 1
 
 
 def _exit_now(code):
@@ -553,8 +567,7 @@ def _become_zygote(mine, root, lsock):
     import types
     sys.modules["__main__"] = types.ModuleType("__main__")  # as `python -c` has
     os.environ.pop("MPCORE_STATS", None)
-    _keep_finalizers_at_exit()
-    _note_start_env()
+    _before_serving()
     gc.freeze()
     os._exit(_serve(root, lsock))
 
