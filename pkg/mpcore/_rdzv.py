@@ -17,13 +17,6 @@ call when the interpreter exits): when it appears, the watcher interrupts
 the main thread, which is in torch's rendezvous loop (it wakes at least
 every second), and the launcher ends with the same error.  The watcher
 stops when this node's rendezvous returns.
-The node that finds the mismatch may be the one that hosts the store, and
-its end would end the store under the others before they read the key:
-they would fail with a lost connection instead.  So each node takes a
-place in the order of arrival, a node that has read the error (or found
-the mismatch itself) sets a key of its place, and the node that found it
-waits for the keys of every node that came before it, at most _TOLD_S
-(a watcher that is gone is not waited for longer), before it ends.
 """
 import _thread
 import socket
@@ -31,7 +24,6 @@ import threading
 from datetime import timedelta
 
 _WATCH_S = 0.5  # how often a waiting node looks for the error key
-_TOLD_S = 4 * _WATCH_S  # how long a node that found a mismatch waits for the others to read it
 
 
 class NnodesMismatch(Exception):
@@ -68,7 +60,6 @@ def _create(params):
     mine = f"{params.min_nodes}:{params.max_nodes}"
     key = f"mpcore.rdzv.{params.run_id}.nnodes"
     err_key = f"{key}.error"
-    place = store.add(f"{key}.arrived", 1)
     first = store.compare_set(key, "", mine).decode()
     if first != mine:
         msg = (f"mpcore run: the rendezvous {params.run_id!r} at {params.endpoint}: this node "
@@ -78,19 +69,13 @@ def _create(params):
                             f"{params.endpoint}: a node ({socket.gethostname()}) came with "
                             f"--nnodes {mine}, this node has --nnodes {first}; every node must "
                             "give the same --nnodes"))
-        store.set(f"{err_key}.seen.{place}", "1")
-        try:
-            store.wait([f"{err_key}.seen.{k}" for k in range(1, place)],
-                       timedelta(seconds=_TOLD_S))
-        except Exception:  # a node that never read it: it has the join timeout
-            pass
         raise NnodesMismatch(msg)
     handler = create_handler(store, backend, params)
     inner = handler.next_rendezvous
 
     def next_rendezvous():
         stop = threading.Event()
-        watcher = threading.Thread(target=_watch, args=(store, err_key, place, stop),
+        watcher = threading.Thread(target=_watch, args=(store, err_key, stop),
                                    name="mpcore-rdzv-watch", daemon=True)
         watcher.start()
         try:
@@ -101,7 +86,7 @@ def _create(params):
     return handler
 
 
-def _watch(store, err_key, place, stop):
+def _watch(store, err_key, stop):
     from torch.distributed import TCPStore
     try:  # the store's own address: the endpoint's port may be 0 (a free one)
         conn = TCPStore(store.host, store.port, is_master=False, timeout=timedelta(seconds=5))
@@ -112,7 +97,6 @@ def _watch(store, err_key, place, stop):
             if not conn.check([err_key]):
                 continue
             msg = conn.get(err_key).decode()
-            conn.set(f"{err_key}.seen.{place}", "1")
         except Exception:  # the store went away: the join timeout stays the bound
             return
         if not stop.is_set():
