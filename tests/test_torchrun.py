@@ -77,12 +77,14 @@ class Job:
     """A launcher in a session of its own, its output in files (read while
     it runs)."""
 
-    def __init__(self, cmd, cwd, env, name):
+    def __init__(self, cmd, cwd, env, name, ignore_sigint=False):
         self.out_path = os.path.join(cwd, f"{name}.out")
         self.err_path = os.path.join(cwd, f"{name}.err")
+        # ignore_sigint: as a shell starts a job in the background
+        pre = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             self.p = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env, stdout=out,
-                                      stderr=err, start_new_session=True)
+                                      stderr=err, start_new_session=True, preexec_fn=pre)
 
     @property
     def out(self):
@@ -390,16 +392,19 @@ def test_a_node_that_never_comes_times_out_naming_it(tmp_path, scenario):
     assert not left_behind(sc)
 
 
-def test_nodes_that_disagree_on_nnodes_both_fail_naming_both(tmp_path, scenario):
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_nodes_that_disagree_on_nnodes_both_fail_naming_both(tmp_path, scenario, sigint):
     # NOTE [ Nodes that disagree on --nnodes ]: torch's rendezvous would have
-    # both wait out its 600 s join timeout; each ends at once with one line.
+    # both wait out its 600 s join timeout; each ends at once with one line,
+    # also when started as a shell's background job (SIGINT ignored)
     (tmp_path / "p.py").write_text("print('rank-ran')\n")
     port = free_port()
 
     def node(nnodes, name):
         return Job([MPCORE, "run", "--nnodes", nnodes, "--nproc-per-node", "1",
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                    "--rdzv-id", "disagree", "p.py"], tmp_path, _env(scenario), name)
+                    "--rdzv-id", "disagree", "p.py"], tmp_path, _env(scenario), name,
+                   ignore_sigint=sigint == "ignored")
     jobs = [node("2", "two"), node("3", "three")]
     for job in jobs:
         assert job.wait(60) == 1, job.err

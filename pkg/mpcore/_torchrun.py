@@ -297,7 +297,7 @@ def main(argv):
     from torch.distributed import DistStoreError
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
     from torch.distributed.launcher.api import elastic_launch
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
         _plain_failure_line)
@@ -312,14 +312,15 @@ def main(argv):
     from . import _rdzv
     _rdzv.install()
     try:
-        elastic_launch(config=config, entrypoint=entry)(*entry_args)
+        try:
+            elastic_launch(config=config, entrypoint=entry)(*entry_args)
+        except (KeyboardInterrupt, RendezvousError):
+            if _rdzv.error() is None:
+                raise
+            print(_rdzv.error(), file=sys.stderr)  # NOTE [ Nodes that disagree on --nnodes ]
+            return 1
     except _rdzv.NnodesMismatch as e:
         print(e, file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        if _rdzv.error() is None:
-            raise
-        print(_rdzv.error(), file=sys.stderr)  # NOTE [ Nodes that disagree on --nnodes ]
         return 1
     except ChildFailedError as e:
         return _summary(e, args.training_script)
