@@ -1,5 +1,6 @@
 """The zygote: spawn semantics at fork speed, and a safe fallback."""
 import os
+import signal
 
 import pytest
 
@@ -455,6 +456,56 @@ START_ENV_PROGRAM = """
             print(name, value, q.get(timeout=60), flush=True)
             p.join()
 """
+
+
+SIGNALS_PROGRAM = """
+    import signal, sys
+    import multiprocessing
+    import mpcore
+    def disposition(sig):
+        h = signal.getsignal(sig)
+        return {signal.SIG_IGN: "ign", signal.SIG_DFL: "dfl",
+                signal.default_int_handler: "int"}.get(h, "handler")
+    def child(q):
+        q.put([disposition(s) for s in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM,
+                                        signal.SIGUSR2)])
+    if __name__ == "__main__":
+        method = sys.argv[2]
+        ctx = (multiprocessing if sys.argv[1] == "stdlib" else mpcore).get_context(method)
+        rows = (("as started", None, None), ("nohup", signal.SIGHUP, signal.SIG_IGN),
+                ("background", signal.SIGINT, signal.SIG_IGN),
+                ("a handler", signal.SIGTERM, lambda *a: None),
+                ("SIGUSR2 back", signal.SIGUSR2, signal.SIG_DFL))
+        for name, sig, how in rows:
+            if sig is not None:
+                signal.signal(sig, how)
+            q = ctx.Queue()
+            p = ctx.Process(target=child, args=(q,))
+            p.start()
+            print(name, q.get(timeout=60), flush=True)
+            p.join()
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_child_ignores_the_signals_a_fresh_start_would(leak_check, method):
+    # NOTE [ Signals a spawned child ignores ]: the program is started with
+    # SIGUSR2 ignored (so is the zygote), then ignores SIGHUP and SIGINT, sets
+    # a handler, and takes SIGUSR2 back; each child's dispositions are the
+    # standard library's
+    outs = {}
+    before = signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # inherited by the program
+    try:
+        for side in ("stdlib", "mpcore"):
+            r = run_program(SIGNALS_PROGRAM, side, method, launcher=(side == "mpcore"))
+            assert r.returncode == 0, r.stderr
+            outs[side] = r.stdout
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+    assert outs["mpcore"] == outs["stdlib"], outs
+    if method == "spawn":
+        assert outs["mpcore"].splitlines()[-1] == (
+            "SIGUSR2 back ['ign', 'ign', 'dfl', 'dfl']"), outs
 
 
 def test_a_child_reads_the_environment_as_a_fresh_start_would(leak_check):

@@ -137,7 +137,7 @@ def _child_main(payload):
         head = pickle.load(f)
         os.environ.clear()
         os.environ.update(head["env"])
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _signals_as_a_fresh_start_has_them(head["ignored"])
         _fresh_seeds()
         _as_a_fresh_start_reads_the_environment()
         # The zygote's stdout was /dev/null, so Python made it block-buffered;
@@ -317,6 +317,47 @@ def _as_a_fresh_start_reads_the_environment():
         torch.set_num_threads(n)
     if changed & set(_LOG_VARS):
         torch._logging._internal._init_logs()
+
+
+def _ignored_signals():
+    """The signals this process ignores, which a program it execs ignores
+    too (NOTE [ Signals a spawned child ignores ])."""
+    out = []
+    for sig in signal.valid_signals():
+        try:
+            if signal.getsignal(sig) == signal.SIG_IGN:
+                out.append(int(sig))
+        except ValueError:
+            pass
+    return out
+
+
+# NOTE [ Signals a spawned child ignores ]
+# exec keeps a signal that is ignored ignored, and python keeps it so (SIGINT
+# too: it then installs no KeyboardInterrupt handler).  A 'spawn' child of a
+# program that ignores SIGHUP (nohup) or SIGINT (a shell's background job)
+# therefore ignores them as well, while every other signal has its default.
+# A child forked from the zygote has the zygote's dispositions instead, so
+# the requester sends the signals it ignores and the child takes them over.
+# 'forkserver' children keep the zygote's, as the standard library's keep
+# their server's.
+
+def _signals_as_a_fresh_start_has_them(ignored):
+    if ignored is None or signal.SIGINT not in ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if ignored is None:
+        return
+    for sig in signal.valid_signals():
+        if sig == signal.SIGINT:
+            continue
+        try:
+            now = signal.getsignal(sig)
+            if sig in ignored and now != signal.SIG_IGN:
+                signal.signal(sig, signal.SIG_IGN)
+            elif sig not in ignored and now == signal.SIG_IGN:
+                signal.signal(sig, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass
 
 
 def _fresh_seeds():
@@ -685,6 +726,8 @@ class Popen(popen_fork.Popen):
             try:
                 reduction.dump({"env": dict(os.environ), "prep": prep, "tracker_fd": tracker_fd,
                                 "parent_sentinel": child_r, "method": self._start_method,
+                                "ignored": (_ignored_signals()
+                                            if self._start_method == "spawn" else None),
                                 "unbuffered": bool(os.environ.get("PYTHONUNBUFFERED"))}, fp)
                 reduction.dump(process_obj, fp)
             finally:
