@@ -458,8 +458,8 @@ START_ENV_PROGRAM = """
 """
 
 
-SIGNALS_PROGRAM = """
-    import signal, sys
+INHERIT_PROGRAM = """
+    import os, resource, signal, sys
     import multiprocessing
     import mpcore
     def disposition(sig):
@@ -467,18 +467,27 @@ SIGNALS_PROGRAM = """
         return {signal.SIG_IGN: "ign", signal.SIG_DFL: "dfl",
                 signal.default_int_handler: "int"}.get(h, "handler")
     def child(q):
-        q.put([disposition(s) for s in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM,
-                                        signal.SIGUSR2)])
+        mask = os.umask(0)
+        q.put(([disposition(s) for s in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM,
+                                         signal.SIGUSR2)],
+               resource.getrlimit(resource.RLIMIT_NOFILE), oct(mask),
+               os.getpriority(os.PRIO_PROCESS, 0), sorted(os.sched_getaffinity(0))))
     if __name__ == "__main__":
         method = sys.argv[2]
         ctx = (multiprocessing if sys.argv[1] == "stdlib" else mpcore).get_context(method)
-        rows = (("as started", None, None), ("nohup", signal.SIGHUP, signal.SIG_IGN),
-                ("background", signal.SIGINT, signal.SIG_IGN),
-                ("a handler", signal.SIGTERM, lambda *a: None),
-                ("SIGUSR2 back", signal.SIGUSR2, signal.SIG_DFL))
-        for name, sig, how in rows:
-            if sig is not None:
-                signal.signal(sig, how)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        rows = (("as started", lambda: None),
+                ("nohup", lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)),
+                ("background", lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)),
+                ("a handler", lambda: signal.signal(signal.SIGTERM, lambda *a: None)),
+                ("SIGUSR2 back", lambda: signal.signal(signal.SIGUSR2, signal.SIG_DFL)),
+                ("fewer files", lambda: resource.setrlimit(resource.RLIMIT_NOFILE,
+                                                           (min(soft, 512) - 1, hard))),
+                ("umask", lambda: os.umask(0o077)),
+                ("nicer", lambda: os.nice(3)),
+                ("one core", lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})))
+        for name, change in rows:
+            change()
             q = ctx.Queue()
             p = ctx.Process(target=child, args=(q,))
             p.start()
@@ -488,24 +497,26 @@ SIGNALS_PROGRAM = """
 
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
-def test_a_child_ignores_the_signals_a_fresh_start_would(leak_check, method):
-    # NOTE [ Signals a spawned child ignores ]: the program is started with
-    # SIGUSR2 ignored (so is the zygote), then ignores SIGHUP and SIGINT, sets
-    # a handler, and takes SIGUSR2 back; each child's dispositions are the
-    # standard library's
+def test_a_child_inherits_what_a_fresh_start_would(leak_check, method):
+    # NOTE [ What a spawned child inherits from its parent ]: the program is
+    # started with SIGUSR2 ignored (so is the zygote), then changes its
+    # signals, a limit, its umask, nice value and affinity, one by one; each
+    # child has what the standard library's has
     outs = {}
     before = signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # inherited by the program
     try:
         for side in ("stdlib", "mpcore"):
-            r = run_program(SIGNALS_PROGRAM, side, method, launcher=(side == "mpcore"))
+            r = run_program(INHERIT_PROGRAM, side, method, launcher=(side == "mpcore"))
             assert r.returncode == 0, r.stderr
+            assert "could not take" not in r.stderr, r.stderr
             outs[side] = r.stdout
     finally:
         signal.signal(signal.SIGUSR2, before)
     assert outs["mpcore"] == outs["stdlib"], outs
     if method == "spawn":
-        assert outs["mpcore"].splitlines()[-1] == (
-            "SIGUSR2 back ['ign', 'ign', 'dfl', 'dfl']"), outs
+        last = outs["mpcore"].splitlines()[-1]
+        assert last.startswith("one core (['ign', 'ign', 'dfl', 'dfl'], ("), outs
+        assert "'0o77', 3, [" in last, outs
 
 
 def test_a_child_reads_the_environment_as_a_fresh_start_would(leak_check):

@@ -105,6 +105,7 @@ def _before_serving():
     """What the zygote settles once it has imported what it preloads."""
     _keep_finalizers_at_exit()
     _note_start_env()
+    _note_signals_and_limits()
 
 
 def _keep_finalizers_at_exit():
@@ -137,7 +138,7 @@ def _child_main(payload):
         head = pickle.load(f)
         os.environ.clear()
         os.environ.update(head["env"])
-        _signals_as_a_fresh_start_has_them(head["ignored"])
+        _as_a_spawned_child_inherits(head["parent"])
         _fresh_seeds()
         _as_a_fresh_start_reads_the_environment()
         # The zygote's stdout was /dev/null, so Python made it block-buffered;
@@ -319,45 +320,102 @@ def _as_a_fresh_start_reads_the_environment():
         torch._logging._internal._init_logs()
 
 
-def _ignored_signals():
-    """The signals this process ignores, which a program it execs ignores
-    too (NOTE [ Signals a spawned child ignores ])."""
-    out = []
-    for sig in signal.valid_signals():
+# NOTE [ What a spawned child inherits from its parent ]
+# exec keeps a process's ignored signals ignored (python then keeps them so:
+# an ignored SIGINT gets no KeyboardInterrupt handler), its resource limits,
+# umask, nice value and CPU affinity.  A 'spawn' child of a program that
+# ignores SIGHUP (nohup) or SIGINT (a shell's background job), raised its
+# RLIMIT_NOFILE, set a umask or pinned itself to some cores has them too.
+# A child forked from the zygote has the zygote's instead, so the requester
+# sends its own (_parent_state, a few tens of microseconds) and the child
+# takes over those that differ before anything runs, torch's threads
+# included, which are made later and inherit the affinity.  A limit or a
+# priority the child may not take (a hard limit above the zygote's without
+# the privilege to raise it) is a warning, and the child runs on with the
+# zygote's.  'forkserver' children keep the zygote's, as the standard
+# library's keep their server's.
+
+_SIGNALS = None  # every valid signal number, for _parent_state
+_RLIMITS = None  # every resource.RLIMIT_*
+
+
+def _note_signals_and_limits():
+    global _SIGNALS, _RLIMITS
+    import resource
+    if _SIGNALS is None:
+        _SIGNALS = sorted(int(s) for s in signal.valid_signals())
+        _RLIMITS = sorted(getattr(resource, n) for n in dir(resource) if n.startswith("RLIMIT_"))
+
+
+def _parent_state():
+    import _signal
+    import resource
+    _note_signals_and_limits()
+    get, ign = _signal.getsignal, _signal.SIG_IGN  # signal.getsignal's enums cost 100 us
+    return {"ignored": [s for s in _SIGNALS if get(s) == ign],
+            "rlimits": {r: resource.getrlimit(r) for r in _RLIMITS},
+            "umask": _umask(), "nice": os.getpriority(os.PRIO_PROCESS, 0),
+            "affinity": os.sched_getaffinity(0)}
+
+
+def _umask():
+    """This process's umask, read without setting it (os.umask would set
+    it for an instant under the program's other threads), or None."""
+    try:
+        fd = os.open("/proc/self/status", os.O_RDONLY)
         try:
-            if signal.getsignal(sig) == signal.SIG_IGN:
-                out.append(int(sig))
-        except ValueError:
-            pass
-    return out
+            text = os.read(fd, 1 << 16)
+        finally:
+            os.close(fd)
+        return int(text.split(b"Umask:", 1)[1].split(None, 1)[0], 8)
+    except (OSError, ValueError, IndexError):
+        return None
 
 
-# NOTE [ Signals a spawned child ignores ]
-# exec keeps a signal that is ignored ignored, and python keeps it so (SIGINT
-# too: it then installs no KeyboardInterrupt handler).  A 'spawn' child of a
-# program that ignores SIGHUP (nohup) or SIGINT (a shell's background job)
-# therefore ignores them as well, while every other signal has its default.
-# A child forked from the zygote has the zygote's dispositions instead, so
-# the requester sends the signals it ignores and the child takes them over.
-# 'forkserver' children keep the zygote's, as the standard library's keep
-# their server's.
-
-def _signals_as_a_fresh_start_has_them(ignored):
-    if ignored is None or signal.SIGINT not in ignored:
+def _as_a_spawned_child_inherits(state):
+    """NOTE [ What a spawned child inherits from its parent ]; state is
+    None for a child that is not 'spawn''s."""
+    import _signal
+    ignored = set(state["ignored"]) if state else ()
+    if signal.SIGINT not in ignored:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    if ignored is None:
+    if state is None:
         return
-    for sig in signal.valid_signals():
+    for sig in _SIGNALS:
         if sig == signal.SIGINT:
             continue
         try:
-            now = signal.getsignal(sig)
-            if sig in ignored and now != signal.SIG_IGN:
-                signal.signal(sig, signal.SIG_IGN)
-            elif sig not in ignored and now == signal.SIG_IGN:
-                signal.signal(sig, signal.SIG_DFL)
+            now = _signal.getsignal(sig)
+            if sig in ignored and now != _signal.SIG_IGN:
+                _signal.signal(sig, _signal.SIG_IGN)
+            elif sig not in ignored and now == _signal.SIG_IGN:
+                _signal.signal(sig, _signal.SIG_DFL)
         except (OSError, ValueError):
             pass
+    import resource
+    refused = []
+    for r, limits in state["rlimits"].items():
+        try:
+            if resource.getrlimit(r) != limits:
+                resource.setrlimit(r, limits)
+        except (OSError, ValueError) as e:
+            refused.append(f"resource limit {r} {limits} ({e})")
+    if state["umask"] is not None:
+        os.umask(state["umask"])
+    try:
+        if os.getpriority(os.PRIO_PROCESS, 0) != state["nice"]:
+            os.setpriority(os.PRIO_PROCESS, 0, state["nice"])
+    except OSError as e:
+        refused.append(f"nice {state['nice']} ({e})")
+    try:
+        if os.sched_getaffinity(0) != state["affinity"]:
+            os.sched_setaffinity(0, state["affinity"])
+    except OSError as e:
+        refused.append(f"CPU affinity {sorted(state['affinity'])} ({e})")
+    if refused:
+        import warnings
+        warnings.warn("mpcore: this spawned child could not take its parent's "
+                      + ", ".join(refused) + "; it has the zygote's", RuntimeWarning)
 
 
 def _fresh_seeds():
@@ -726,8 +784,8 @@ class Popen(popen_fork.Popen):
             try:
                 reduction.dump({"env": dict(os.environ), "prep": prep, "tracker_fd": tracker_fd,
                                 "parent_sentinel": child_r, "method": self._start_method,
-                                "ignored": (_ignored_signals()
-                                            if self._start_method == "spawn" else None),
+                                "parent": (_parent_state()
+                                           if self._start_method == "spawn" else None),
                                 "unbuffered": bool(os.environ.get("PYTHONUNBUFFERED"))}, fp)
                 reduction.dump(process_obj, fp)
             finally:
