@@ -332,8 +332,9 @@ def _as_a_fresh_start_reads_the_environment():
 # included, which are made later and inherit the affinity.  A limit or a
 # priority the child may not take (a hard limit above the zygote's without
 # the privilege to raise it) is a warning, and the child runs on with the
-# zygote's.  'forkserver' children keep the zygote's, as the standard
-# library's keep their server's.
+# zygote's.  A 'forkserver' child of the standard library has its server's,
+# which are its parent's when the parent started its first such child, so
+# that is what a 'forkserver' child from the zygote takes.
 
 _SIGNALS = None  # every valid signal number, for _parent_state
 _RLIMITS = None  # every resource.RLIMIT_*
@@ -358,6 +359,23 @@ def _parent_state():
             "affinity": os.sched_getaffinity(0)}
 
 
+_server_state = {}  # pid: _parent_state() when this process first started a 'forkserver' child
+
+
+def _parent_state_for(method):
+    """What a child started by `method` inherits: this process's state for
+    'spawn'; for 'forkserver', the state this process had when it started
+    its first such child, which is when the standard library starts the
+    server whose state its children inherit."""
+    if method == "spawn":
+        return _parent_state()
+    pid = os.getpid()
+    if pid not in _server_state:
+        _server_state.clear()
+        _server_state[pid] = _parent_state()
+    return _server_state[pid]
+
+
 def _umask():
     """This process's umask, read without setting it (os.umask would set
     it for an instant under the program's other threads), or None."""
@@ -373,14 +391,11 @@ def _umask():
 
 
 def _as_a_spawned_child_inherits(state):
-    """NOTE [ What a spawned child inherits from its parent ]; state is
-    None for a child that is not 'spawn''s."""
+    """NOTE [ What a spawned child inherits from its parent ]."""
     import _signal
-    ignored = set(state["ignored"]) if state else ()
+    ignored = set(state["ignored"])
     if signal.SIGINT not in ignored:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    if state is None:
-        return
     for sig in _SIGNALS:
         if sig == signal.SIGINT:
             continue
@@ -784,8 +799,7 @@ class Popen(popen_fork.Popen):
             try:
                 reduction.dump({"env": dict(os.environ), "prep": prep, "tracker_fd": tracker_fd,
                                 "parent_sentinel": child_r, "method": self._start_method,
-                                "parent": (_parent_state()
-                                           if self._start_method == "spawn" else None),
+                                "parent": _parent_state_for(self._start_method),
                                 "unbuffered": bool(os.environ.get("PYTHONUNBUFFERED"))}, fp)
                 reduction.dump(process_obj, fp)
             finally:
