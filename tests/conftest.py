@@ -154,15 +154,17 @@ def fresh_env():
     return {k: v for k, v in os.environ.items() if k not in ("MPCORE_KEEPER", "MPCORE_ZYGOTE")}
 
 
-def run_program(code, *args, timeout=60, env=None, launcher=False):
-    """Runs `code` as a fresh Python program (optionally under `mpcore run`)
-    in its own process tree; returns the CompletedProcess."""
+def run_program(code, *args, timeout=60, env=None, launcher=False, flags=()):
+    """Runs `code` as a fresh Python program (optionally under `mpcore run`),
+    the interpreter given `flags`, in its own process tree; returns the
+    CompletedProcess."""
     import tempfile
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(textwrap.dedent(code))
         path = f.name
     try:
-        cmd = [sys.executable, "-m", "mpcore", "run", path] if launcher else [sys.executable, path]
+        py = [sys.executable, *flags]
+        cmd = py + ["-m", "mpcore", "run", path] if launcher else py + [path]
         e = fresh_env()
         e.update(env or {})
         return subprocess.run(cmd + list(args), capture_output=True, text=True,

@@ -524,6 +524,43 @@ def test_a_child_inherits_what_a_fresh_start_would(leak_check, method):
         assert len(firsts) == 1 and last.startswith("one core (['ign', 'int', 'dfl', 'ign'], ("), outs
 
 
+FLAGS_PROGRAM = """
+    import faulthandler, sys, warnings
+    import multiprocessing
+    import torch
+    import mpcore
+    def child(q):
+        q.put((sys.flags.optimize, __debug__, faulthandler.is_enabled(), sys._xoptions,
+               [(f[0], getattr(f[1], "pattern", f[1]), f[2].__name__,
+                 getattr(f[3], "pattern", f[3])) for f in warnings.filters]))
+    if __name__ == "__main__":
+        ctx = (multiprocessing if sys.argv[1] == "stdlib" else mpcore).get_context(sys.argv[2])
+        q = ctx.Queue()
+        p = ctx.Process(target=child, args=(q,))
+        p.start()
+        print(q.get(timeout=60), flush=True)
+        p.join()
+"""
+
+
+@pytest.mark.parametrize("launcher", [False, True], ids=["import", "mpcore-run"])
+def test_a_child_has_the_interpreters_flags_and_warning_filters(leak_check, launcher):
+    # the zygote started by exec gets the interpreter's flags, as a spawned
+    # child does (_zygote._interpreter_flags); the one forked under `mpcore
+    # run` keeps the filters torch's and numpy's imports made (NOTE [ The
+    # zygote costs only programs that use it ])
+    method = "spawn"
+    flags = ["-O", "-X", "faulthandler", "-W", "error::UserWarning"]
+    outs = {}
+    for side in ("stdlib", "mpcore"):
+        r = run_program(FLAGS_PROGRAM, side, method, launcher=launcher, flags=flags)
+        assert r.returncode == 0, r.stderr
+        outs[side] = r.stdout
+    assert outs["mpcore"] == outs["stdlib"], outs
+    assert outs["mpcore"].startswith("(1, False, True, {'faulthandler': True}, [("), outs
+    assert "TracerWarning" in outs["mpcore"] and "('error', None, 'UserWarning'" in outs["mpcore"]
+
+
 def test_a_child_reads_the_environment_as_a_fresh_start_would(leak_check):
     # NOTE [ What a fresh start reads from the environment ]: a spawned
     # child's torch threads and torch logging come from the environment it

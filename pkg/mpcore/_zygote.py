@@ -540,14 +540,19 @@ _forked = False  # ... by forking itself (fork_at_torch_import)
 # - every fd of the program becomes /dev/null in the zygote (stdio
 #   included), so that it holds no pipe, file or socket of the program open,
 #   and an object that later closes one closes only a copy of /dev/null;
-# - the program's Python signal handlers and warning filters are put back
-#   to what they were at start-up; its buffered output was flushed before
-#   the fork.
+# - the program's Python signal handlers are put back to what they were at
+#   start-up; its buffered output was flushed before the fork;
+# - the warning filters stay as they are at the fork: the interpreter's
+#   (-W, PYTHONWARNINGS), those that the imports of torch and of the other
+#   libraries the zygote keeps made (torch's and numpy's six), which a
+#   spawned child's imports would make again, and those of the program's
+#   code before `import torch`, which the child's import of __mp_main__
+#   runs again.
 # Elsewhere (mpcore imported by a plain python program, torch imported
 # while threads run, MPCORE_ZYGOTE_PRELOAD set) the zygote is started by
 # exec on first need and imports what it preloads itself.
 
-_launch = None  # (pid, warning filters, hash seed at start-up) of the launcher
+_launch = None  # (pid, hash seed at start-up) of the launcher
 
 
 def fork_at_torch_import():
@@ -557,8 +562,7 @@ def fork_at_torch_import():
     global _launch
     if os.environ.get(ENV) or os.environ.get(PRELOAD_ENV) is not None:
         return
-    import warnings as _w
-    _launch = (os.getpid(), list(_w.filters), _hash_seed())
+    _launch = (os.getpid(), _hash_seed())
     from ._boot import when_imported
     when_imported("torch", _fork_now)
 
@@ -598,7 +602,7 @@ def _fork_now(torch):
     _service = (mine, pid)
     _forked = True
     os.environ[ENV] = address
-    os.environ[HASH_SEED_ENV] = _launch[2]  # the interpreter's, as it started
+    os.environ[HASH_SEED_ENV] = _launch[1]  # the interpreter's, as it started
 
 
 def _program_modules():
@@ -651,7 +655,6 @@ def _leave_the_import():
 def _become_zygote(mine, root, lsock):
     """In the child of _fork_now: drops what it has of the program and
     serves as the zygote; never returns."""
-    import warnings as _w
     if len(os.listdir("/proc/self/task")) != 1:
         os._exit(0)  # a thread survived the fork: the first request starts one by exec
     os.close(mine)
@@ -673,8 +676,6 @@ def _become_zygote(mine, root, lsock):
                 signal.signal(sig, signal.SIG_DFL)
         except (OSError, ValueError):
             pass
-    _w.filters[:] = _launch[1]
-    _w._filters_mutated()
     for name in _program_modules():
         sys.modules.pop(name, None)
     _leave_the_import()
@@ -705,11 +706,23 @@ def start():
             os.environ.pop(HASH_SEED_ENV, None)
         if os.environ.get(ENV) or _service is not None:
             return
-        argv = [sys.executable, "-c", "import mpcore._zygote as z, sys; sys.exit(z.main())"]
+        argv = [sys.executable, *_interpreter_flags(), "-c",
+                "import mpcore._zygote as z, sys; sys.exit(z.main())"]
         address, fd, pid = _core.spawn_service(argv, "mpcore-zygote")
         _service = (fd, pid)
         os.environ[ENV] = address
         os.environ[HASH_SEED_ENV] = _hash_seed()
+
+
+def _interpreter_flags():
+    """The flags of this interpreter that a spawned child is started with
+    (-O, -B, -X faulthandler, -W ...), so that the zygote's children run
+    as it would; not those that change where modules are found (-E, -s,
+    -S, -I, -P): the zygote must find mpcore where this process did, and a
+    child's sys.path is the parent's anyway."""
+    from multiprocessing import util
+    return [a for a in util._args_from_interpreter_flags()
+            if a not in ("-E", "-s", "-S", "-I", "-P")]
 
 
 def stop():
