@@ -473,7 +473,8 @@ INHERIT_PROGRAM = """
         q.put(([disposition(s) for s in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM,
                                          signal.SIGUSR2)],
                resource.getrlimit(resource.RLIMIT_NOFILE), oct(mask),
-               os.getpriority(os.PRIO_PROCESS, 0), sorted(os.sched_getaffinity(0))))
+               os.getpriority(os.PRIO_PROCESS, 0), sorted(os.sched_getaffinity(0)),
+               open("/proc/self/comm").read().strip()))
     if __name__ == "__main__":
         method = sys.argv[2]
         ctx = (multiprocessing if sys.argv[1] == "stdlib" else mpcore).get_context(method)
@@ -503,7 +504,8 @@ def test_a_child_inherits_what_a_fresh_start_would(leak_check, method):
     # started with SIGUSR2 ignored (so is the zygote), then changes its
     # signals, a limit, its umask, nice value and affinity, one by one, the
     # first before its first child; each child has what the standard
-    # library's has.  Under `mpcore run` the zygote is older than all of them.
+    # library's has, and its name (ps, pkill).  Under `mpcore run` the
+    # zygote is older than all of them.
     outs = {}
     before = signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # inherited by the program
     try:

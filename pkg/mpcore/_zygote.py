@@ -139,6 +139,7 @@ def _child_main(payload):
         os.environ.clear()
         os.environ.update(head["env"])
         _as_a_spawned_child_inherits(head["parent"])
+        _named_as_python()
         _fresh_seeds()
         _as_a_fresh_start_reads_the_environment()
         # The zygote's stdout was /dev/null, so Python made it block-buffered;
@@ -431,6 +432,16 @@ def _as_a_spawned_child_inherits(state):
         import warnings
         warnings.warn("mpcore: this spawned child could not take its parent's "
                       + ", ".join(refused) + "; it has the zygote's", RuntimeWarning)
+
+
+def _named_as_python():
+    """The child's name, which ps, top and pkill see, becomes a started
+    python's (its executable's file name), not the zygote's."""
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(os.path.basename(sys.executable)[:15])
+    except OSError:
+        pass
 
 
 def _fresh_seeds():
