@@ -1,5 +1,6 @@
 """The zygote: spawn semantics at fork speed, and a safe fallback."""
 import os
+import re
 import signal
 
 import pytest
@@ -561,6 +562,41 @@ def test_a_child_has_the_interpreters_flags_and_warning_filters(leak_check, laun
     assert outs["mpcore"] == outs["stdlib"], outs
     assert outs["mpcore"].startswith("(1, False, True, {'faulthandler': True}, [("), outs
     assert "TracerWarning" in outs["mpcore"] and "('error', None, 'UserWarning'" in outs["mpcore"]
+
+
+RAISING_PROGRAM = """
+    import sys
+    import multiprocessing
+    import mpcore
+    class Worker(multiprocessing.Process if sys.argv[1] == "stdlib" else mpcore.Process):
+        def run(self):  # a subclass's run(), which calls no other
+            raise ValueError("from the child's run")
+    def target():
+        raise KeyError("from the child's target")
+    if __name__ == "__main__":
+        mod = multiprocessing if sys.argv[1] == "stdlib" else mpcore
+        mod.set_start_method(sys.argv[2])
+        for p in (mod.Process(target=target), Worker()):
+            p.start()
+            p.join()
+            print(p.exitcode, flush=True)
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver", "fork"])
+def test_a_childs_traceback_is_the_standard_librarys(leak_check, method, tmp_path):
+    # mpcore's Process adds no frame of its own to what a failing child
+    # prints, and a subclass's run() is served like any other
+    outs, stats = {}, tmp_path / "stats"
+    for side in ("stdlib", "mpcore"):
+        r = run_program(RAISING_PROGRAM, side, method,
+                        env={"MPCORE_STATS": str(stats)} if side == "mpcore" else None)
+        outs[side] = (r.returncode, r.stdout, re.sub(r'File "[^"]*tmp\w*\.py"', "PROGRAM",
+                                                     r.stderr))
+    assert outs["mpcore"] == outs["stdlib"], outs
+    assert outs["mpcore"][1] == "1\n1\n" and "from the child's run" in outs["mpcore"][2], outs
+    reports = stats.read_text().splitlines()
+    assert len(reports) == 3, reports  # the program and its two children
 
 
 def test_a_child_reads_the_environment_as_a_fresh_start_would(leak_check):

@@ -26,9 +26,11 @@ class _ProcessMixin:
         _shm.ensure_keeper()  # a spawned child must find this program's keeper
         return super().start()
 
-    def run(self):
+    def _bootstrap(self, *args, **kwargs):
+        # Not run(): a subclass's own run() need not call ours, and a frame
+        # of ours would show in every traceback a child prints.
         try:
-            return super().run()
+            return super()._bootstrap(*args, **kwargs)
         finally:
             _stats.report()
 

@@ -26,7 +26,7 @@ _reported = None  # the pid that appended its line already
 
 def report():
     """Appends this process's counters to $MPCORE_STATS, if set, once per
-    process (at exit, and when a Process's run() ends: a forked child
+    process (at exit, and when a Process's _bootstrap ends: a forked child
     leaves by os._exit, which runs no atexit hook)."""
     global _reported
     path = os.environ.get("MPCORE_STATS")
