@@ -242,13 +242,16 @@ class MarkDataset(SeqDataset):
 
 
 class OriginDataset(SeqDataset):
-    """Sample i says where its worker came from: the worker's parent pid
-    and whether the zygote forked it (mpcore._zygote.forked, set only in a
-    zygote's child), beside i."""
+    """Sample i says where its worker came from: the worker's parent pid in
+    the kernel (os.getppid() gives a zygote child its requester) and whether
+    the zygote forked it (mpcore._zygote.forked, set only in a zygote's
+    child), beside i."""
 
     def __getitem__(self, i):
         import mpcore._zygote as zygote
-        return torch.tensor([i, os.getppid(), int(zygote.forked)])
+        with open("/proc/self/stat") as f:
+            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        return torch.tensor([i, ppid, int(zygote.forked)])
 
 
 class FnDataset(tud.Dataset):

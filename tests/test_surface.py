@@ -419,14 +419,12 @@ if __name__ == "__main__":
 def test_contexts_spawn_forkserver_fork(tmp_path):
     me, out = report(run_fresh(CONTEXTS, tmp_path))
     # A spawned child imports the script as __mp_main__; fork children keep __main__.
-    # Spawn and forkserver children are forked by mpcore's zygote: their OS
-    # parent is the zygote, their multiprocessing parent is us.
-    assert out["spawn"][:3] == ("spawn", "__mp_main__", me)
-    assert out["spawn"][4:] == (0, "mpcore._queue", "spawn")
-    assert out["spawn"][3] is False
-    assert out["forkserver"][:3] == ("forkserver", "__mp_main__", me)
-    assert out["forkserver"][4:] == (0, "mpcore._queue", "forkserver")
-    assert out["forkserver"][3] is False
+    # Spawn and forkserver children are forked by mpcore's zygote: their
+    # kernel parent is the zygote, but os.getppid() and their
+    # multiprocessing parent are us (NOTE [ A child's parent ]).
+    assert out["spawn"] == ("spawn", "__mp_main__", me, True, 0, "mpcore._queue", "spawn")
+    assert out["forkserver"] == ("forkserver", "__mp_main__", me, True, 0, "mpcore._queue",
+                                 "forkserver")
     assert out["fork"] == ("fork", "__main__", me, True, 0, "mpcore._queue", "fork")
 
 

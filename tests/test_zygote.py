@@ -24,8 +24,10 @@ def test_child_gets_spawn_semantics(tmp_path, leak_check):
                     targets.add(os.readlink(f"/proc/self/fd/{{fd}}"))
                 except OSError:
                     pass
+            with open("/proc/self/stat") as f:  # the kernel's parent, not os.getppid()'s
+                kernel_ppid = int(f.read().rsplit(")", 1)[1].split()[1])
             q.put((os.environ.get("PROBE"), os.getcwd(), sys.path[-1], sys.argv[1:],
-                   __name__, child.__module__, os.getppid(), targets))
+                   __name__, child.__module__, kernel_ppid, targets))
         if __name__ == "__main__":
             leaked = open(__file__)          # an fd the child must not get
             os.environ["PROBE"] = "set-after-start-of-zygote"
@@ -597,6 +599,59 @@ def test_a_childs_traceback_is_the_standard_librarys(leak_check, method, tmp_pat
     assert outs["mpcore"][1] == "1\n1\n" and "from the child's run" in outs["mpcore"][2], outs
     reports = stats.read_text().splitlines()
     assert len(reports) == 3, reports  # the program and its two children
+
+
+PARENT_PROGRAM = """
+    import os, signal, sys
+    import mpcore
+    def child(q, until, tell_parent):
+        with open("/proc/self/stat") as f:
+            real_ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        q.put((os.getppid(), real_ppid))
+        if tell_parent:
+            os.kill(os.getppid(), signal.SIGUSR1)
+        until.poll(60)  # a pipe: a child killed while it waits leaves nothing locked
+    if __name__ == "__main__":
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
+        ctx = mpcore.get_context(sys.argv[1])
+        q = ctx.Queue()
+        until, go = ctx.Pipe(duplex=False)
+        first = ctx.Process(target=child, args=(q, until, True))
+        first.start()
+        ppid, zygote = q.get(timeout=60)
+        heard = signal.sigtimedwait([signal.SIGUSR1], 60)
+        print("parent", ppid == os.getpid(), zygote != os.getpid(), heard is not None, flush=True)
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT):
+            os.kill(zygote, sig)  # as a job's every process gets them
+        second = ctx.Process(target=child, args=(q, until, False))
+        second.start()
+        print("second", q.get(timeout=60) == (os.getpid(), zygote), flush=True)
+        os.kill(zygote, signal.SIGKILL)
+        first.join(60)
+        second.join(60)
+        print("killed with it", first.exitcode, second.exitcode, flush=True)
+        third = ctx.Process(target=child, args=(q, until, False))
+        third.start()
+        print("third", q.get(timeout=60)[0] == os.getpid(), flush=True)
+        go.send(None)
+        third.join(60)
+        print("third ended", third.exitcode, flush=True)
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_child_signals_its_parent_and_the_zygote_outlives_stray_signals(leak_check, method):
+    # NOTE [ A child's parent ]: os.kill(os.getppid(), ...) reaches the
+    # program, not the zygote; signals sent to the zygote itself do not end
+    # it; and once it is killed, its children are reported killed with it
+    # (once, with a warning), and later ones are started by exec
+    r = run_program(PARENT_PROGRAM, method, launcher=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["parent True True True", "second True",
+                                     "killed with it -9 -9", "third True", "third ended 0"], r
+    assert r.stderr.count("the zygote has gone, and the processes it started were killed") == 1
+    assert r.stderr.count("starting processes by exec instead") == 1, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
 
 
 def test_a_child_reads_the_environment_as_a_fresh_start_would(leak_check):

@@ -19,6 +19,7 @@ import gc
 import io
 import os
 import pickle
+import select
 import signal
 import socket
 import struct
@@ -89,7 +90,7 @@ def _preload():
 
 
 def main():
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _ignore_stray_signals()
     # The zygote serves the program; it is not one of its processes, whose
     # counters MPCORE_STATS collects (its children get the requester's
     # environment back).
@@ -101,8 +102,40 @@ def main():
     return _serve(3, 4)
 
 
+# NOTE [ A child's parent ]
+# In the kernel, a zygote child's parent is the zygote; a spawned child's
+# is the program, and programs signal it (os.kill(os.getppid(), SIGUSR1)
+# to say a checkpoint is written) or watch it through os.getppid().  So in
+# a zygote child os.getppid() gives the process that asked for it, as long
+# as the zygote is its parent (a child dies with its requester, and one
+# whose zygote is gone is given the pid the kernel gives).  A signal that
+# still reaches the zygote, sent through a C library's getppid() or to
+# every process of a job (SLURM's SIGTERM before preemption), does not end
+# it: the zygote ignores SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2, and
+# ends when its program does.  Its children get their own dispositions
+# (NOTE [ What a spawned child inherits from its parent ]).
+_ZYGOTE_IGNORES = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def _parent_is_the_requester(requester):
+    zygote = os.getppid()
+    real = os.getppid
+
+    def getppid():
+        ppid = real()
+        return requester if ppid == zygote else ppid
+    getppid.__doc__ = real.__doc__
+    os.getppid = getppid
+
+
+def _ignore_stray_signals():
+    for sig in _ZYGOTE_IGNORES:  # NOTE [ A child's parent ]
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def _before_serving():
     """What the zygote settles once it has imported what it preloads."""
+    _ignore_stray_signals()
     _keep_finalizers_at_exit()
     _note_start_env()
     _note_signals_and_limits()
@@ -139,6 +172,7 @@ def _child_main(payload):
         os.environ.clear()
         os.environ.update(head["env"])
         _as_a_spawned_child_inherits(head["parent"])
+        _parent_is_the_requester(head["requester"])
         _named_as_python()
         _fresh_seeds()
         _as_a_fresh_start_reads_the_environment()
@@ -508,17 +542,49 @@ class _Client:
     def exit_status(self, pid, block):
         with self.lock:
             while pid not in self.exits:
-                if not block:
-                    self.sock.setblocking(False)
-                    try:
+                try:
+                    if not block:
+                        self.sock.setblocking(False)
+                        try:
+                            self._read_one()
+                        except BlockingIOError:
+                            return None
+                        finally:
+                            self.sock.setblocking(True)
+                    else:
                         self._read_one()
-                    except BlockingIOError:
-                        return None
-                    finally:
-                        self.sock.setblocking(True)
-                else:
-                    self._read_one()
+                except ConnectionError:
+                    return _killed_with_the_zygote(pid, block)
             return self.exits.pop(pid)
+
+
+_ZYGOTE_GONE_WAIT_S = 5.0  # the most a child killed with the zygote is waited for
+
+
+def _killed_with_the_zygote(pid, block):
+    """The wait status of child `pid` once its zygote has gone: the kernel
+    kills a zygote child when the zygote ends (PR_SET_PDEATHSIG), so it is
+    SIGKILL's, given once the child is gone (None before, when not
+    `block`).  A pid reused meanwhile is waited for at most
+    _ZYGOTE_GONE_WAIT_S.  Warns once."""
+    global _gone_warned
+    if not _gone_warned:
+        _gone_warned = True
+        warnings.warn("mpcore: the zygote has gone, and the processes it started were killed "
+                      "with it", RuntimeWarning, stacklevel=2)
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:  # gone already
+        return signal.SIGKILL
+    try:
+        if not select.select([fd], [], [], _ZYGOTE_GONE_WAIT_S if block else 0)[0] and not block:
+            return None
+    finally:
+        os.close(fd)
+    return signal.SIGKILL
+
+
+_gone_warned = False
 
 
 _client = None
@@ -680,10 +746,9 @@ def _become_zygote(mine, root, lsock):
                 os.dup2(null, fd, inheritable=False)
             except OSError:
                 pass  # the listing's own fd, closed by now
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     for sig in signal.valid_signals():
         try:
-            if callable(signal.getsignal(sig)) and sig != signal.SIGINT:
+            if callable(signal.getsignal(sig)):
                 signal.signal(sig, signal.SIG_DFL)
         except (OSError, ValueError):
             pass
@@ -824,6 +889,7 @@ class Popen(popen_fork.Popen):
                 reduction.dump({"env": dict(os.environ), "prep": prep, "tracker_fd": tracker_fd,
                                 "parent_sentinel": child_r, "method": self._start_method,
                                 "parent": _parent_state_for(self._start_method),
+                                "requester": os.getpid(),
                                 "unbuffered": bool(os.environ.get("PYTHONUNBUFFERED"))}, fp)
                 reduction.dump(process_obj, fp)
             finally:
