@@ -429,8 +429,9 @@ def _as_a_spawned_child_inherits(state):
     """NOTE [ What a spawned child inherits from its parent ]."""
     import _signal
     ignored = set(state["ignored"])
-    if signal.SIGINT not in ignored:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    # set either way: the fork left SIGINT at SIG_DFL beneath Python's table
+    signal.signal(signal.SIGINT, signal.SIG_IGN if signal.SIGINT in ignored
+                  else signal.default_int_handler)
     for sig in _SIGNALS:
         if sig == signal.SIGINT:
             continue
@@ -463,7 +464,6 @@ def _as_a_spawned_child_inherits(state):
     except OSError as e:
         refused.append(f"CPU affinity {sorted(state['affinity'])} ({e})")
     if refused:
-        import warnings
         warnings.warn("mpcore: this spawned child could not take its parent's "
                       + ", ".join(refused) + "; it has the zygote's", RuntimeWarning)
 
@@ -577,11 +577,10 @@ def _killed_with_the_zygote(pid, block):
     except OSError:  # gone already
         return signal.SIGKILL
     try:
-        if not select.select([fd], [], [], _ZYGOTE_GONE_WAIT_S if block else 0)[0] and not block:
-            return None
+        gone = select.select([fd], [], [], _ZYGOTE_GONE_WAIT_S if block else 0)[0]
     finally:
         os.close(fd)
-    return signal.SIGKILL
+    return signal.SIGKILL if gone or block else None
 
 
 _gone_warned = False
