@@ -482,7 +482,8 @@ INHERIT_PROGRAM = """
         q.put(([disposition(s) + ("/kernel-ign" if s in ignored else "") for s in sigs],
                resource.getrlimit(resource.RLIMIT_NOFILE), oct(mask),
                os.getpriority(os.PRIO_PROCESS, 0), sorted(os.sched_getaffinity(0)),
-               open("/proc/self/comm").read().strip()))
+               open("/proc/self/comm").read().strip(),
+               sorted(signal.pthread_sigmask(signal.SIG_BLOCK, ()))))
     if __name__ == "__main__":
         method = sys.argv[2]
         ctx = (multiprocessing if sys.argv[1] == "stdlib" else mpcore).get_context(method)
@@ -495,6 +496,7 @@ INHERIT_PROGRAM = """
                                                            (min(soft, 512) - 1, hard))),
                 ("umask", lambda: os.umask(0o077)),
                 ("nicer", lambda: os.nice(3)),
+                ("blocked", lambda: signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])),
                 ("one core", lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})))
         for name, change in rows:
             change()
@@ -510,10 +512,10 @@ INHERIT_PROGRAM = """
 def test_a_child_inherits_what_a_fresh_start_would(leak_check, method):
     # NOTE [ What a spawned child inherits from its parent ]: the program is
     # started with SIGUSR2 ignored (so is the zygote), then changes its
-    # signals, a limit, its umask, nice value and affinity, one by one, the
-    # first before its first child; each child has what the standard
-    # library's has, and its name (ps, pkill).  Under `mpcore run` the
-    # zygote is older than all of them.
+    # signals, a limit, its umask, nice value, blocked signals and affinity,
+    # one by one, the first before its first child; each child has what the
+    # standard library's has, and its name (ps, pkill).  Under `mpcore run`
+    # the zygote is older than all of them.
     outs = {}
     before = signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # inherited by the program
     try:

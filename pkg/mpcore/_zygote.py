@@ -357,8 +357,8 @@ def _as_a_fresh_start_reads_the_environment():
 
 # NOTE [ What a spawned child inherits from its parent ]
 # exec keeps a process's ignored signals ignored (python then keeps them so:
-# an ignored SIGINT gets no KeyboardInterrupt handler), its resource limits,
-# umask, nice value and CPU affinity.  A 'spawn' child of a program that
+# an ignored SIGINT gets no KeyboardInterrupt handler), its blocked signals,
+# resource limits, umask, nice value and CPU affinity.  A 'spawn' child of a program that
 # ignores SIGHUP (nohup) or SIGINT (a shell's background job), raised its
 # RLIMIT_NOFILE, set a umask or pinned itself to some cores has them too.
 # A child forked from the zygote has the zygote's instead, so the requester
@@ -391,7 +391,8 @@ def _parent_state():
     return {"ignored": [s for s in _SIGNALS if get(s) == ign],
             "rlimits": {r: resource.getrlimit(r) for r in _RLIMITS},
             "umask": _umask(), "nice": os.getpriority(os.PRIO_PROCESS, 0),
-            "affinity": os.sched_getaffinity(0)}
+            "affinity": os.sched_getaffinity(0),
+            "blocked": signal.pthread_sigmask(signal.SIG_BLOCK, ())}
 
 
 _server_state = {}  # pid: _parent_state() when this process first started a 'forkserver' child
@@ -443,6 +444,8 @@ def _as_a_spawned_child_inherits(state):
                 _signal.signal(sig, _signal.SIG_DFL)
         except (OSError, ValueError):
             pass
+    if state["blocked"]:  # the fork left none blocked
+        signal.pthread_sigmask(signal.SIG_SETMASK, state["blocked"])
     import resource
     refused = []
     for r, limits in state["rlimits"].items():
