@@ -663,6 +663,39 @@ def test_a_child_signals_its_parent_and_the_zygote_outlives_stray_signals(leak_c
     assert "Traceback" not in r.stderr, r.stderr
 
 
+GROUP_PROGRAM = """
+    import os, sys
+    import multiprocessing
+    import torch  # under mpcore run, the zygote starts now
+    import mpcore
+    def child(q):
+        q.put((os.getpgrp(), os.getsid(0)))
+    if __name__ == "__main__":
+        side, method, make = sys.argv[1:]
+        getattr(os, make)()  # a group, or a session, of the program's own
+        ctx = (multiprocessing if side == "stdlib" else mpcore).get_context(method)
+        q = ctx.Queue()
+        p = ctx.Process(target=child, args=(q,))
+        p.start()
+        print(make, q.get(timeout=60) == (os.getpgrp(), os.getsid(0)), flush=True)
+        p.join()
+"""
+
+
+@pytest.mark.parametrize("make", ["setpgrp", "setsid"])
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_child_is_in_its_parents_process_group(leak_check, method, make):
+    # NOTE [ A child's process group ]: a program that makes a group or a
+    # session of its own after the zygote started still has its children in
+    # it (a killpg of its group reaches them)
+    for side in ("stdlib", "mpcore"):
+        r = run_program(GROUP_PROGRAM, side, method, make, launcher=(side == "mpcore"))
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == f"{make} True\n", (side, r.stdout, r.stderr)
+        if side == "mpcore":
+            assert r.stderr.count("a session of its own") == (make == "setsid"), r.stderr
+
+
 def test_a_child_reads_the_environment_as_a_fresh_start_would(leak_check):
     # NOTE [ What a fresh start reads from the environment ]: a spawned
     # child's torch threads and torch logging come from the environment it

@@ -284,10 +284,10 @@ def _flush_files():
 #   up at import: the child sets it up again;
 # - PYTHONHASHSEED, read by the interpreter before anything runs, which
 #   no child can change: the requester starts such a child by exec
-#   (_hash_seed_differs), saying so once.
+#   (_why_exec), saying so once.
 _THREAD_VARS = ("MKL_NUM_THREADS", "OMP_NUM_THREADS")
 _LOG_VARS = ("TORCH_LOGS", "TORCH_LOGS_OUT", "TORCH_LOGS_FORMAT")
-HASH_SEED_ENV = "MPCORE_ZYGOTE_HASHSEED"  # the zygote's PYTHONHASHSEED, for requesters
+START_ENV = "MPCORE_ZYGOTE_START"  # the zygote's session and PYTHONHASHSEED, for requesters
 _start_env = None  # the zygote's values of _THREAD_VARS + _LOG_VARS, once torch is imported
 
 
@@ -302,14 +302,27 @@ def _hash_seed():
     return "random" if seed in ("", "random") else seed
 
 
-def _hash_seed_differs():
-    """Why a child must be started by exec for its PYTHONHASHSEED, or None
-    (NOTE [ What a fresh start reads from the environment ])."""
-    theirs = os.environ.get(HASH_SEED_ENV)
-    if theirs is None or theirs == _hash_seed():
+def _start_mark(seed):
+    """What START_ENV holds for a zygote started now with hash seed `seed`."""
+    return f"{os.getsid(0)} {seed}"
+
+
+def _why_exec(parent):
+    """Why a child must be started by exec, or None: its PYTHONHASHSEED
+    (NOTE [ What a fresh start reads from the environment ]), or a session
+    other than the zygote's in `parent`, what the child would inherit (NOTE
+    [ A child's process group ])."""
+    mark = os.environ.get(START_ENV)
+    if mark is None:
         return None
-    return (f"PYTHONHASHSEED is {_hash_seed()!r} here but was {theirs!r} when the zygote "
-            f"started, and a forked child keeps the zygote's")
+    session, seed = mark.split(" ", 1)
+    if seed != _hash_seed():
+        return (f"PYTHONHASHSEED is {_hash_seed()!r} here but was {seed!r} when the zygote "
+                f"started, and a forked child keeps the zygote's")
+    if int(session) != parent["session"]:
+        return ("this process started a session of its own (os.setsid()) after the zygote "
+                "did, and a forked child could not join it")
+    return None
 
 
 def _env_threads(value):
@@ -392,7 +405,8 @@ def _parent_state():
             "rlimits": {r: resource.getrlimit(r) for r in _RLIMITS},
             "umask": _umask(), "nice": os.getpriority(os.PRIO_PROCESS, 0),
             "affinity": os.sched_getaffinity(0),
-            "blocked": signal.pthread_sigmask(signal.SIG_BLOCK, ())}
+            "blocked": signal.pthread_sigmask(signal.SIG_BLOCK, ()),
+            "pgid": os.getpgrp(), "session": os.getsid(0)}
 
 
 _server_state = {}  # pid: _parent_state() when this process first started a 'forkserver' child
@@ -456,6 +470,11 @@ def _as_a_spawned_child_inherits(state):
             refused.append(f"resource limit {r} {limits} ({e})")
     if state["umask"] is not None:
         os.umask(state["umask"])
+    if os.getpgrp() != state["pgid"]:  # NOTE [ A child's process group ]
+        try:
+            os.setpgid(0, state["pgid"])
+        except OSError as e:
+            refused.append(f"process group {state['pgid']} ({e})")
     try:
         if os.getpriority(os.PRIO_PROCESS, 0) != state["nice"]:
             os.setpriority(os.PRIO_PROCESS, 0, state["nice"])
@@ -469,6 +488,18 @@ def _as_a_spawned_child_inherits(state):
     if refused:
         warnings.warn("mpcore: this spawned child could not take its parent's "
                       + ", ".join(refused) + "; it has the zygote's", RuntimeWarning)
+
+
+# NOTE [ A child's process group ]
+# A spawned child is in its parent's process group and session, which a
+# program that made a group of its own (os.setpgrp()) or a session
+# (os.setsid()) after the zygote started has left: its os.killpg() of its
+# group must reach its children all the same.  So a zygote child joins its
+# parent's group (for 'forkserver', the group its parent had at its first
+# such child, as the standard library's server has it).  A group in
+# another session cannot be joined, so a child of a process that started a
+# session after the zygote did (for 'forkserver', before its first such
+# child) is started by exec, saying so once.
 
 
 def _named_as_python():
@@ -681,7 +712,7 @@ def _fork_now(torch):
     _service = (mine, pid)
     _forked = True
     os.environ[ENV] = address
-    os.environ[HASH_SEED_ENV] = _launch[1]  # the interpreter's, as it started
+    os.environ[START_ENV] = _start_mark(_launch[1])  # the interpreter's seed, as it started
 
 
 def _program_modules():
@@ -781,7 +812,7 @@ def start():
             os.close(_service[0])
             _service, _forked = None, False
             os.environ.pop(ENV, None)
-            os.environ.pop(HASH_SEED_ENV, None)
+            os.environ.pop(START_ENV, None)
         if os.environ.get(ENV) or _service is not None:
             return
         argv = [sys.executable, *_interpreter_flags(), "-c",
@@ -789,7 +820,7 @@ def start():
         address, fd, pid = _core.spawn_service(argv, "mpcore-zygote")
         _service = (fd, pid)
         os.environ[ENV] = address
-        os.environ[HASH_SEED_ENV] = _hash_seed()
+        os.environ[START_ENV] = _start_mark(_hash_seed())
 
 
 def _interpreter_flags():
@@ -815,7 +846,7 @@ def stop():
             _client = None
         service, _service, _forked = _service, None, False
         os.environ.pop(ENV, None)
-        os.environ.pop(HASH_SEED_ENV, None)
+        os.environ.pop(START_ENV, None)
     if service is None:
         return None
     os.close(service[0])
@@ -876,7 +907,8 @@ class Popen(popen_fork.Popen):
     def _launch(self, process_obj):
         from multiprocessing import reduction, resource_tracker
         start()
-        why = _hash_seed_differs()
+        parent = _parent_state_for(self._start_method)
+        why = _why_exec(parent)
         if why is not None:
             raise _Fallback(why)
         tracker_fd = resource_tracker.getfd()
@@ -890,7 +922,7 @@ class Popen(popen_fork.Popen):
             try:
                 reduction.dump({"env": dict(os.environ), "prep": prep, "tracker_fd": tracker_fd,
                                 "parent_sentinel": child_r, "method": self._start_method,
-                                "parent": _parent_state_for(self._start_method),
+                                "parent": parent,
                                 "requester": os.getpid(),
                                 "unbuffered": bool(os.environ.get("PYTHONUNBUFFERED"))}, fp)
                 reduction.dump(process_obj, fp)
