@@ -331,9 +331,30 @@ def test_dash_m_missing_module(tmp_path):
     assert "Traceback" not in got.stderr
 
 
+COMMAND = """if 1:
+    import sys
+    print("name", __name__, "file" in globals(), "loader", __loader__)
+    print("argv", sys.argv, "path0", repr(sys.path[0]))
+    print("spec", __spec__, "torch", "torch" in sys.modules)
+    if sys.argv[1:] == ["raise"]:
+        raise ValueError("from -c")
+    sys.exit(int(sys.argv[1]) if sys.argv[1:] else 0)
+"""
+
+
+@pytest.mark.parametrize("args", [[], ["3", "b"], ["raise"]])
+def test_dash_c_command(tmp_path, args):
+    want = run([sys.executable, "-c", COMMAND, *args], tmp_path)
+    got = run([sys.executable, "-m", "mpcore", "run", "-c", COMMAND, *args], tmp_path)
+    assert (got.returncode, got.stdout, got.stderr) == (want.returncode, want.stdout,
+                                                        want.stderr), (got, want)
+    assert got.stdout.startswith("name __main__ False"), got
+
+
 # --- usage ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("args", [[], ["frobnicate"], ["run"], ["run", "-m"], ["--bogus"]])
+@pytest.mark.parametrize("args", [[], ["frobnicate"], ["run"], ["run", "-m"], ["run", "-c"],
+                                  ["--bogus"]])
 def test_usage_on_bad_arguments(tmp_path, args):
     for cmd in ([sys.executable, "-m", "mpcore"], [MPCORE_BIN]):
         r = run(cmd + args, tmp_path)

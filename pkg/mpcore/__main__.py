@@ -1,7 +1,7 @@
 """The `mpcore` command: `mpcore run ...`, `mpcore bench ...` and `mpcore doctor`."""
 import sys
 
-USAGE = """usage: mpcore run [-m module | script.py] [args...]
+USAGE = """usage: mpcore run [-m module | -c command | script.py] [args...]
        mpcore run --nproc-per-node N [torchrun's flags] [-m module | script.py] [args...]
        mpcore bench [--json FILE] [--plot FILE.png] [--quick] [--only NAME,...]
        mpcore doctor [--json] [--workers N]   (exit 1 when it finds problems)"""

@@ -1,8 +1,8 @@
 """`mpcore run`: runs an unchanged program with mpcore serving it.
 
-The program sees what `python script.py` or `python -m module` would give
-it: a fresh __main__ module, sys.argv, sys.path[0], exit codes, and
-tracebacks without launcher frames.
+The program sees what `python script.py`, `python -m module` or `python -c
+command` would give it: a fresh __main__ module, sys.argv, sys.path[0],
+exit codes, and tracebacks without launcher frames.
 """
 import builtins
 import os
@@ -10,9 +10,9 @@ import runpy
 import signal
 import sys
 import types
-from importlib.machinery import SourceFileLoader
+from importlib.machinery import BuiltinImporter, SourceFileLoader
 
-USAGE = ("usage: mpcore run [-m module | script.py] [args...]\n"
+USAGE = ("usage: mpcore run [-m module | -c command | script.py] [args...]\n"
          "       mpcore run --nproc-per-node N [torchrun's flags] [-m module | script.py] [args...]")
 
 
@@ -33,12 +33,23 @@ def _run_script(path, argv, report=_report):
     with open(path, "rb") as f:
         source = f.read()
     full = os.path.abspath(path)
-    code = compile(source, full, "exec")
     main = types.ModuleType("__main__")
     main.__file__ = full
-    main.__builtins__ = builtins
     main.__cached__ = None
     main.__loader__ = SourceFileLoader("__main__", full)
+    _run_main(compile(source, full, "exec"), main, argv,
+              os.path.dirname(os.path.realpath(path)), report)
+
+
+def _run_command(source, argv):
+    """`python -c source`: __main__ has no file, sys.path[0] is ''."""
+    main = types.ModuleType("__main__")
+    main.__loader__ = BuiltinImporter
+    _run_main(compile(source, "<string>", "exec"), main, argv, "", _report)
+
+
+def _run_main(code, main, argv, path0, report):
+    main.__builtins__ = builtins
     launcher = sys.modules["__main__"]
     sys.modules["__main__"] = main
     if sys.modules.get("__mp_main__") is launcher:
@@ -47,13 +58,13 @@ def _run_script(path, argv, report=_report):
         # from; a parent unpickles them from the program.
         sys.modules["__mp_main__"] = main
     sys.argv = argv
-    sys.path[0:1] = [os.path.dirname(os.path.realpath(path))]
+    sys.path[0:1] = [path0]
     try:
         exec(code, main.__dict__)
     except SystemExit:
         raise
     except BaseException as e:
-        # Drop the launcher's frame: the traceback starts in the program.
+        # Drop the launcher's frames: the traceback starts in the program.
         report(e, e.__traceback__.tb_next)
 
 
@@ -70,10 +81,10 @@ def _run_module(name, argv, report=_report):
 
 
 def run(args):
-    if not args or (args[0] == "-m" and len(args) < 2):
+    if not args or (args[0] in ("-m", "-c") and len(args) < 2):
         print(USAGE, file=sys.stderr)
         return 2
-    if args[0].startswith("-") and args[0] != "-m":
+    if args[0].startswith("-") and args[0] not in ("-m", "-c"):
         # torchrun's command line (NOTE [ torchrun on the zygote ])
         from ._torchrun import main
         return main(args)
@@ -81,6 +92,9 @@ def run(args):
     _boot.activate_run(launcher=True)
     if args[0] == "-m":
         _run_module(args[1], args[1:])
+        return 0
+    if args[0] == "-c":
+        _run_command(args[1], ["-c", *args[2:]])
         return 0
     path = args[0]
     if not os.path.exists(path):
