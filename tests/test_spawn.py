@@ -809,6 +809,14 @@ def main(method, where, n=2):
                              kwargs={"start_method": method})
         t.start()
         t.join()
+    elif where == "exec":   # Processes: the zygote's, then one started by exec
+        import mpcore
+        ctx = mpcore.get_context(method)
+        for i in range(n):
+            ctx.Process(target=hang, args=(i, w)).start()
+            os.environ["PYTHONHASHSEED"] = "1"  # unlike the zygote's: exec from now on
+        while True:
+            signal.pause()
     else:
         S.start_processes(hang, (w,), n, start_method=method)
 
@@ -820,7 +828,7 @@ if __name__ == "__main__":
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("method,where", [("spawn", "main"), ("fork", "main"),
                                           ("forkserver", "main"), ("fork", "thread"),
-                                          ("spawn", "thread")])
+                                          ("spawn", "thread"), ("spawn", "exec")])
 def test_children_die_with_the_parent(method, where, tmp_path):
     prog = Program(KILLED, tmp_path, method, where)
     try:

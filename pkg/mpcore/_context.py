@@ -29,6 +29,10 @@ class _ProcessMixin:
     def _bootstrap(self, *args, **kwargs):
         # Not run(): a subclass's own run() need not call ours, and a frame
         # of ours would show in every traceback a child prints.
+        token = getattr(self, "_mpcore_die_with", None)  # started by exec (_zygote.popen)
+        if token is not None:
+            from . import _parentdeath
+            _parentdeath.die_with(token)
         try:
             return super()._bootstrap(*args, **kwargs)
         finally:

@@ -974,4 +974,8 @@ def popen(process_obj, method):
             _warned = True
             warnings.warn(f"mpcore: {e}; starting processes by exec instead (slower)",
                           RuntimeWarning, stacklevel=4)
+        from . import _parentdeath
+        # a zygote child dies with its parent; so does this one, first thing
+        # in its _bootstrap (NOTE [ Dying with the parent ])
+        process_obj._mpcore_die_with = _parentdeath.token()
         return popen_spawn_posix.Popen(process_obj)
