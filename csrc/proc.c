@@ -465,7 +465,6 @@ int mpc_zygote_child_setup(mpc_zygote *z, mpc_zreq *req, pid_t zygote_pid) {
     sigset_t set;
     sigemptyset(&set);
     sigprocmask(SIG_SETMASK, &set, NULL);
-    signal(SIGINT, SIG_DFL);
     /* Move the handed fds above every target, then onto their numbers, so
      * that no dup2 overwrites an fd still to be placed. */
     int base = 3;

@@ -444,7 +444,7 @@ def _as_a_spawned_child_inherits(state):
     """NOTE [ What a spawned child inherits from its parent ]."""
     import _signal
     ignored = set(state["ignored"])
-    # set either way: the fork left SIGINT at SIG_DFL beneath Python's table
+    # set either way: the zygote ignores it, and most children must not
     signal.signal(signal.SIGINT, signal.SIG_IGN if signal.SIGINT in ignored
                   else signal.default_int_handler)
     for sig in _SIGNALS:
