@@ -14,6 +14,17 @@
  *        message is in it;
  *   get: the ring records the message's tickets once it has taken it out;
  *        redeeming a ticket erases it first.
+ * Those leaks are real but narrow: a SIGKILL that lands between the two
+ * stores of a step (a ticket taken and not yet journaled, a journal entry
+ * erased and the message not yet published, a message taken and not yet
+ * journaled, an entry erased and the holder bit not yet set, a holder bit
+ * cleared and the count not yet dropped) leaves one block counted until
+ * the program ends and its keeper exits.  Each window is a few
+ * instructions with no system call; random kills of a busy put/get loop
+ * hit one about once in two thousand.  Closing them would need one atomic
+ * store to change two words (a block's count and a process's private
+ * state), which the hardware does not offer for a count shared by 256
+ * slots; a double drop would lose data, a leak only memory.
  * This file only keeps the entries; dropping what a dead slot's journal
  * lists is the keeper's (it passes the drop to mpc__journal_sweep), so the
  * journal knows nothing of blocks. */
