@@ -260,10 +260,13 @@ def kill_in_a_system_call(pid):
     waits (for room, a message, the keeper, the kernel); a kill between two
     steps of the core's few-instruction windows, none of which makes a
     system call, leaks one block until the program ends (NOTE [ Journal ]
-    in journal.c).  Returns the system call's number."""
+    in journal.c).  Returns the system call's number, or a string saying
+    how pid ended by itself first."""
     while True:
         os.kill(pid, signal.SIGSTOP)
-        os.waitpid(pid, os.WUNTRACED)
+        status = os.waitpid(pid, os.WUNTRACED)[1]
+        if not os.WIFSTOPPED(status):
+            return f"ended first: wait status {status}"
         with open(f"/proc/{pid}/syscall") as f:
             nr = f.read().split()[0]
         if nr.isdigit():

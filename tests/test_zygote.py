@@ -663,6 +663,80 @@ def test_a_child_signals_its_parent_and_the_zygote_outlives_stray_signals(leak_c
     assert "Traceback" not in r.stderr, r.stderr
 
 
+WAITERS_PROGRAM = """
+    import os, platform, signal, sys, threading
+    import multiprocessing
+    import mpcore
+    FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
+    def child(until):
+        until.recv()
+    def when_blocked(tid, then):
+        # runs `then` once thread tid sleeps in a system call other than a
+        # futex (where it waits for the GIL): inside the join it was started
+        # into, which is all it does
+        def watch():
+            while True:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+                with open(f"/proc/self/task/{tid}/syscall") as f:
+                    nr = f.read().split()[0]
+                if state == "S" and nr.isdigit() and int(nr) != FUTEX:
+                    return then()
+        threading.Thread(target=watch, daemon=True).start()
+    if __name__ == "__main__":
+        side, method = sys.argv[1:]
+        ctx = (multiprocessing if side == "stdlib" else mpcore).get_context(method)
+        # 1. a signal handler looks at a child while the program joins it
+        until, go = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=child, args=(until,))
+        p.start()
+        def handler(signum, frame):
+            print("handler sees it alive", p.is_alive(), flush=True)
+            go.send(None)
+        signal.signal(signal.SIGUSR1, handler)
+        when_blocked(threading.get_native_id(), lambda: os.kill(os.getpid(), signal.SIGUSR1))
+        p.join()
+        print("joined", p.exitcode, flush=True)
+        # 2. a thread joins one child while another looks at a second
+        until, go = ctx.Pipe(duplex=False)
+        joined, other = ctx.Process(target=child, args=(until,)), ctx.Process(target=child, args=(until,))
+        joined.start()
+        other.start()
+        ready = threading.Event()
+        def join_it():
+            ready.set()
+            joined.join()
+        t = threading.Thread(target=join_it)
+        t.start()
+        ready.wait()
+        looked = threading.Event()
+        when_blocked(t.native_id, looked.set)
+        looked.wait()
+        print("while a thread joins", joined.is_alive(), other.is_alive(), flush=True)
+        go.send(None)
+        go.send(None)
+        t.join()
+        other.join()
+        print("both ended", joined.exitcode, other.exitcode, flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_children_can_be_looked_at_while_another_waiter_blocks(leak_check, method):
+    # NOTE [ Reading the zygote's replies ]: a signal handler that asks
+    # whether a child lives while the program joins it, and a thread that
+    # asks while another thread joins, get their answer at once, as with
+    # multiprocessing; before, the first deadlocked and the second waited
+    # for the join
+    for side in ("stdlib", "mpcore"):
+        r = run_program(WAITERS_PROGRAM, side, method, timeout=50)
+        assert r.returncode == 0, (side, r.stderr)
+        assert r.stdout.splitlines() == ["handler sees it alive True", "joined 0",
+                                         "while a thread joins True True",
+                                         "both ended 0 0"], (side, r.stdout, r.stderr)
+
+
 GROUP_PROGRAM = """
     import os, sys
     import multiprocessing

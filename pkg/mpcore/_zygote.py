@@ -522,74 +522,170 @@ def _fresh_seeds():
 
 # --- the requester side ---------------------------------------------------
 
+# NOTE [ Reading the zygote's replies ]
+# One stream from the zygote carries every reply of this process: STARTED
+# for a request, EXIT for each child.  Several threads may wait on it (one
+# joins a child while another asks whether a second is alive), and so may
+# a signal handler that interrupts a thread in the middle of a wait (a
+# SIGTERM handler that looks at its workers while the program joins one),
+# where multiprocessing, which waits with waitpid, has no lock to deadlock
+# on.  So:
+#   - the stream is only read without waiting, under `lock`, which is held
+#     for nothing longer; what is read goes into `replies` and `exits`;
+#   - a wait that must block has one thread at a time (the `watcher`)
+#     sleep in select() on the stream and a wake-up pipe, holding nothing;
+#     other blocking waiters sleep on the condition, and whoever reads
+#     anything wakes both the watcher (a byte in the pipe) and them;
+#   - a non-blocking look never waits for another thread: it reads what
+#     is there and answers;
+#   - a call made by a signal handler in a thread that holds `lock` (it
+#     interrupted one of those short reads) answers from what was read
+#     already, touching nothing; a request, which writes the stream, is
+#     refused then, and the caller starts its child by exec.
+
 class _Client:
     """This process's connection to the zygote."""
 
     def __init__(self, address):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect("\0" + address)
-        self.lock = threading.Lock()
+        self.sock.setblocking(False)
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
+        self.watcher = None   # the thread asleep in select()
+        self.send_lock = threading.RLock()
+        self.buf = b""
         self.token = 0
         self.replies = {}
         self.exits = {}
 
-    def _read_one(self):
-        data = b""
-        while len(data) < _MSG.size:
-            chunk = self.sock.recv(_MSG.size - len(data))
+    def close(self):
+        self.sock.close()
+        for fd in (self.wake_r, self.wake_w):
+            os.close(fd)
+
+    def _pump(self):
+        """Reads what the stream holds now into replies and exits; with
+        lock held.  ConnectionError once the zygote has gone."""
+        got, gone = b"", False
+        while True:
+            try:
+                chunk = self.sock.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                break
             if not chunk:
-                raise ConnectionError("the mpcore zygote has gone")
-            data += chunk
-        magic, op, token, arg, arg2, *_ = _MSG.unpack(data)
-        if op == _EXIT:
-            self.exits[arg] = arg2
-        else:
-            self.replies[token] = (op, arg, arg2)
+                gone = True
+                break
+            got += chunk
+        if got:
+            self.buf += got
+            n = len(self.buf) // _MSG.size * _MSG.size
+            for at in range(0, n, _MSG.size):
+                magic, op, token, arg, arg2, *_ = _MSG.unpack_from(self.buf, at)
+                if op == _EXIT:
+                    self.exits[arg] = arg2
+                else:
+                    self.replies[token] = (op, arg, arg2)
+            self.buf = self.buf[n:]
+            self._wake()
+            self.cond.notify_all()
+        if gone:
+            raise ConnectionError("the mpcore zygote has gone")
+
+    def _wake(self):
+        if self.watcher is not None:
+            try:
+                os.write(self.wake_w, b"!")
+            except BlockingIOError:  # a byte is there already
+                pass
+
+    def _wait(self, ready, block):
+        """Waits until ready() holds (NOTE [ Reading the zygote's replies ]):
+        True then; False at once if it does not hold and not `block`."""
+        if self.lock._is_owned():  # a signal handler, amid this thread's read
+            return ready()
+        me = threading.get_ident()
+        with self.cond:
+            outer = self.watcher == me  # a signal handler, amid this thread's select
+            try:
+                while True:
+                    if ready():
+                        return True
+                    self._pump()
+                    if ready():
+                        return True
+                    if not block:
+                        return False
+                    if self.watcher not in (None, me):
+                        self.cond.wait()
+                        continue
+                    self.watcher = me
+                    self.lock.release()
+                    try:
+                        select.select([self.sock, self.wake_r], [], [])
+                        try:
+                            os.read(self.wake_r, 4096)
+                        except BlockingIOError:
+                            pass
+                    finally:
+                        self.lock.acquire()
+                        self.watcher = None
+                        self.cond.notify_all()  # another waiter may watch now
+            finally:
+                if outer:  # that select may have missed what was read here
+                    self.watcher = me
+                    self._wake()
 
     def request(self, payload, fds, targets):
         """Asks for a child; a payload above _INLINE_MAX bytes goes as one
         more fd, a sealed memfd (NOTE [ Zygote payloads ] in proc.c)."""
+        if self.send_lock._is_owned() or self.lock._is_owned():
+            raise _Fallback("a signal handler starts a process while its thread talks to "
+                            "the zygote")
         nbytes = len(payload)
         pfd = _core.zygote_payload_fd(payload) if nbytes > _INLINE_MAX else None
         try:
-            with self.lock:
+            with self.send_lock:
                 self.token += 1
                 token = self.token
                 sent = list(fds) + ([pfd] if pfd is not None else [])
                 msg = _MSG.pack(_MAGIC, _SPAWN, token, 0, 0, nbytes, len(sent),
                                 _FLAG_MEMFD if pfd is not None else 0,
                                 *(list(targets) + [0] * (_MAX_FDS - len(targets))))
-                self.sock.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                           struct.pack(f"{len(sent)}i", *sent))])
-                if pfd is None:
-                    self.sock.sendall(payload)
-                else:
-                    os.close(pfd)
-                    pfd = None
-                while token not in self.replies:
-                    self._read_one()
-                return self.replies.pop(token)
+                self._send(msg, sent, payload if pfd is None else b"")
+            if pfd is not None:
+                os.close(pfd)
+                pfd = None
+            self._wait(lambda: token in self.replies, True)
+            return self.replies.pop(token)
         finally:
             if pfd is not None:
                 os.close(pfd)
 
+    def _send(self, msg, fds, payload):
+        """Writes a request on the non-blocking stream, waiting for room."""
+        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))]
+        while True:
+            try:
+                n = self.sock.sendmsg([msg], ancillary)  # the fds go with its first byte
+                break
+            except BlockingIOError:
+                select.select([], [self.sock], [])
+        data = memoryview(msg[n:] + payload)
+        while data:
+            try:
+                data = data[self.sock.send(data):]
+            except BlockingIOError:
+                select.select([], [self.sock], [])
+
     def exit_status(self, pid, block):
-        with self.lock:
-            while pid not in self.exits:
-                try:
-                    if not block:
-                        self.sock.setblocking(False)
-                        try:
-                            self._read_one()
-                        except BlockingIOError:
-                            return None
-                        finally:
-                            self.sock.setblocking(True)
-                    else:
-                        self._read_one()
-                except ConnectionError:
-                    return _killed_with_the_zygote(pid, block)
-            return self.exits.pop(pid)
+        try:
+            if not self._wait(lambda: pid in self.exits, block):
+                return None
+        except ConnectionError:
+            return _killed_with_the_zygote(pid, block)
+        return self.exits.pop(pid)
 
 
 _ZYGOTE_GONE_WAIT_S = 5.0  # the most a child killed with the zygote is waited for
@@ -621,7 +717,7 @@ _gone_warned = False
 
 
 _client = None
-_client_lock = threading.Lock()
+_client_lock = threading.RLock()  # a signal handler may ask for the client amid its making
 _service = None  # (fd to the zygote, pid) when this process started it
 _forked = False  # ... by forking itself (fork_at_torch_import)
 
@@ -842,7 +938,7 @@ def stop():
     global _client, _service, _forked
     with _client_lock:
         if _client is not None:
-            _client.sock.close()
+            _client.close()
             _client = None
         service, _service, _forked = _service, None, False
         os.environ.pop(ENV, None)
@@ -866,10 +962,10 @@ def _get_client():
 
 def _after_fork_child():
     global _client, _service, _client_lock, _forked
-    _client_lock = threading.Lock()
+    _client_lock = threading.RLock()
     _forked = False
     if _client is not None:
-        _client.sock.close()
+        _client.close()
     _client = None
     if _service is not None:
         os.close(_service[0])
@@ -878,7 +974,7 @@ def _after_fork_child():
 
 def _close_client():
     if _client is not None:
-        _client.sock.close()
+        _client.close()
 
 
 os.register_at_fork(after_in_child=_after_fork_child)
