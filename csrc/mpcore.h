@@ -484,6 +484,10 @@ int mpc_ring_join(mpc_ring *r, int64_t deadline_ns);
 #define MPC_ZMAGIC 0x5a59474fu /* "OGYZ" */
 enum { MPC_ZOP_SPAWN = 1, MPC_ZOP_STARTED, MPC_ZOP_FAILED, MPC_ZOP_EXIT };
 #define MPC_ZF_MEMFD 1u
+/* SPAWN: once the child has exited and EXIT is sent, the zygote sends the
+ * requester SIGCHLD, as the kernel does to a parent (NOTE [ A child's
+ * parent ] in _zygote.py). */
+#define MPC_ZF_SIGCHLD 2u
 #define MPC_ZINLINE_MAX (64u << 20) /* larger payloads must come in a memfd */
 
 typedef struct {
@@ -504,6 +508,7 @@ typedef struct mpc_zygote mpc_zygote;
 typedef struct {
     int client;
     uint64_t token;
+    uint32_t flags;  /* MPC_ZF_* */
     char *payload;   /* malloc'd, or a read-only mapping when maplen != 0 */
     uint64_t len;
     uint64_t maplen; /* bytes mapped at payload (a memfd payload), or 0 */
@@ -520,8 +525,9 @@ int mpc_zygote_open(int root, int lsock, mpc_zygote **z);
 
 /* Serves until a request to start a child arrives (returns 1 and fills
  * req) or the program has ended (returns 0, having killed every child).
- * Reaps children and reports their exit on the way.  Returns -errno if
- * polling fails. */
+ * Reaps children and reports their exit on the way (then sends SIGCHLD
+ * to the requester of each that asked for it).  Returns -errno if polling
+ * fails. */
 int mpc_zygote_wait(mpc_zygote *z, mpc_zreq *req);
 
 /* Threads of this process now, or -errno. */

@@ -147,8 +147,10 @@ struct mpc_zygote {
     int listen; /* fd 4: where requesters connect */
     int sigfd;  /* SIGCHLD */
     int clients[MPC_ZMAX_CLIENTS];
+    pid_t client_pid[MPC_ZMAX_CLIENTS]; /* as the kernel gave it at connect */
     pid_t child_pid[MPC_ZMAX_CHILDREN];
     int child_client[MPC_ZMAX_CHILDREN];
+    uint8_t child_sigchld[MPC_ZMAX_CHILDREN]; /* MPC_ZF_SIGCHLD was asked */
 };
 
 static int mpc__zsend(int sock, const mpc_zmsg *m) {
@@ -239,6 +241,8 @@ static void mpc__zreap(mpc_zygote *z) {
                 mpc_zmsg m = {.magic = MPC_ZMAGIC, .op = MPC_ZOP_EXIT, .arg = pid, .arg2 = status};
                 if (mpc__zsend(z->clients[c], &m) < 0)
                     mpc__zdrop_client(z, c);
+                else if (z->child_sigchld[i] && z->client_pid[c] > 0)
+                    kill(z->client_pid[c], SIGCHLD); /* after EXIT: its handler can read it */
             }
             break;
         }
@@ -316,7 +320,7 @@ static int mpc__zrecv(mpc_zygote *z, int c, mpc_zreq *req) {
         goto gone;
     int in_memfd = (m.flags & MPC_ZF_MEMFD) != 0;
     if (m.magic != MPC_ZMAGIC || m.op != MPC_ZOP_SPAWN || m.nfds != (uint32_t)nfds ||
-        (m.flags & ~MPC_ZF_MEMFD) != 0 || (in_memfd ? nfds < 1 : m.len > MPC_ZINLINE_MAX))
+        (m.flags & ~(MPC_ZF_MEMFD | MPC_ZF_SIGCHLD)) != 0 || (in_memfd ? nfds < 1 : m.len > MPC_ZINLINE_MAX))
         goto gone;
     char *payload = NULL;
     uint64_t maplen = 0;
@@ -334,6 +338,7 @@ static int mpc__zrecv(mpc_zygote *z, int c, mpc_zreq *req) {
     }
     req->client = c;
     req->token = m.token;
+    req->flags = m.flags;
     req->payload = payload;
     req->len = m.len;
     req->maplen = maplen;
@@ -387,10 +392,15 @@ int mpc_zygote_wait(mpc_zygote *z, mpc_zreq *req) {
                 for (int i = 0; i < MPC_ZMAX_CLIENTS && slot < 0; i++)
                     if (z->clients[i] < 0)
                         slot = i;
+                struct ucred cr;
+                socklen_t crl = sizeof cr;
                 if (slot < 0)
                     close(s);
-                else
+                else {
                     z->clients[slot] = s;
+                    z->client_pid[slot] =
+                        getsockopt(s, SOL_SOCKET, SO_PEERCRED, &cr, &crl) == 0 ? cr.pid : 0;
+                }
             }
         }
         for (int k = 3; k < np; k++) {
@@ -426,6 +436,7 @@ void mpc_zygote_started(mpc_zygote *z, mpc_zreq *req, pid_t pid, int err, int64_
             if (z->child_pid[i] == 0) {
                 z->child_pid[i] = pid;
                 z->child_client[i] = req->client;
+                z->child_sigchld[i] = (req->flags & MPC_ZF_SIGCHLD) != 0;
                 placed = 1;
             }
         if (!placed) /* cannot keep books on it: do not let it run unwatched */

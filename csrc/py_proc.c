@@ -238,6 +238,7 @@ static int zygote_constants(PyObject *m) {
         PyModule_AddIntConstant(m, "ZYGOTE_FAILED", MPC_ZOP_FAILED) < 0 ||
         PyModule_AddIntConstant(m, "ZYGOTE_EXIT", MPC_ZOP_EXIT) < 0 ||
         PyModule_AddIntConstant(m, "ZYGOTE_FLAG_MEMFD", MPC_ZF_MEMFD) < 0 ||
+        PyModule_AddIntConstant(m, "ZYGOTE_FLAG_SIGCHLD", MPC_ZF_SIGCHLD) < 0 ||
         PyModule_AddIntConstant(m, "ZYGOTE_MAX_FDS", MPC_ZMAX_FDS) < 0 ||
         PyModule_AddIntConstant(m, "ZYGOTE_INLINE_MAX", (long)MPC_ZINLINE_MAX) < 0)
         return -1;

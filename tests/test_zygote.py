@@ -698,8 +698,8 @@ WAITERS_PROGRAM = """
         p.join()
         print("joined", p.exitcode, flush=True)
         # 2. a thread joins one child while another looks at a second
-        until, go = ctx.Pipe(duplex=False)
-        joined, other = ctx.Process(target=child, args=(until,)), ctx.Process(target=child, args=(until,))
+        pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
+        joined, other = (ctx.Process(target=child, args=(until,)) for until, _ in pipes)
         joined.start()
         other.start()
         ready = threading.Event()
@@ -713,8 +713,8 @@ WAITERS_PROGRAM = """
         when_blocked(t.native_id, looked.set)
         looked.wait()
         print("while a thread joins", joined.is_alive(), other.is_alive(), flush=True)
-        go.send(None)
-        go.send(None)
+        for _, go in pipes:
+            go.send(None)
         t.join()
         other.join()
         print("both ended", joined.exitcode, other.exitcode, flush=True)
@@ -735,6 +735,40 @@ def test_children_can_be_looked_at_while_another_waiter_blocks(leak_check, metho
         assert r.stdout.splitlines() == ["handler sees it alive True", "joined 0",
                                          "while a thread joins True True",
                                          "both ended 0 0"], (side, r.stdout, r.stderr)
+
+
+SIGCHLD_PROGRAM = """
+    import os, select, signal, sys
+    import multiprocessing
+    import mpcore
+    def child():
+        pass
+    if __name__ == "__main__":
+        ctx = (multiprocessing if sys.argv[1] == "stdlib" else mpcore).get_context("spawn")
+        r, w = os.pipe()
+        ended = []
+        p = ctx.Process(target=child)
+        def handler(signum, frame):  # the end of a child: which one?
+            if p.pid is not None and not ended and not p.is_alive():
+                ended.append(p.exitcode)
+                os.write(w, b"!")
+        signal.signal(signal.SIGCHLD, handler)
+        p.start()
+        print("heard", bool(select.select([r], [], [], 30)[0]), ended, flush=True)
+        p.join()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("launcher", [False, True], ids=["import", "mpcore-run"])
+def test_a_spawned_childs_end_sends_sigchld(leak_check, launcher):
+    # NOTE [ A child's parent ]: the program hears of its 'spawn' child's
+    # end through SIGCHLD, as from a child of its own, and its handler finds
+    # the child ended
+    for side in ("stdlib", "mpcore"):
+        r = run_program(SIGCHLD_PROGRAM, side, launcher=launcher and side == "mpcore")
+        assert r.returncode == 0, (side, r.stderr)
+        assert r.stdout == "heard True [0]\n", (side, r.stdout, r.stderr)
 
 
 GROUP_PROGRAM = """

@@ -62,6 +62,7 @@ _SPAWN, _STARTED, _FAILED, _EXIT = (_core.ZYGOTE_SPAWN, _core.ZYGOTE_STARTED,
 _MAX_FDS = _core.ZYGOTE_MAX_FDS
 _INLINE_MAX = _core.ZYGOTE_INLINE_MAX  # larger payloads travel in a memfd
 _FLAG_MEMFD = _core.ZYGOTE_FLAG_MEMFD
+_FLAG_SIGCHLD = _core.ZYGOTE_FLAG_SIGCHLD
 ENV = "MPCORE_ZYGOTE"
 forked = False  # true in a child the zygote forked
 PRELOAD_ENV = "MPCORE_ZYGOTE_PRELOAD"
@@ -113,7 +114,13 @@ def main():
 # every process of a job (SLURM's SIGTERM before preemption), does not end
 # it: the zygote ignores SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2, and
 # ends when its program does.  Its children get their own dispositions
-# (NOTE [ What a spawned child inherits from its parent ]).
+# (NOTE [ What a spawned child inherits from its parent ]).  And the other
+# way: a 'spawn' child's end sends its requester SIGCHLD, once the zygote
+# has reaped it and sent its exit status, so that a handler that asks
+# whether the child lives is told the truth (NOTE [ Reading the zygote's
+# replies ]).  The signal comes from the zygote (its si_pid), and not for a
+# child that only stops; a 'forkserver' child sends none, as the standard
+# library's, a child of its fork server, does not.
 _ZYGOTE_IGNORES = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
@@ -637,9 +644,10 @@ class _Client:
                     self.watcher = me
                     self._wake()
 
-    def request(self, payload, fds, targets):
+    def request(self, payload, fds, targets, flags=0):
         """Asks for a child; a payload above _INLINE_MAX bytes goes as one
-        more fd, a sealed memfd (NOTE [ Zygote payloads ] in proc.c)."""
+        more fd, a sealed memfd (NOTE [ Zygote payloads ] in proc.c).
+        `flags`: _FLAG_SIGCHLD or 0."""
         if self.send_lock._is_owned() or self.lock._is_owned():
             raise _Fallback("a signal handler starts a process while its thread talks to "
                             "the zygote")
@@ -651,7 +659,7 @@ class _Client:
                 token = self.token
                 sent = list(fds) + ([pfd] if pfd is not None else [])
                 msg = _MSG.pack(_MAGIC, _SPAWN, token, 0, 0, nbytes, len(sent),
-                                _FLAG_MEMFD if pfd is not None else 0,
+                                flags | (_FLAG_MEMFD if pfd is not None else 0),
                                 *(list(targets) + [0] * (_MAX_FDS - len(targets))))
                 self._send(msg, sent, payload if pfd is None else b"")
             if pfd is not None:
@@ -1029,7 +1037,9 @@ class Popen(popen_fork.Popen):
             if len(fds) > room:
                 raise _Fallback(f"{len(fds)} fds to hand over, more than {room}")
             try:
-                op, arg, arg2 = _get_client().request(fp.getbuffer(), fds, fds)
+                op, arg, arg2 = _get_client().request(
+                    fp.getbuffer(), fds, fds,
+                    _FLAG_SIGCHLD if self._start_method == "spawn" else 0)
             except (ConnectionError, OSError) as e:
                 raise _Fallback(f"the zygote cannot be reached ({e})") from None
             if op == _FAILED:
