@@ -118,7 +118,7 @@ def rank_env(rank, world, port, extra=None):
     return env
 
 
-def _shm_users(names):
+def shm_users(names):
     """{name: [pid, ...]} of the processes that map /dev/shm/<name> now."""
     users = {}
     wanted = {"/dev/shm/" + n: n for n in names}
@@ -151,7 +151,7 @@ def left_behind(sc):
     if keepers:
         out.append(f"keepers still running: {keepers}")
     gained = set(os.listdir("/dev/shm")) - sc.shm_before
-    users = _shm_users(gained)
+    users = shm_users(gained)
     ours = sorted(n for n in gained if n not in users or any(sc.tagged(p) for p in users[n]))
     if ours:
         out.append(f"/dev/shm gained entries no other program maps: {ours}")

@@ -11,12 +11,13 @@ the two ranks of a run write what they ended with, and the test compares.
 """
 import json
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
 
-from _ranks import left_behind
+from _ranks import left_behind, shm_users
 from conftest import Scenario, require
 
 pytestmark = pytest.mark.timeout(240)
@@ -71,27 +72,67 @@ if __name__ == "__main__":
 '''
 
 
+# NOTE [ A reference run that hangs in CPython's fork ]
+# Under python, torch's DataLoader forks its workers from a process with
+# threads (gloo's, the queue feeders of the previous loader), and CPython
+# before 3.12 (3.11.7 included) can deadlock such a child inside os.fork:
+# it takes the runtime's HEAD_LOCK, inherited locked from a thread of the
+# parent, before making it anew (CPython gh-112275).  3 of 33 runs of the
+# reference hung so, when measured on 2 cores; the rank that waits for that
+# worker never finishes.  The reference is only what plain torch computes, so a run of
+# it that outlives REF_TIMEOUT_S (seconds; 7 s is usual) is killed, its
+# leftovers cleaned, and it runs again, REF_TRIES times at most.  The run
+# under mpcore gets one try.
+REF_TRIES, REF_TIMEOUT_S = 3, 60
+
+
 def _run(tmp_path, launcher):
     require(subprocess.run([sys.executable, "-c", "import lightning"],
                            capture_output=True).returncode == 0,
             "lightning (pip install --no-deps lightning and its pure-Python requirements)")
-    d = tmp_path / launcher
-    d.mkdir()
-    (d / "prog.py").write_text(PROG)
-    sc = Scenario()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MPCORE_")}
-    env.update(sc.env())
+    tries = REF_TRIES if launcher == "python" else 1
     cmd = {"python": [sys.executable],
            "mpcore": [os.path.join(os.path.dirname(sys.executable), "mpcore"), "run"]}[launcher]
-    try:
-        r = subprocess.run(cmd + ["prog.py", str(d)], cwd=d, env=env, capture_output=True,
-                           text=True, timeout=200)
-        left = left_behind(sc)
-    finally:
-        sc.close()
-    assert r.returncode == 0, r.stderr[-6000:]
-    assert not left, left
-    return [json.loads((d / f"rank{k}.json").read_text()) for k in range(2)]
+    for attempt in range(1, tries + 1):
+        d = tmp_path / f"{launcher}{attempt}"
+        d.mkdir()
+        (d / "prog.py").write_text(PROG)
+        sc = Scenario()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MPCORE_")}
+        env.update(sc.env())
+        try:
+            r = subprocess.run(cmd + ["prog.py", str(d)], cwd=d, env=env, capture_output=True,
+                               text=True, timeout=REF_TIMEOUT_S if tries > 1 else 200)
+        except subprocess.TimeoutExpired:
+            _end_hung_run(sc)
+            if attempt == tries:
+                raise
+            continue
+        else:
+            left = left_behind(sc)
+        finally:
+            sc.close()
+        assert r.returncode == 0, r.stderr[-6000:]
+        assert not left, left
+        return [json.loads((d / f"rank{k}.json").read_text()) for k in range(2)]
+
+
+def _end_hung_run(sc):
+    """Kills what is left of a hung run and the /dev/shm entries its killed
+    processes can no longer unlink (NOTE [ A reference run that hangs in
+    CPython's fork ])."""
+    for pid in sc.live():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not sc.wait_tree(), "a hung reference run could not be ended"
+    gained = set(os.listdir("/dev/shm")) - sc.shm_before
+    for name in gained - set(shm_users(gained)):
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except FileNotFoundError:
+            pass
 
 
 def test_lightning_ddp_trains_under_mpcore_run_as_under_python(tmp_path):
