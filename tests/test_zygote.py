@@ -664,7 +664,7 @@ def test_a_child_signals_its_parent_and_the_zygote_outlives_stray_signals(leak_c
 
 
 WAITERS_PROGRAM = """
-    import os, platform, signal, sys, threading
+    import os, platform, resource, signal, sys, threading
     import multiprocessing
     import mpcore
     FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
@@ -685,6 +685,10 @@ WAITERS_PROGRAM = """
         threading.Thread(target=watch, daemon=True).start()
     if __name__ == "__main__":
         side, method = sys.argv[1:]
+        # every fd the program opens from now on is above select()'s FD_SETSIZE
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(max(soft, 4096), hard), hard))
+        filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
         ctx = (multiprocessing if side == "stdlib" else mpcore).get_context(method)
         # 1. a signal handler looks at a child while the program joins it
         until, go = ctx.Pipe(duplex=False)
@@ -728,7 +732,8 @@ def test_children_can_be_looked_at_while_another_waiter_blocks(leak_check, metho
     # whether a child lives while the program joins it, and a thread that
     # asks while another thread joins, get their answer at once, as with
     # multiprocessing; before, the first deadlocked and the second waited
-    # for the join
+    # for the join.  The program's fds are numbered above FD_SETSIZE, which
+    # select() would refuse
     for side in ("stdlib", "mpcore"):
         r = run_program(WAITERS_PROGRAM, side, method, timeout=50)
         assert r.returncode == 0, (side, r.stderr)

@@ -550,6 +550,16 @@ def _fresh_seeds():
 #     already, touching nothing; a request, which writes the stream, is
 #     refused then, and the caller starts its child by exec.
 
+def _poll(fds, events, timeout=None):
+    """Waits (timeout in seconds, None: for ever) until one of fds has one
+    of events; the list of those that have.  poll(), not select(): the
+    program may hold more than FD_SETSIZE fds."""
+    p = select.poll()
+    for fd in fds:
+        p.register(fd, events)
+    return p.poll(None if timeout is None else timeout * 1000)
+
+
 class _Client:
     """This process's connection to the zygote."""
 
@@ -630,7 +640,7 @@ class _Client:
                     self.watcher = me
                     self.lock.release()
                     try:
-                        select.select([self.sock, self.wake_r], [], [])
+                        _poll([self.sock, self.wake_r], select.POLLIN)
                         try:
                             os.read(self.wake_r, 4096)
                         except BlockingIOError:
@@ -679,13 +689,13 @@ class _Client:
                 n = self.sock.sendmsg([msg], ancillary)  # the fds go with its first byte
                 break
             except BlockingIOError:
-                select.select([], [self.sock], [])
+                _poll([self.sock], select.POLLOUT)
         data = memoryview(msg[n:] + payload)
         while data:
             try:
                 data = data[self.sock.send(data):]
             except BlockingIOError:
-                select.select([], [self.sock], [])
+                _poll([self.sock], select.POLLOUT)
 
     def exit_status(self, pid, block):
         try:
@@ -715,7 +725,7 @@ def _killed_with_the_zygote(pid, block):
     except OSError:  # gone already
         return signal.SIGKILL
     try:
-        gone = select.select([fd], [], [], _ZYGOTE_GONE_WAIT_S if block else 0)[0]
+        gone = _poll([fd], select.POLLIN, _ZYGOTE_GONE_WAIT_S if block else 0)
     finally:
         os.close(fd)
     return signal.SIGKILL if gone or block else None
