@@ -576,8 +576,9 @@ void mpc_zreq_free_payload(mpc_zreq *req);
 int mpc_zygote_payload_fd(const void *p, uint64_t len, int *fd);
 
 /* In the child right after fork: dies with the zygote (exits at once if
- * the zygote is already gone), unblocks signals (their dispositions stay
- * the zygote's, for the caller to set), puts the handed fds on their
+ * the zygote is already gone), unblocks SIGCHLD (the zygote's other
+ * blocked signals, and all dispositions, stay the zygote's for the caller
+ * to set: a signal sent meanwhile waits), puts the handed fds on their
  * numbers and closes every other fd but stdio, and frees the zygote's
  * books.  Returns 0 or -errno. */
 int mpc_zygote_child_setup(mpc_zygote *z, mpc_zreq *req, pid_t zygote_pid);

@@ -475,7 +475,8 @@ int mpc_zygote_child_setup(mpc_zygote *z, mpc_zreq *req, pid_t zygote_pid) {
         _exit(1);
     sigset_t set;
     sigemptyset(&set);
-    sigprocmask(SIG_SETMASK, &set, NULL);
+    sigaddset(&set, SIGCHLD);
+    sigprocmask(SIG_UNBLOCK, &set, NULL);
     /* Move the handed fds above every target, then onto their numbers, so
      * that no dup2 overwrites an fd still to be placed. */
     int base = 3;

@@ -742,6 +742,43 @@ def test_children_can_be_looked_at_while_another_waiter_blocks(leak_check, metho
                                          "both ended 0 0"], (side, r.stdout, r.stderr)
 
 
+TERMINATE_PROGRAM = """
+    import sys
+    import multiprocessing
+    import mpcore
+    def child(until):
+        until.recv()
+    if __name__ == "__main__":
+        side, method = sys.argv[1:]
+        ctx = (multiprocessing if side == "stdlib" else mpcore).get_context(method)
+        until, go = ctx.Pipe(duplex=False)
+        codes = []
+        for _ in range(5):
+            p = ctx.Process(target=child, args=(until,))
+            p.start()
+            p.terminate()  # most often while the child is still starting
+            p.join(10)
+            codes.append(p.exitcode)
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+        print(codes, flush=True)
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_child_terminated_as_it_starts_ends(leak_check, method):
+    # _ignore_stray_signals: the zygote ignores SIGTERM, and its children
+    # used to until they took their own dispositions, so a terminate() just
+    # after start() (a Pool's `with` block that ends at once) was lost and
+    # the join that followed waited for ever
+    for side in ("stdlib", "mpcore"):
+        r = run_program(TERMINATE_PROGRAM, side, method, timeout=100)
+        assert r.returncode == 0, (side, r.stderr)
+        assert r.stdout == f"{[-signal.SIGTERM] * 5}\n", (side, r.stdout, r.stderr)
+
+
 SIGCHLD_PROGRAM = """
     import os, select, signal, sys
     import multiprocessing

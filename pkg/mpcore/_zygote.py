@@ -136,8 +136,13 @@ def _parent_is_the_requester(requester):
 
 
 def _ignore_stray_signals():
-    for sig in _ZYGOTE_IGNORES:  # NOTE [ A child's parent ]
+    """NOTE [ A child's parent ].  Blocked as well as ignored: the kernel
+    never discards a blocked signal, so one sent to a child between its
+    fork and the moment it takes its own dispositions (a Pool's terminate()
+    of a worker still starting) waits for it instead of being lost."""
+    for sig in _ZYGOTE_IGNORES:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, _ZYGOTE_IGNORES)
 
 
 def _before_serving():
@@ -465,8 +470,9 @@ def _as_a_spawned_child_inherits(state):
                 _signal.signal(sig, _signal.SIG_DFL)
         except (OSError, ValueError):
             pass
-    if state["blocked"]:  # the fork left none blocked
-        signal.pthread_sigmask(signal.SIG_SETMASK, state["blocked"])
+    # the zygote's blocked signals (_ignore_stray_signals) give way to the
+    # parent's mask; one sent meanwhile is delivered now
+    signal.pthread_sigmask(signal.SIG_SETMASK, state["blocked"])
     import resource
     refused = []
     for r, limits in state["rlimits"].items():
