@@ -320,7 +320,8 @@ static int mpc__zrecv(mpc_zygote *z, int c, mpc_zreq *req) {
         goto gone;
     int in_memfd = (m.flags & MPC_ZF_MEMFD) != 0;
     if (m.magic != MPC_ZMAGIC || m.op != MPC_ZOP_SPAWN || m.nfds != (uint32_t)nfds ||
-        (m.flags & ~(MPC_ZF_MEMFD | MPC_ZF_SIGCHLD)) != 0 || (in_memfd ? nfds < 1 : m.len > MPC_ZINLINE_MAX))
+        (m.flags & ~(MPC_ZF_MEMFD | MPC_ZF_SIGCHLD)) != 0 ||
+        (in_memfd ? nfds < 1 : m.len > MPC_ZINLINE_MAX))
         goto gone;
     char *payload = NULL;
     uint64_t maplen = 0;
