@@ -663,6 +663,19 @@ def test_a_child_signals_its_parent_and_the_zygote_outlives_stray_signals(leak_c
     assert "Traceback" not in r.stderr, r.stderr
 
 
+def _outputs(program, *args, launcher=False, timeout=60):
+    """{side: stdout} of `program` run with the standard library's
+    multiprocessing ("stdlib" as its first argument) and with mpcore's
+    (under `mpcore run` when `launcher`), each run having exited with 0."""
+    outs = {}
+    for side in ("stdlib", "mpcore"):
+        r = run_program(program, side, *args, launcher=launcher and side == "mpcore",
+                        timeout=timeout)
+        assert r.returncode == 0, (side, r.stdout, r.stderr)
+        outs[side] = r.stdout
+    return outs
+
+
 WAITERS_PROGRAM = """
     import os, platform, resource, signal, sys, threading
     import multiprocessing
@@ -734,12 +747,10 @@ def test_children_can_be_looked_at_while_another_waiter_blocks(leak_check, metho
     # multiprocessing; before, the first deadlocked and the second waited
     # for the join.  The program's fds are numbered above FD_SETSIZE, which
     # select() would refuse
-    for side in ("stdlib", "mpcore"):
-        r = run_program(WAITERS_PROGRAM, side, method, timeout=50)
-        assert r.returncode == 0, (side, r.stderr)
-        assert r.stdout.splitlines() == ["handler sees it alive True", "joined 0",
-                                         "while a thread joins True True",
-                                         "both ended 0 0"], (side, r.stdout, r.stderr)
+    expected = ("handler sees it alive True\njoined 0\nwhile a thread joins True True\n"
+                "both ended 0 0\n")
+    assert _outputs(WAITERS_PROGRAM, method, timeout=50) == {"stdlib": expected,
+                                                             "mpcore": expected}
 
 
 TERMINATE_PROGRAM = """
@@ -773,10 +784,9 @@ def test_a_child_terminated_as_it_starts_ends(leak_check, method):
     # used to until they took their own dispositions, so a terminate() just
     # after start() (a Pool's `with` block that ends at once) was lost and
     # the join that followed waited for ever
-    for side in ("stdlib", "mpcore"):
-        r = run_program(TERMINATE_PROGRAM, side, method, timeout=100)
-        assert r.returncode == 0, (side, r.stderr)
-        assert r.stdout == f"{[-signal.SIGTERM] * 5}\n", (side, r.stdout, r.stderr)
+    expected = f"{[-signal.SIGTERM] * 5}\n"
+    assert _outputs(TERMINATE_PROGRAM, method, timeout=100) == {"stdlib": expected,
+                                                                "mpcore": expected}
 
 
 SIGCHLD_PROGRAM = """
@@ -807,10 +817,9 @@ def test_a_spawned_childs_end_sends_sigchld(leak_check, launcher):
     # NOTE [ A child's parent ]: the program hears of its 'spawn' child's
     # end through SIGCHLD, as from a child of its own, and its handler finds
     # the child ended
-    for side in ("stdlib", "mpcore"):
-        r = run_program(SIGCHLD_PROGRAM, side, launcher=launcher and side == "mpcore")
-        assert r.returncode == 0, (side, r.stderr)
-        assert r.stdout == "heard True [0]\n", (side, r.stdout, r.stderr)
+    expected = "heard True [0]\n"
+    assert _outputs(SIGCHLD_PROGRAM, launcher=launcher) == {"stdlib": expected,
+                                                            "mpcore": expected}
 
 
 GROUP_PROGRAM = """
