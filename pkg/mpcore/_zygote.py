@@ -696,12 +696,12 @@ class _Client:
                 break
             except BlockingIOError:
                 _poll([self.sock], select.POLLOUT)
-        data = memoryview(msg[n:] + payload)
-        while data:
-            try:
-                data = data[self.sock.send(data):]
-            except BlockingIOError:
-                _poll([self.sock], select.POLLOUT)
+        for data in (memoryview(msg)[n:], memoryview(payload)):  # the payload uncopied
+            while data:
+                try:
+                    data = data[self.sock.send(data):]
+                except BlockingIOError:
+                    _poll([self.sock], select.POLLOUT)
 
     def exit_status(self, pid, block):
         try:
