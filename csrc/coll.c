@@ -158,6 +158,7 @@
 #define MPC_COLL_YIELDS 16                    /* see barrier() */
 #define MPC_COLL_SPIN_NS 30000LL              /* see barrier() */
 #define MPC_COLL_BOXES (8u << 20)             /* mailbox bytes of a group, about */
+#define CMA_SPLIT (4u << 20)                  /* NOTE [ A large receive copies on two threads ] */
 #define MPC_COLL_BOX_MIN 4096u                /* mailbox bytes of a pair, at least */
 #define MPC_COLL_BOX_MAX (1u << 20)           /* and at most */
 #define MPC_COLL_MSG_MAGIC 0x67736d6du        /* "mmsg" */
@@ -1067,7 +1068,7 @@ static void *cma_run(void *arg) {
 /* NOTE [ A large receive copies on two threads ]
  * A send larger than the mailbox returns only once its receiver has read
  * it, so while the receiver reads, the sender's core is idle.  So a
- * receive of MPC_COPY_SPLIT bytes or more from the sender's memory is
+ * receive of CMA_SPLIT bytes or more from the sender's memory is
  * shared with a helper thread (joined before the receive returns):
  * measured, process_vm_readv of 16 MB took 1.59 ms on one thread and
  * 0.91 ms on two.  Collectives, where every rank copies at once, copy on
@@ -1082,7 +1083,7 @@ static void *cma_run(void *arg) {
 static int cma_copy(mpc_coll *c, int q, void *mine, uint64_t theirs, uint64_t n, int into,
                     int split, const char *what) {
     pid_t pid = c->h->ranks[q].pid;
-    uint64_t half = split && n >= MPC_COPY_SPLIT ? (n / 2) & ~(uint64_t)4095 : 0;
+    uint64_t half = split && n >= CMA_SPLIT ? (n / 2) & ~(uint64_t)4095 : 0;
     cma_job a = {pid, mine, theirs, n - half, into, 0};
     cma_job b = {pid, (uint8_t *)mine + (n - half), theirs + (n - half), half, into, 0};
     pthread_t t;

@@ -43,11 +43,14 @@ const char *mpc_errmsg(void);
  * fails. */
 void mpc_clear_error(void);
 
-#define MPC_COPY_SPLIT (4u << 20) /* see mpc_copy */
+#define MPC_COPY_AROUND (4u << 20) /* see mpc_copy */
+#define MPC_COPY_SPLIT (32u << 20)
 
-/* Copies n bytes like memcpy; a copy of MPC_COPY_SPLIT bytes or more is
- * shared with a helper thread that is joined before returning.  Never fails
- * (without a thread it just copies alone). */
+/* Copies n bytes like memcpy.  A copy of MPC_COPY_AROUND bytes or more
+ * goes around the cache, and one of MPC_COPY_SPLIT bytes or more is shared
+ * with a helper thread joined before returning (NOTE [ Large copies go
+ * around the cache ] in util.c).  Never fails (without a thread it just
+ * copies alone). */
 void mpc_copy(void *dst, const void *src, size_t n);
 
 extern int mpc_debug_enabled; /* set from MPCORE_DEBUG at load */

@@ -8,7 +8,6 @@
 #include <numpy/arrayobject.h>
 #include <numpy/npy_2_compat.h>
 #include <dirent.h>
-#include <pthread.h>
 #include <string.h>
 
 typedef struct BlockObject {
@@ -838,7 +837,6 @@ static struct {
     PyObject *new_with_weak_ptr; /* torch.UntypedStorage._new_with_weak_ptr */
     PyObject *free_weak_ref;     /* torch.UntypedStorage._free_weak_ref */
     PyObject *expired;           /* torch.UntypedStorage._expired */
-    PyObject *num_threads;       /* torch.get_num_threads */
     PyObject *prune;             /* _torch._prune() -> entries left: drops the expired ones */
     PyObject *counts;            /* _stats._counts: "storages_shared" counts the moves */
     Py_ssize_t limit;            /* prune once storages holds twice this many */
@@ -848,7 +846,7 @@ static struct {
 
 static PyObject *s_requires_grad, *s_dtype, *s_shape, *s_stride, *s_storage_offset,
     *s_untyped_storage, *s_nbytes, *s_data_ptr, *s_swap_data_ptr_, *s_new, *s_set_, *s_weak_ref,
-    *s_storages_shared, *s_copy_;
+    *s_storages_shared;
 
 static int trec_intern(void) {
     if (s_set_ != NULL)
@@ -866,39 +864,32 @@ static int trec_intern(void) {
     TREC_INTERN(s_new, "new");
     TREC_INTERN(s_weak_ref, "_weak_ref");
     TREC_INTERN(s_storages_shared, "storages_shared");
-    TREC_INTERN(s_copy_, "copy_");
     TREC_INTERN(s_set_, "set_"); /* last: trec_intern() is done once it is set */
 #undef TREC_INTERN
     return 0;
 }
 
 /* torch_hooks(tensor_type, dispatch_keys, plain_keys, codes, descrs, proto,
- * from_numpy, storages, new_with_weak_ptr, free_weak_ref, expired, num_threads, prune,
+ * from_numpy, storages, new_with_weak_ptr, free_weak_ref, expired, prune,
  * counts):
  * the torch objects of NOTE [ Tensor records in C ].  Called once torch is
  * imported; calling it again replaces them. */
-static void trec_count_threads(void);
-static void trec_note_fork(void);
 
 static PyObject *py_torch_hooks(PyObject *m, PyObject *args) {
-    PyObject *o[14];
-    if (!PyArg_ParseTuple(args, "OOO!O!O!OOO!OOOOOO!:torch_hooks", &o[0], &o[1], &PyTuple_Type,
+    PyObject *o[13];
+    if (!PyArg_ParseTuple(args, "OOO!O!O!OOO!OOOOO!:torch_hooks", &o[0], &o[1], &PyTuple_Type,
                           &o[2], &PyDict_Type, &o[3], &PyTuple_Type, &o[4], &o[5], &o[6],
-                          &PyDict_Type, &o[7], &o[8], &o[9], &o[10], &o[11], &o[12],
-                          &PyDict_Type, &o[13]))
+                          &PyDict_Type, &o[7], &o[8], &o[9], &o[10], &o[11], &PyDict_Type,
+                          &o[12]))
         return NULL;
     if (trec_intern() < 0 || PyArray_ImportNumPyAPI() < 0)
         return NULL;
-    static int atfork; /* NOTE [ Large moves copy on torch's threads ] */
-    if (!atfork && pthread_atfork(trec_count_threads, NULL, trec_note_fork) == 0)
-        atfork = 1;
-    PyObject **slot[14] = {&trec_torch.tensor_type, &trec_torch.dispatch_keys,
+    PyObject **slot[13] = {&trec_torch.tensor_type, &trec_torch.dispatch_keys,
                            &trec_torch.plain_keys, &trec_torch.codes, &trec_torch.descrs,
                            &trec_torch.proto, &trec_torch.from_numpy, &trec_torch.storages,
                            &trec_torch.new_with_weak_ptr, &trec_torch.free_weak_ref,
-                           &trec_torch.expired, &trec_torch.num_threads, &trec_torch.prune,
-                           &trec_torch.counts};
-    for (int i = 0; i < 14; i++)
+                           &trec_torch.expired, &trec_torch.prune, &trec_torch.counts};
+    for (int i = 0; i < 13; i++)
         Py_XSETREF(*slot[i], Py_NewRef(o[i]));
     trec_torch.limit = 1024;
     Py_CLEAR(trec_torch.protos);
@@ -1082,67 +1073,16 @@ static int trec_read_dims(PyObject *t, npy_intp *out) {
     return (int)n;
 }
 
-/* NOTE [ Large moves copy on torch's threads ]
- * A storage is usually moved just after torch made it, and torch's OpenMP
- * workers then spin for a while on the other cores, waiting for more work.
- * A copy that mpc_copy would split (MPC_COPY_SPLIT bytes or more) would
- * put its helper thread on a core such a worker holds: measured, a 16 MB
- * move right after torch.full took 1.5 ms and 2.9 ms of CPU, against
- * 0.6 ms for torch's own copy.  So a large move copies with the storage's
- * copy_(), on torch's own threads, unless torch has only one thread (then
- * no worker spins, and the helper thread has a core to itself), or this
- * process was forked from one that had other threads: a child forked after
- * OpenMP ran in its parent hangs in its first parallel torch call (libgomp
- * is not fork-safe), and a put must not be that call. */
-static int trec_threads_at_prepare; /* threads of the process that forks, counted then */
-static int trec_forked_threaded;    /* this process was forked from a threaded one */
-
-static void trec_count_threads(void) {
-    int n = 0;
-    DIR *d = opendir("/proc/self/task");
-    if (d != NULL) {
-        struct dirent *e;
-        while ((e = readdir(d)) != NULL)
-            n += e->d_name[0] != '.';
-        closedir(d);
-    }
-    trec_threads_at_prepare = d == NULL ? 2 : n; /* unknown counts as threaded */
-}
-
-static void trec_note_fork(void) {
-    trec_forked_threaded = trec_forked_threaded || trec_threads_at_prepare > 1;
-}
-
 /* Moves storage (nbytes at ptr) into a new block in place (NOTE [ Moving a
  * storage in place ] in _torch.py): returns the Block (new reference), or
  * NULL with an exception set, the storage then unchanged. */
 static PyObject *trec_move(mpc_state *st, PyObject *storage, long long ptr, uint64_t nbytes) {
-    int by_torch = 0; /* NOTE [ Large moves copy on torch's threads ] */
-    if (nbytes >= MPC_COPY_SPLIT && !trec_forked_threaded) {
-        PyObject *n = PyObject_CallNoArgs(trec_torch.num_threads);
-        long threads = n == NULL ? -1 : PyLong_AsLong(n);
-        Py_XDECREF(n);
-        if (threads == -1 && PyErr_Occurred())
-            return NULL;
-        by_torch = threads > 1;
-    }
-    void *addr;
-    BlockObject *b = (BlockObject *)(by_torch ? mpc_py_block_alloc(st, nbytes, &addr)
-                                              : block_copy_of(st, (const void *)(uintptr_t)ptr,
-                                                              nbytes));
+    BlockObject *b = (BlockObject *)block_copy_of(st, (const void *)(uintptr_t)ptr, nbytes);
     if (b == NULL)
         return NULL;
     PyObject *key = NULL, *res, *tmp = trec_byte_storage(b, 0, nbytes);
     if (tmp == NULL)
         goto fail;
-    if (by_torch) {
-        res = PyObject_CallMethodOneArg(tmp, s_copy_, storage);
-        if (res == NULL) {
-            Py_DECREF(tmp);
-            goto fail;
-        }
-        Py_DECREF(res);
-    }
     res = PyObject_CallMethodOneArg(storage, s_swap_data_ptr_, tmp);
     Py_DECREF(tmp); /* takes the storage's old memory away with it */
     if (res == NULL)

@@ -905,8 +905,9 @@ if __name__ == "__main__":
 
 @pytest.mark.timeout(120)
 def test_a_child_forked_after_torch_threads_ran_puts_a_large_tensor(tmp_path):
-    # NOTE [ Large moves copy on torch's threads ]: such a child must not copy
-    # with torch, whose OpenMP pool hangs after fork.
+    # Such a child must not copy with torch, whose OpenMP pool hangs after
+    # fork: a large move copies in C (NOTE [ Large copies go around the
+    # cache ] in csrc/util.c).
     out = _fresh_program(tmp_path, INHERITED_LARGE_PUT, 90)
     assert out.split() == ["GOT", "3.0", "3.0", str(4 << 20), "0"]
 
