@@ -600,7 +600,9 @@ def test_send_recv_in_order_small_and_large(ranks):
 
 
 def _send_recv_in_order_small_and_large(ranks):
-    sizes = [0, 1, 63, 64, 65, 4096, 5 * CHUNK + 1, BIG, 10]
+    # BIG streams through the mailbox, 2 * BIG + 1 is read from the sender's
+    # memory (NOTE [ Copies between ranks' memory ]).
+    sizes = [0, 1, 63, 64, 65, 4096, 5 * CHUNK + 1, BIG, 2 * BIG + 1, 10]
     res = ranks.run(f"SIZES = {sizes!r}\n" + P2P, timeout=100)
     assert res[0] == [1]
     assert res[1] == [(0, digest(blob(n, 0, i))) for i, n in enumerate(sizes)]
@@ -646,9 +648,10 @@ else:
     assert res[0] == {q: [digest(blob(1000, q, k)) for k in range(3)] for q in range(1, W)}
 
 
-def test_exchange_larger_than_the_mailboxes_with_send_and_recv_on_two_threads(pair):
-    """Both ranks send 16 MB to each other at once: each send waits for the
-    peer's recv, which runs on another thread of the peer meanwhile."""
+@pytest.mark.parametrize("n", [BIG, 2 * BIG + 1], ids=["streamed", "direct"])
+def test_exchange_larger_than_the_mailboxes_with_send_and_recv_on_two_threads(pair, n):
+    """Both ranks send n bytes to each other at once: each send waits for
+    the peer's recv, which runs on another thread of the peer meanwhile."""
     res = pair.run(r'''
 import threading
 peer = 1 - rank
@@ -665,10 +668,10 @@ got = np.zeros(BIG, np.uint8)
 src = g.recv(got.ctypes.data, BIG, peer, 1, 60)
 t.join()
 result = errs, src, digest(got)
-'''.replace("BIG", str(BIG)))
+'''.replace("BIG", str(n)))
     for r, (errs, src, got) in enumerate(res):
         assert errs == [] and src == 1 - r, (r, errs, src)
-        assert got == digest(blob(BIG, 1 - r, "exchange")), r
+        assert got == digest(blob(n, 1 - r, "exchange")), r
 
 
 def test_recv_takes_the_oldest_message_with_its_tag_past_others(pair):
