@@ -168,7 +168,6 @@
 #define MPC_COLL_YIELDS 16                    /* see barrier() */
 #define MPC_COLL_SPIN_NS 30000LL              /* see barrier() */
 #define MPC_COLL_BOXES (8u << 20)             /* mailbox bytes of a group, about */
-#define CMA_SPLIT (4u << 20)                  /* NOTE [ A large receive copies on two threads ] */
 #define MPC_COLL_BOX_MIN 4096u                /* mailbox bytes of a pair, at least */
 #define MPC_COLL_BOX_MAX (1u << 20)           /* and at most */
 #define MPC_COLL_MSG_MAGIC 0x67736d6du        /* "mmsg" */
@@ -177,6 +176,7 @@
 #define MPC_COLL_CMA_STEP (8u << 20)          /* bytes per process_vm_readv/writev */
 #define MPC_COLL_CMA_AR_MIN (1u << 20)        /* (all-)reduce bytes to copy directly */
 #define MPC_COLL_CMA_SEND (16u << 20)         /* send bytes beyond which to copy directly */
+#define CMA_SPLIT (4u << 20)                  /* NOTE [ A large receive copies on two threads ] */
 
 typedef struct {
     uint32_t kind, op, dtype;
@@ -1077,10 +1077,10 @@ static void *cma_run(void *arg) {
 }
 
 /* NOTE [ A large receive copies on two threads ]
- * A send larger than the mailbox returns only once its receiver has read
- * it, so while the receiver reads, the sender's core is idle.  So a
- * receive of CMA_SPLIT bytes or more from the sender's memory is
- * shared with a helper thread (joined before the receive returns):
+ * A send whose bytes the receiver reads from the sender's memory returns
+ * only once they are read, so while the receiver reads, the sender's core
+ * is idle.  So such a receive of CMA_SPLIT bytes or more is shared with a
+ * helper thread (joined before the receive returns):
  * measured, process_vm_readv of 16 MB took 1.59 ms on one thread and
  * 0.91 ms on two.  Collectives, where every rank copies at once, copy on
  * one thread: a helper would only compete with a peer for a core. */

@@ -7,7 +7,6 @@
 #include <structmember.h>
 #include <numpy/arrayobject.h>
 #include <numpy/npy_2_compat.h>
-#include <dirent.h>
 #include <string.h>
 
 typedef struct BlockObject {

@@ -71,32 +71,23 @@ __attribute__((target("avx2"))) static void mpc__stream_avx2(char *d, const char
     }
 }
 
-static void mpc__stream_sse2(char *d, const char *s, size_t n) {
-    for (size_t i = 0; i < n; i += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
-        __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
-        __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
-        _mm_stream_si128((__m128i *)(d + i), a);
-        _mm_stream_si128((__m128i *)(d + i + 16), b);
-        _mm_stream_si128((__m128i *)(d + i + 32), c);
-        _mm_stream_si128((__m128i *)(d + i + 48), e);
-    }
-}
-
 /* Copies with non-temporal stores: the destination's unaligned head and
  * its tail by memcpy, the 128-byte aligned body streamed, then a fence, so
- * that a store that publishes the data afterwards is seen after it. */
+ * that a store that publishes the data afterwards is seen after it.  A
+ * CPU without AVX2 (before 2013) copies with memcpy. */
 static void mpc__copy_around(void *dst, const void *src, size_t n) {
+    if (!__builtin_cpu_supports("avx2")) {
+        memcpy(dst, src, n);
+        return;
+    }
     char *d = dst;
     const char *s = src;
     size_t head = (size_t)(-(uintptr_t)d & 127);
+    if (head > n)
+        head = n;
     memcpy(d, s, head);
     size_t body = (n - head) & ~(size_t)127;
-    if (__builtin_cpu_supports("avx2"))
-        mpc__stream_avx2(d + head, s + head, body);
-    else
-        mpc__stream_sse2(d + head, s + head, body);
+    mpc__stream_avx2(d + head, s + head, body);
     _mm_sfence();
     memcpy(d + head + body, s + head + body, n - head - body);
 }
