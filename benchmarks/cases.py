@@ -66,6 +66,11 @@ class Case:
     row_notes: object = None
     # False: --quick leaves the row out unless --only names it.
     in_quick: bool = True
+    # True: runs in a child of its own under --quick too.  A case that forks
+    # a process which then runs parallel torch work needs a parent where
+    # OpenMP never ran: libgomp is not fork-safe, and such a child hangs in
+    # its first parallel call.
+    own_child: bool = False
 
     def impl(self, which):
         return self.torch if which == "torch" else self.mpcore

@@ -284,7 +284,7 @@ def register(cases):
                                ("-unbounded", 0, "unbounded")):
         cases.add_case(f"queue-fresh-16m{tag}", f"Queue fresh 16 MB tensors, {what}", "ms",
                        False, fresh_16m, params={"maxsize": maxsize}, row_notes=_fresh_notes,
-                       timeout_s=180.0,
+                       own_child=True, timeout_s=180.0,
                        note=f"A forked producer puts torch.full((4M,), i) made in its loop "
                             f"(16 MB float32) on a Queue ({what}); the consumer reads one "
                             f"element of each; ms per item, after a warm-up item. The notes compare it with the "

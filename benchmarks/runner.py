@@ -10,7 +10,8 @@ A row's figure per side is the best of its repeats (max for rates, min for
 times); the JSON also keeps every value and the medians.
 
 --quick runs every case of one side in a single child (two children in all,
-per repeat), with a short timed part, to stay within ~60 s.
+per repeat, and one more for each case that wants a child of its own), with
+a short timed part, to stay within ~60 s.
 
 The spawn/process rows run a program of their own per measurement (see
 cases.SPAWN_PROGRAM): `python prog.py` for torch, `mpcore run prog.py` for
@@ -437,8 +438,13 @@ def main(argv=None):
     info = machine_info()
     t_start = time.monotonic()
     runs = {c.name: {i: [] for i in IMPLS} for c in selected}
-    # Batches of cases run by one child: one per case, or all of them (--quick).
-    batches = [selected] if args.quick else [[c] for c in selected]
+    # Batches of cases run by one child: one per case, or (--quick) all of
+    # them but those that want a child of their own (Case.own_child).
+    if args.quick:
+        shared = [c for c in selected if not c.own_child]
+        batches = ([shared] if shared else []) + [[c] for c in selected if c.own_child]
+    else:
+        batches = [[c] for c in selected]
     for batch in batches:
         names = [c.name for c in batch]
         # The timed part is ~target per case; calibration, start-up and the
