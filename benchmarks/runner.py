@@ -75,6 +75,15 @@ def _child_env(threads):
     return env
 
 
+def batches(selected, quick):
+    """The cases each child runs: one per case, or (quick) all of them but
+    those that want a child of their own (Case.own_child), in order."""
+    if not quick:
+        return [[c] for c in selected]
+    shared = [c for c in selected if not c.own_child]
+    return ([shared] if shared else []) + [[c] for c in selected if c.own_child]
+
+
 def run_child(names, impl, target_s, timeout_s, threads=None):
     """Runs cases.py for `names` on side `impl` in a new session (so that it
     and everything it starts can be killed as one group).  Returns one
@@ -438,14 +447,7 @@ def main(argv=None):
     info = machine_info()
     t_start = time.monotonic()
     runs = {c.name: {i: [] for i in IMPLS} for c in selected}
-    # Batches of cases run by one child: one per case, or (--quick) all of
-    # them but those that want a child of their own (Case.own_child).
-    if args.quick:
-        shared = [c for c in selected if not c.own_child]
-        batches = ([shared] if shared else []) + [[c] for c in selected if c.own_child]
-    else:
-        batches = [[c] for c in selected]
-    for batch in batches:
+    for batch in batches(selected, args.quick):
         names = [c.name for c in batch]
         # The timed part is ~target per case; calibration, start-up and the
         # producers' set-up add several times that.
