@@ -176,7 +176,7 @@
 #define MPC_COLL_CMA_STEP (8u << 20)          /* bytes per process_vm_readv/writev */
 #define MPC_COLL_CMA_AR_MIN (1u << 20)        /* (all-)reduce bytes to copy directly */
 #define MPC_COLL_CMA_SEND (16u << 20)         /* send bytes beyond which to copy directly */
-#define CMA_SPLIT (4u << 20)                  /* NOTE [ A large receive copies on two threads ] */
+#define MPC_COLL_CMA_SPLIT (4u << 20)         /* NOTE [ A large receive copies on two threads ] */
 
 typedef struct {
     uint32_t kind, op, dtype;
@@ -1079,8 +1079,8 @@ static void *cma_run(void *arg) {
 /* NOTE [ A large receive copies on two threads ]
  * A send whose bytes the receiver reads from the sender's memory returns
  * only once they are read, so while the receiver reads, the sender's core
- * is idle.  So such a receive of CMA_SPLIT bytes or more is shared with a
- * helper thread (joined before the receive returns):
+ * is idle.  So such a receive of MPC_COLL_CMA_SPLIT bytes or more is
+ * shared with a helper thread (joined before the receive returns):
  * measured, process_vm_readv of 16 MB took 1.59 ms on one thread and
  * 0.91 ms on two.  Collectives, where every rank copies at once, copy on
  * one thread: a helper would only compete with a peer for a core. */
@@ -1094,7 +1094,7 @@ static void *cma_run(void *arg) {
 static int cma_copy(mpc_coll *c, int q, void *mine, uint64_t theirs, uint64_t n, int into,
                     int split, const char *what) {
     pid_t pid = c->h->ranks[q].pid;
-    uint64_t half = split && n >= CMA_SPLIT ? (n / 2) & ~(uint64_t)4095 : 0;
+    uint64_t half = split && n >= MPC_COLL_CMA_SPLIT ? (n / 2) & ~(uint64_t)4095 : 0;
     cma_job a = {pid, mine, theirs, n - half, into, 0};
     cma_job b = {pid, (uint8_t *)mine + (n - half), theirs + (n - half), half, into, 0};
     pthread_t t;
