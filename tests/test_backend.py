@@ -91,6 +91,12 @@ def make_groups():
     with real_gloo():
         g = dist.new_group(backend="gloo")
     GROUPS["asked_for_gloo"] = (asked, g, list(range(WORLD)))
+    splits = [[0, WORLD - 1]] + ([list(range(1, WORLD - 1))] if WORLD > 2 else [])
+    m = dist.split_group(split_ranks=splits)     # torch's function, for mpcore's groups too
+    mine = next(s for s in splits if RANK in s)
+    with real_gloo():
+        gs = [dist.new_group(s, backend="gloo") for s in splits]
+    GROUPS["split_group"] = (m, gs[splits.index(mine)], mine)
     kinds = {}
     for k, v in GROUPS.items():
         if v is not None:
@@ -675,6 +681,40 @@ def job_destroy():
     return {"before": before, "made": made, "after": after, "sum": t.tolist(), "used": used}
 
 
+def job_split():
+    """NOTE [ Splitting a group ]: a split of a subgroup (group ranks, in
+    any order), a rank in no split, splits torch would take and ones it
+    should not, a group of torch's gloo as the parent, and destroying a
+    split."""
+    out = {"errors": {}}
+    sub = GROUPS["new_subgroups"][0]
+    before = _region_maps()
+    h = dist.split_group(sub, [[1, 0]])
+    t = torch.tensor([float(RANK)])
+    dist.all_reduce(t, group=h)
+    made = _region_maps()
+    out["of_sub"] = [type(h).__name__, dist.get_process_group_ranks(h), t.item()]
+    dist.destroy_process_group(h)
+    out["regions"] = [before, made, _region_maps()]
+    only = dist.split_group(split_ranks=[[0]])
+    out["only0"] = None if only is None else dist.get_process_group_ranks(only)
+    for name, splits in (("shared", [[0, 1], [1]]), ("outside", [[0, WORLD]]),
+                         ("duplicate", [[0, 0]]), ("empty", [])):
+        try:
+            dist.split_group(split_ranks=splits)
+            out["errors"][name] = "no error"
+        except Exception as e:
+            out["errors"][name] = f"{type(e).__name__}: {e}"
+    with real_gloo():
+        g = dist.new_group(backend="gloo")
+    try:
+        dist.split_group(g, [[0, 1]])
+        out["gloo_parent"] = "no error"
+    except Exception as e:
+        out["gloo_parent"] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def job_work(stage):
     m = c10d._get_default_group()
     if stage == "async":
@@ -1016,14 +1056,14 @@ def _assert_all(results, min_gloo=()):
             (key, ran[0]["gloo"])
 
 
-KINDS = ["world", "new_group", "new_subgroups", "asked_for_gloo"]
+KINDS = ["world", "new_group", "new_subgroups", "asked_for_gloo", "split_group"]
 
 
 def test_groups_are_mpcore_and_gloo(pool):
     """Every group of mpcore's, asked for with "gloo" or with no backend, and
     its twin of torch's gloo."""
     for kinds in pool.kinds:
-        assert set(kinds) >= {"world", "new_subgroups", "asked_for_gloo"}, kinds
+        assert set(kinds) >= {"world", "new_subgroups", "asked_for_gloo", "split_group"}, kinds
         for kind, (mine, theirs, shm) in kinds.items():
             assert mine == "ProcessGroupMpcore" and shm is True, kind
             assert theirs == "ProcessGroup", kind
@@ -1131,6 +1171,30 @@ def test_mismatched_calls_fail_on_every_rank(pool):
         assert "sum" in res["op"].lower() and "max" in res["op"].lower(), res
         assert "all_reduce" in res["kind"] and "broadcast" in res["kind"], res
         assert res["after"] == [float(pool.world)] * 3
+
+
+def test_split_group(pool):
+    """torch's split_group, which refuses every CPU group, splits mpcore's
+    (NOTE [ Splitting a group ])."""
+    W = len(pool.kinds)
+    for rank, res in enumerate(pool.run("split")):
+        pair = [rank - rank % 2, rank - rank % 2 + 1]
+        assert res["of_sub"] == ["ProcessGroupMpcore", pair, float(sum(pair))], (rank, res)
+        before, made, after = res["regions"]
+        assert made > before == after, (rank, res["regions"])
+        assert res["only0"] == ([0] if rank == 0 else None), (rank, res)
+        errors = res["errors"]
+        assert errors["shared"].startswith("ValueError") and "[1] are in another split" in \
+            errors["shared"], errors
+        assert errors["outside"].startswith("ValueError") and f"ranks [{W}] are not group ranks" \
+            in errors["outside"], errors
+        assert errors["duplicate"].startswith("ValueError") and "duplicate" in \
+            errors["duplicate"], errors
+        assert errors["empty"].startswith("ValueError") and "cannot be None or empty" in \
+            errors["empty"], errors
+        # a group of torch's gloo goes to torch's function, which refuses it on the CPU
+        assert res["gloo_parent"].startswith("RuntimeError") and "split" in \
+            res["gloo_parent"], res["gloo_parent"]
 
 
 def test_destroy_frees_the_region(pool):

@@ -89,6 +89,7 @@ is.
 import collections
 import datetime
 import functools
+import hashlib
 import weakref
 
 import torch
@@ -421,6 +422,7 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         self._name = ""
         self._desc = ""
         self._batch = None  # the point-to-point Works of a coalescing block
+        self._split_count = 0  # split_group calls on this group (NOTE [ Splitting a group ])
         # global rank -> this group's rank (_create_extended sets a subgroup's)
         self._group_ranks = {r: r for r in range(world)}
         self._send_lanes = [f"mpcore-send-{q}" for q in range(world)]  # lane names by rank
@@ -1303,9 +1305,86 @@ def _set_pg_timeout(timeout, group=None):
 _torch_set_pg_timeout = None
 
 
+def _split_group(parent_pg=None, split_ranks=None, timeout=None, pg_options=None,
+                 group_desc=None, backend=None):
+    """torch's split_group, for mpcore's groups too.
+
+    NOTE [ Splitting a group ]
+    torch's split_group refuses every group unless the default group is
+    bound to an accelerator whose backend splits communicators (NCCL's
+    ncclCommSplit), so on the CPU it fails for gloo and for any backend
+    before it asks the group.  A split of an mpcore group needs no
+    communicator to split: each split is a new group of its ranks, made
+    only by its members (torch's new_group with use_local_synchronization:
+    its registration, barrier and backend config), with the parent's
+    backend.  As in torch, every rank of the parent calls it with the same
+    splits, the ranks in a split are the parent's group ranks, and a rank
+    in no split gets None.  Splits that share a rank are refused on every
+    rank (torch leaves them to hang).  Any other parent goes to torch's
+    function.
+    The one thing taken from torch's new_group is the group's name, which
+    is the prefix of the group's keys in the store.  torch hashes the ranks
+    with the number of groups this rank knows, and ranks that were left
+    out of some earlier group know fewer: the members of one split would
+    then wait for each other under different names until the timeout.
+    Here the name hashes the parent's name, how many splits of the parent
+    came before (every member of the parent counts each call) and the
+    split's ranks, which every member of the split knows alike."""
+    parent = parent_pg
+    if parent is None and _c10d.is_initialized():
+        parent = _c10d._get_default_group()
+    if not isinstance(parent, ProcessGroupMpcore):
+        return _torch_split_group(parent_pg, split_ranks, timeout, pg_options, group_desc,
+                                  backend)
+    if not split_ranks:
+        raise ValueError("split_ranks cannot be None or empty")
+    to_group = _c10d._world.pg_group_ranks.get(parent)
+    if to_group is None:
+        raise ValueError(f"Group {parent} is not registered")
+    me = to_group.get(_c10d.get_rank())
+    if me is None:
+        raise ValueError(f"Global rank {_c10d.get_rank()} is not part of the parent group {parent}")
+    to_global = {g: r for r, g in to_group.items()}
+    parent._split_count += 1
+    mine, seen = None, set()
+    for split in split_ranks:
+        split = list(split)
+        if not split:
+            raise ValueError("the split group cannot be empty")
+        if len(split) != len(set(split)):
+            raise ValueError(f"the split group cannot have duplicate ranks: {split}")
+        outside = [r for r in split if r not in to_global]
+        if outside:
+            raise ValueError(f"split {split}: ranks {outside} are not group ranks of the parent "
+                             f"group, which has {len(to_global)}")
+        if seen.intersection(split):
+            raise ValueError(f"split {split}: ranks {sorted(seen.intersection(split))} are in "
+                             f"another split too")
+        seen.update(split)
+        if me in split:
+            mine = sorted(split)
+    if mine is None:
+        return None
+    ranks = [to_global[r] for r in mine]
+    key = f"{parent.group_name}/split{parent._split_count}/{ranks}"
+    name = hashlib.sha1(key.encode(), usedforsecurity=False).hexdigest()
+    hashed = _c10d._process_group_name
+    _c10d._process_group_name = lambda ranks, use_hashed_name: name
+    try:
+        return _c10d.new_group(ranks, timeout=timeout,
+                               backend=backend or _c10d._world.pg_map[parent][0],
+                               pg_options=pg_options, use_local_synchronization=True,
+                               group_desc=group_desc)
+    finally:
+        _c10d._process_group_name = hashed
+
+
+_torch_split_group = None
+
+
 def register():
     """Registers the backend with torch.distributed (once)."""
-    global _torch_set_pg_timeout
+    global _torch_set_pg_timeout, _torch_split_group
     if "MPCORE" not in dist.Backend._plugins:
         dist.Backend.register_backend("mpcore", _create_extended, extended_api=True,
                                       devices=["cpu"])
@@ -1313,5 +1392,13 @@ def register():
     if _torch_set_pg_timeout is None and hasattr(_c10d, "_set_pg_timeout"):
         _torch_set_pg_timeout = _c10d._set_pg_timeout
         _c10d._set_pg_timeout = functools.wraps(_torch_set_pg_timeout)(_set_pg_timeout)
+    if _torch_split_group is None and hasattr(_c10d, "split_group"):
+        _torch_split_group = _c10d.split_group
+        split = functools.wraps(_torch_split_group)(_split_group)
+        _c10d.split_group = dist.split_group = split   # NOTE [ Splitting a group ]
+        import sys
+        mesh = sys.modules.get("torch.distributed.device_mesh")
+        if getattr(mesh, "split_group", None) is _torch_split_group:
+            mesh.split_group = split
     from . import _fastpath
     _fastpath.install()   # NOTE [ A fast path for torch's module functions ]

@@ -94,7 +94,7 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
     mpcore would lose it.  For an mpcore group this calls the group's own
     monitored_barrier (a barrier whose timeout names the ranks that did not
     come); every other group gets torch's function.  It is the one torch
-    function mpcore replaces."""
+    function install() replaces."""
     pg = _c10d._get_default_group() if group is None else group
     if not isinstance(pg, _backend.ProcessGroupMpcore):
         return _torch_monitored_barrier(group, timeout, wait_all_ranks)
