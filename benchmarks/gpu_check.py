@@ -140,6 +140,17 @@ def mixed_main(rank, world, port, out):
             ok = False
         lines.append(f"group cpu:mpcore,cuda:nccl: all_reduce of a {dev.split(':')[0]} tensor "
                      f"{'PASS' if ok else 'FAIL'} (served by {served})")
+    # torch's split_group of that group (NOTE [ Splitting a group ] in _backend.py)
+    try:
+        split = dist.split_group(split_ranks=[list(range(world))])
+        for dev in ("cpu", f"cuda:{rank}"):
+            t = torch.full((4097,), float(rank + 1), device=dev)
+            dist.all_reduce(t, group=split)
+            ok = bool((t == want).all())
+            lines.append(f"split_group of it: all_reduce of a {dev.split(':')[0]} tensor "
+                         f"{'PASS' if ok else 'FAIL'} ({type(split).__name__})")
+    except Exception as e:
+        lines.append(f"split_group of it: FAIL ({type(e).__name__}: {e})")
     dist.destroy_process_group()
     if rank == 0:
         with open(out, "w") as f:
