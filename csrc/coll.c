@@ -162,7 +162,7 @@
 #define MPC_COLL_DATA 16384                   /* header bytes, page aligned */
 #define MPC_COLL_ONESHOT (64u << 10)
 #define MPC_COLL_AR_PIECE (256u << 10)       /* all-reduce piece: staged, it stays in cache */
-#define MPC_COLL_MAPPED_PIECE (64u << 10)    /* see all_reduce_mapped() */
+#define MPC_COLL_MAPPED_PIECE (64u << 10)    /* see reduce_mapped() */
 #define MPC_COLL_CHECK_NS 100000000LL        /* 100 ms between looks at peers */
 #define MPC_COLL_ALIGN 64
 #define MPC_COLL_YIELDS 16                    /* see barrier() */
@@ -714,7 +714,7 @@ static int begin(mpc_coll *c, uint32_t kind, uint32_t op, uint32_t dtype, int32_
     uint64_t parity = c->calls++ & 1;
     mpc_coll_call me = {kind, op, dtype, root, count};
     c->h->ranks[c->rank].call[parity] = me;
-    if (kind != MPC_COLL_ALL_REDUCE)
+    if (kind != MPC_COLL_ALL_REDUCE && kind != MPC_COLL_REDUCE) /* those post_buffer() */
         c->h->ranks[c->rank].ref[parity].fd = -1;
     int r = barrier(c, kind_names[kind], deadline);
     if (r < 0)
@@ -1117,14 +1117,15 @@ static int cma_copy(mpc_coll *c, int q, void *mine, uint64_t theirs, uint64_t n,
     return broken_error(c);
 }
 
-/* All-reduce when every rank's data lies in a group buffer: rank r reduces
- * slice r straight from every rank's buffer and writes the result into
- * every rank's buffer; a barrier closes the call.  Each rank reads and
- * writes the size of the data once, and nothing is staged.
- * NOTE [ Group buffers ]. */
-static int all_reduce_mapped(mpc_coll *c, uint8_t *mine, uint64_t count, int dtype, int op,
-                             uint64_t parity, int64_t deadline) {
+/* The all-reduce (root < 0) or reduce when every rank's data lies in a
+ * group buffer: rank r reduces slice r straight from every rank's buffer
+ * and writes the result into every rank's buffer, or into the root's only;
+ * a barrier closes the call.  Each rank reads and writes the size of the
+ * data once, and nothing is staged.  NOTE [ Group buffers ]. */
+static int reduce_mapped(mpc_coll *c, uint8_t *mine, uint64_t count, int dtype, int op, int root,
+                         uint64_t parity, int64_t deadline) {
     int W = c->world;
+    const char *what = root < 0 ? "all_reduce" : "reduce";
     size_t es = dtype_size[dtype];
     uint8_t *bufs[MPC_COLL_MAX_RANKS];
     void *srcs[MPC_COLL_MAX_RANKS];
@@ -1148,23 +1149,25 @@ static int all_reduce_mapped(mpc_coll *c, uint8_t *mine, uint64_t count, int dty
     if (a > b)
         a = b;
     /* A piece at a time, so that the result is still in cache when it is
-     * copied to the peers. */
+     * copied to the peers.  A reduce writes its slice into the root's
+     * buffer straight away (each element is read before it is written). */
+    uint8_t *out = root < 0 ? mine : bufs[root];
     uint64_t per = piece_elems(MPC_COLL_MAPPED_PIECE, es);
     for (uint64_t off = a; off < b; off += per) {
         uint64_t n = b - off < per ? b - off : per;
         for (int q = 0; q < W; q++)
             srcs[q] = bufs[q] + off * es;
-        reduce(dtype, op, mine + off * es, srcs, W, n);
-        for (int q = 0; q < W; q++)
+        reduce(dtype, op, out + off * es, srcs, W, n);
+        for (int q = 0; q < W && root < 0; q++)
             if (q != c->rank)
                 memcpy(bufs[q] + off * es, mine + off * es, n * es);
     }
-    return barrier(c, "all_reduce", deadline);
+    return barrier(c, what, deadline);
 }
 
 /* The all-reduce (root < 0) or reduce of a large buf when every rank can
  * copy from and into the others (NOTE [ Copies between ranks' memory ]):
- * as all_reduce_mapped, rank r reduces slice r, a piece at a time, reading
+ * as reduce_mapped, rank r reduces slice r, a piece at a time, reading
  * the peers' pieces into memory of its own, and writes the result into
  * every peer's buf, or into the root's only.  A reduce leaves the buf of a
  * rank other than the root as it was: such a rank reduces into memory of
@@ -1206,13 +1209,11 @@ static int reduce_direct(mpc_coll *c, uint8_t *mine, uint64_t count, int dtype, 
     return barrier(c, what, deadline);
 }
 
-int mpc_coll_all_reduce(mpc_coll *c, void *buf, uint64_t count, int dtype, int op,
-                        const mpc_coll_buf *in, int64_t deadline) {
-    int r = check_args(dtype, op, 1);
-    if (r < 0)
-        return r;
-    size_t es = dtype_size[dtype];
-    uint64_t parity = c->calls & 1;
+/* Posts, in this rank's words of the call's parity, where buf lies (for
+ * peers that copy from or into it) and the group buffer `in` that holds it,
+ * if any; -EINVAL when buf's count elements do not lie in `in`. */
+static int post_buffer(mpc_coll *c, void *buf, uint64_t count, size_t es, const mpc_coll_buf *in,
+                       uint64_t parity) {
     mpc_coll_ref *ref = &c->h->ranks[c->rank].ref[parity];
     ref->fd = -1;
     c->h->ranks[c->rank].addr[parity] = (uint64_t)(uintptr_t)buf;
@@ -1222,13 +1223,30 @@ int mpc_coll_all_reduce(mpc_coll *c, void *buf, uint64_t count, int dtype, int o
             return mpc_fail(EINVAL, "the data does not lie in the group buffer given");
         *ref = (mpc_coll_ref){in->fd, 0, in->uid, in->nbytes, off};
     }
-    if ((r = begin(c, MPC_COLL_ALL_REDUCE, (uint32_t)op, (uint32_t)dtype, 0, count, deadline)) < 0)
-        return r;
-    int W = c->world, mapped = W > 1;
-    for (int q = 0; q < W; q++)
+    return 0;
+}
+
+/* Whether every rank of a group of more than one posted a group buffer. */
+static int all_mapped(const mpc_coll *c, uint64_t parity) {
+    int mapped = c->world > 1;
+    for (int q = 0; q < c->world; q++)
         mapped &= c->h->ranks[q].ref[parity].fd >= 0;
-    if (mapped)
-        return all_reduce_mapped(c, buf, count, dtype, op, parity, deadline);
+    return mapped;
+}
+
+int mpc_coll_all_reduce(mpc_coll *c, void *buf, uint64_t count, int dtype, int op,
+                        const mpc_coll_buf *in, int64_t deadline) {
+    int r = check_args(dtype, op, 1);
+    if (r < 0)
+        return r;
+    size_t es = dtype_size[dtype];
+    uint64_t parity = c->calls & 1;
+    if ((r = post_buffer(c, buf, count, es, in, parity)) < 0 ||
+        (r = begin(c, MPC_COLL_ALL_REDUCE, (uint32_t)op, (uint32_t)dtype, 0, count, deadline)) < 0)
+        return r;
+    int W = c->world;
+    if (all_mapped(c, parity))
+        return reduce_mapped(c, buf, count, dtype, op, -1, parity, deadline);
     if (W > 1 && count * es >= MPC_COLL_CMA_AR_MIN && cma_all(c))
         return reduce_direct(c, buf, count, dtype, op, -1, parity, deadline);
     void *srcs[MPC_COLL_MAX_RANKS];
@@ -1341,18 +1359,20 @@ int mpc_coll_reduce_scatter(mpc_coll *c, void *out, const void *in, uint64_t cou
 }
 
 int mpc_coll_reduce(mpc_coll *c, void *buf, uint64_t count, int dtype, int op, int root,
-                    int64_t deadline) {
+                    const mpc_coll_buf *in, int64_t deadline) {
     int r = check_args(dtype, op, 1);
     if (r < 0)
         return r;
     if (root < 0 || root >= c->world)
         return mpc_fail(EINVAL, "root %d is not a rank of this group of %d", root, c->world);
-    uint64_t parity = c->calls & 1;
-    c->h->ranks[c->rank].addr[parity] = (uint64_t)(uintptr_t)buf;
-    if ((r = begin(c, MPC_COLL_REDUCE, (uint32_t)op, (uint32_t)dtype, root, count, deadline)) < 0)
-        return r;
     size_t es = dtype_size[dtype];
+    uint64_t parity = c->calls & 1;
+    if ((r = post_buffer(c, buf, count, es, in, parity)) < 0 ||
+        (r = begin(c, MPC_COLL_REDUCE, (uint32_t)op, (uint32_t)dtype, root, count, deadline)) < 0)
+        return r;
     int W = c->world, me = c->rank;
+    if (all_mapped(c, parity))
+        return reduce_mapped(c, buf, count, dtype, op, root, parity, deadline);
     if (W > 1 && count * es >= MPC_COLL_CMA_AR_MIN && cma_all(c))
         return reduce_direct(c, buf, count, dtype, op, root, parity, deadline);
     void *srcs[MPC_COLL_MAX_RANKS];

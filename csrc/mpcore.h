@@ -831,7 +831,7 @@ int mpc_coll_reduce_scatter(mpc_coll *c, void *out, const void *in, uint64_t cou
  * logical and.  The data movers (gather, scatter, all_to_all, send, recv)
  * move bytes and take data of any type.
  *   reduce: root's buf (count elements) becomes the reduction over the
- *     ranks; the other ranks' buf is left as it was.
+ *     ranks; the other ranks' buf is left as it was.  `in` as all_reduce's.
  *   gather: on the root, outs[q] (nbytes) gets rank q's in; outs is not
  *     read (and may be NULL) elsewhere.
  *   scatter: every rank's out (nbytes) gets the root's ins[rank]; ins is
@@ -842,7 +842,7 @@ int mpc_coll_reduce_scatter(mpc_coll *c, void *out, const void *in, uint64_t cou
  *     sizes each.  When a rank's send size to j differs from j's recv size
  *     from it, every rank returns -EINVAL naming both ranks and sizes. */
 int mpc_coll_reduce(mpc_coll *c, void *buf, uint64_t count, int dtype, int op, int root,
-                    int64_t deadline_ns);
+                    const mpc_coll_buf *in, int64_t deadline_ns);
 int mpc_coll_gather(mpc_coll *c, void *const *outs, const void *in, uint64_t nbytes, int root,
                     int64_t deadline_ns);
 int mpc_coll_scatter(mpc_coll *c, void *out, const void *const *ins, uint64_t nbytes, int root,

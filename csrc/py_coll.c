@@ -171,21 +171,31 @@ static PyObject *Group_pid(PyObject *op, PyObject *arg) {
     return PyLong_FromLong(mpc_coll_pid(c, (int)rank));
 }
 
+/* The group buffer that `in` names (NULL for None) into *b; -1 with
+ * TypeError naming `what` for anything else. */
+static int buffer_arg(PyObject *op, PyObject *in, const char *what, mpc_coll_buf **b) {
+    *b = NULL;
+    if (in == Py_None)
+        return 0;
+    if (!PyObject_TypeCheck(in, mpc_type_state(Py_TYPE(op))->GroupBufferType)) {
+        PyErr_Format(PyExc_TypeError, "%s: buffer must be a GroupBuffer, not %s", what,
+                     Py_TYPE(in)->tp_name);
+        return -1;
+    }
+    *b = ((GroupBufferObject *)in)->b;
+    return 0;
+}
+
 static PyObject *Group_all_reduce(PyObject *op, PyObject *args) {
     unsigned long long addr, count;
     int dtype, rop;
     PyObject *timeout = Py_None, *in = Py_None;
+    mpc_coll_buf *b;
     mpc_coll *c = group_of(op);
     if (c == NULL || !PyArg_ParseTuple(args, "KKii|OO:all_reduce", &addr, &count, &dtype, &rop,
-                                       &timeout, &in))
+                                       &timeout, &in) ||
+        buffer_arg(op, in, "all_reduce", &b) < 0)
         return NULL;
-    mpc_coll_buf *b = NULL;
-    if (in != Py_None) {
-        if (!PyObject_TypeCheck(in, mpc_type_state(Py_TYPE(op))->GroupBufferType))
-            return PyErr_Format(PyExc_TypeError, "all_reduce: buffer must be a GroupBuffer, not %s",
-                                Py_TYPE(in)->tp_name);
-        b = ((GroupBufferObject *)in)->b;
-    }
     int64_t dl = deadline_of(timeout);
     if (dl == -2)
         return NULL;
@@ -246,15 +256,17 @@ static PyObject *Group_reduce_scatter(PyObject *op, PyObject *args) {
 static PyObject *Group_reduce(PyObject *op, PyObject *args) {
     unsigned long long addr, count;
     int dtype, rop, root;
-    PyObject *timeout = Py_None;
+    PyObject *timeout = Py_None, *in = Py_None;
+    mpc_coll_buf *b;
     mpc_coll *c = group_of(op);
-    if (c == NULL || !PyArg_ParseTuple(args, "KKiii|O:reduce", &addr, &count, &dtype, &rop, &root,
-                                       &timeout))
+    if (c == NULL || !PyArg_ParseTuple(args, "KKiii|OO:reduce", &addr, &count, &dtype, &rop, &root,
+                                       &timeout, &in) ||
+        buffer_arg(op, in, "reduce", &b) < 0)
         return NULL;
     int64_t dl = deadline_of(timeout);
     if (dl == -2)
         return NULL;
-    RUN(op, mpc_coll_reduce(c, (void *)(uintptr_t)addr, count, dtype, rop, root, dl));
+    RUN(op, mpc_coll_reduce(c, (void *)(uintptr_t)addr, count, dtype, rop, root, b, dl));
 }
 
 /* Reads a sequence of `world` byte counts (or addresses) into sizes.
@@ -447,8 +459,8 @@ static PyMethodDef Group_methods[] = {
     {"reduce_scatter", Group_reduce_scatter, METH_VARARGS,
      "reduce_scatter(out_address, in_address, count, dtype, op, timeout=None)"},
     {"reduce", Group_reduce, METH_VARARGS,
-     "reduce(address, count, dtype, op, root, timeout=None): root's data becomes the\n"
-     "reduction; the others' stays"},
+     "reduce(address, count, dtype, op, root, timeout=None, buffer=None): root's data\n"
+     "becomes the reduction; the others' stays; buffer as all_reduce's"},
     {"gather", Group_gather, METH_VARARGS,
      "gather(outs, in_address, nbytes, root, timeout=None): on root, outs (one address of\n"
      "world * nbytes, or world addresses of nbytes) gets every rank's in; ignored elsewhere"},

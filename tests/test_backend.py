@@ -232,10 +232,10 @@ def job_all_reduce(kind, op, noncontig=False, async_op=False, shape=(3, 5), coal
     return st
 
 
-def job_reduced_again(kind):
-    """NOTE [ Memory reduced again and again ]: three all-reduces of a large
-    tensor of each sort; its address after each, and whether it then lies in
-    a group buffer."""
+def job_reduced_again(kind, call="all_reduce"):
+    """NOTE [ Memory reduced again and again ]: three all-reduces (or
+    reduces to the last member) of a large tensor of each sort; its address
+    after each, and whether it then lies in a group buffer."""
     if GROUPS[kind] is None:
         return "skip"
     import gc
@@ -258,10 +258,15 @@ def job_reduced_again(kind):
         for i in range(3):
             ins = [make("float32", (t.numel(),), q, f"again{sort}{i}") for q in range(W)]
             t.copy_(ins[members.index(RANK)])
-            w = dist.all_reduce(t, group=m, async_op=i == 2)
+            if call == "reduce":
+                w = dist.reduce(t, dst=members[-1], group=m, async_op=i == 2)
+            else:
+                w = dist.all_reduce(t, group=m, async_op=i == 2)
             if i == 2:
                 w.wait()
             want = reduce_ref(ins, "SUM", "float32")
+            if call == "reduce" and RANK != members[-1]:
+                want = ins[members.index(RANK)]
             check(f"{sort} call {i}", t, want)
             check(f"{sort} call {i}, a view made before", head, want[:7])
             a = t.untyped_storage().data_ptr()
@@ -1082,12 +1087,14 @@ def test_all_reduce_forms(pool, how):
                          async_op=how == "async", coalesced=how == "coalesced"))
 
 
+@pytest.mark.parametrize("call", ["all_reduce", "reduce"])
 @pytest.mark.parametrize("kind", ["world", "new_group"])
-def test_memory_reduced_again_moves_into_a_group_buffer(pool, kind):
+def test_memory_reduced_again_moves_into_a_group_buffer(pool, kind, call):
     """A large tensor of torch's own memory moves into a group buffer at its
-    second all-reduce and stays; memory that others see (numpy's, shared)
-    never moves; a rank whose tensor did not move still gets every result."""
-    results = pool.run("reduced_again", kind=kind)
+    second all-reduce (or reduce) and stays; memory that others see
+    (numpy's, shared) never moves; a rank whose tensor did not move still
+    gets every result."""
+    results = pool.run("reduced_again", kind=kind, call=call)
     _assert_all(results)
     for rank, res in enumerate(results):
         if res == "skip":

@@ -216,6 +216,14 @@ def run(rank, world, outdir, out):
             named = buf if who == "every rank" or rank % 2 == 0 else None
             shm.core.all_reduce(m.data_ptr(), n, _backend.DTYPES[m.dtype], OPS.index(op), None, named)
             check(mkey, digest(m) == out["hashes"][key], "differs from the staged result")
+            # a reduce to the last rank: its data becomes the same bits, the
+            # others' data stays
+            m.copy_(src)
+            shm.core.reduce(m.data_ptr(), n, _backend.DTYPES[m.dtype], OPS.index(op), W - 1, None,
+                            named)
+            check(mkey.replace("all_reduce", f"reduce to {W - 1}"),
+                  digest(m) == (out["hashes"][key] if rank == W - 1 else digest(src)),
+                  "differs from the staged all-reduce" if rank == W - 1 else "the data changed")
             del m, buf
 
     def avg_int_case(name, n):

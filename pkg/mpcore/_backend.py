@@ -67,13 +67,14 @@ NOTE [ What the core cannot serve ]
   does, and so is AVG of integers (as the core: no rounding rule to pick).
 
 NOTE [ Memory reduced again and again ]
-A large all-reduce of memory that is the rank's own copies it between the
-ranks (NOTE [ Copies between ranks' memory ] in coll.c): system calls that
+A large all-reduce or reduce of memory that is the rank's own copies it
+between the ranks (NOTE [ Copies between ranks' memory ] in coll.c): system calls that
 take each peer's memory map lock, and a copy into a scratch area.  In a
 group buffer (NOTE [ Group buffers ] in coll.c) the ranks read each
 other's data where it lies.  So a storage of BUFFER_MIN bytes or more that
-a rank all-reduces a second time (torch's DDP buckets, FSDP's and the
-program's own gradient buffers: memory reduced again and again) is moved
+a rank all-reduces or reduces a second time, in either (torch's DDP
+buckets, FSDP's and the program's own gradient buffers: memory reduced
+again and again) is moved
 into a group buffer in place, as share_memory_() moves a storage
 (into_buffer), and stays there until the storage is freed, when the buffer
 goes with it.  Once is not enough: a tensor reduced once (a metric, a
@@ -84,7 +85,10 @@ a storage over a numpy array, a file or another process's shared memory
 pinning.  Each rank decides alone; when not every rank names a buffer the
 core copies between ranks' memory as before, so the result never depends
 on the choice.  Without memory for a buffer the storage stays where it
-is.
+is.  A storage is known by its address (the last _SEEN_MAX reduced once
+are remembered, memory that never moves is not): a new storage where one
+reduced once lay is moved at its first reduce, an early move and never a
+wrong result.
 """
 import collections
 import datetime
@@ -152,24 +156,27 @@ def _all_reduce_in(core, addr, count, dtype, op, buf, timeout):
     core.all_reduce(addr, count, dtype, op, timeout, buf)
 
 
+def _reduce_in(core, addr, count, dtype, op, root, buf, timeout):
+    core.reduce(addr, count, dtype, op, root, timeout, buf)
+
+
 def _buffer_of(t):
-    """The GroupBuffer holding t (CPU, contiguous) for the core's all-reduce,
-    moving t's storage into one on its second all-reduce; or None."""
+    """The GroupBuffer holding t (CPU, contiguous) for the core's all-reduce
+    or reduce, moving t's storage into one when it is reduced a second
+    time; or None."""
     s = t.untyped_storage()
     addr = s.data_ptr()
     b = _held.get(addr)
     if b is not None:
         return b
     n = s.nbytes()
-    if n < BUFFER_MIN:
-        return None
+    if (n < BUFFER_MIN or not s.resizable() or s.is_shared()
+            or (torch.cuda.is_initialized() and s.is_pinned())):
+        return None     # small, or memory that never moves: not remembered either
     if _seen.pop(addr, None) != n:
         _seen[addr] = n
         if len(_seen) > _SEEN_MAX:
             _seen.popitem(last=False)
-        return None
-    if (not s.resizable() or s.is_shared()
-            or (torch.cuda.is_initialized() and s.is_pinned())):
         return None
     try:
         return into_buffer(s)
@@ -664,12 +671,14 @@ class ProcessGroupMpcore(dist.ProcessGroup):
             row = _CORE_ROWS.get(t.dtype)
             codes = row[opts.reduceOp.op.value] if row is not None else None
             if codes is not None and t.is_cpu and t.is_contiguous() and 0 <= root < self._world:
+                buf = _buffer_of(t) if t.nbytes >= BUFFER_MIN else None
                 if opts.asyncOp:
-                    return shm.run(True, tensors, shm.core.reduce, t.data_ptr(), t.numel(),
-                                   codes[0], codes[1], root, keep=(t,))
+                    return shm.run(True, tensors, _reduce_in, shm.core, t.data_ptr(), t.numel(),
+                                   codes[0], codes[1], root, buf, keep=(t,))
                 if shm._queued:
                     shm.drain()
-                shm.core.reduce(t.data_ptr(), t.numel(), codes[0], codes[1], root, shm.timeout)
+                shm.core.reduce(t.data_ptr(), t.numel(), codes[0], codes[1], root, shm.timeout,
+                                buf)
                 return _Done(tensors)
         if self._gloo is not None:
             return self._gloo.reduce(tensors, opts)
