@@ -1,6 +1,6 @@
 /* py_coll.c: mpcore._core.Group, one rank's handle on a group of
  * shared-memory collectives (coll.c); GroupBuffer, memory the other ranks
- * map when an all-reduce names it; and coll_create, which makes the
+ * map when an all-reduce or reduce names it; and coll_create, which makes the
  * group's region.  Buffers are passed as addresses (a tensor's data_ptr(),
  * an array's data address) that the caller keeps alive and contiguous.
  * Collectives run with the GIL released; a signal during a wait runs
@@ -498,7 +498,7 @@ static PyType_Spec Group_spec = {
 };
 
 /* GroupBuffer(nbytes): shared memory that the other ranks map when an
- * all-reduce names it; a writable buffer of whole pages. */
+ * all-reduce or reduce names it; a writable buffer of whole pages. */
 static PyObject *GroupBuffer_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"nbytes", NULL};
     unsigned long long n;
@@ -561,7 +561,7 @@ static PyType_Slot GroupBuffer_slots[] = {
     {Py_tp_members, GroupBuffer_members},
     {Py_bf_getbuffer, GroupBuffer_getbuffer},
     {Py_tp_doc, "GroupBuffer(nbytes): shared memory the other ranks of a group map when an\n"
-                "all-reduce names it (NOTE [ Group buffers ] in coll.c)."},
+                "all-reduce or reduce names it (NOTE [ Group buffers ] in coll.c)."},
     {0, NULL},
 };
 
