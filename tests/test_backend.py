@@ -1183,7 +1183,7 @@ def test_mismatched_calls_fail_on_every_rank(pool):
 def test_split_group(pool):
     """torch's split_group, which refuses every CPU group, splits mpcore's
     (NOTE [ Splitting a group ])."""
-    W = len(pool.kinds)
+    W = pool.world
     for rank, res in enumerate(pool.run("split")):
         pair = [rank - rank % 2, rank - rank % 2 + 1]
         assert res["of_sub"] == ["ProcessGroupMpcore", pair, float(sum(pair))], (rank, res)

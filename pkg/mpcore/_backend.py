@@ -68,13 +68,13 @@ NOTE [ What the core cannot serve ]
 
 NOTE [ Memory reduced again and again ]
 A large all-reduce or reduce of memory that is the rank's own copies it
-between the ranks (NOTE [ Copies between ranks' memory ] in coll.c): system calls that
-take each peer's memory map lock, and a copy into a scratch area.  In a
-group buffer (NOTE [ Group buffers ] in coll.c) the ranks read each
-other's data where it lies.  So a storage of BUFFER_MIN bytes or more that
-a rank all-reduces or reduces a second time, in either (torch's DDP
-buckets, FSDP's and the program's own gradient buffers: memory reduced
-again and again) is moved
+between the ranks (NOTE [ Copies between ranks' memory ] in coll.c):
+system calls that take each peer's memory map lock, and a copy into a
+scratch area.  In a group buffer (NOTE [ Group buffers ] in coll.c) the
+ranks read each other's data where it lies.  So a storage of BUFFER_MIN
+bytes or more that a rank reduces a second time, all-reduce and reduce
+alike (torch's DDP buckets, FSDP's and the program's own gradient
+buffers: memory reduced again and again), is moved
 into a group buffer in place, as share_memory_() moves a storage
 (into_buffer), and stays there until the storage is freed, when the buffer
 goes with it.  Once is not enough: a tensor reduced once (a metric, a
@@ -1331,8 +1331,8 @@ def _split_group(parent_pg=None, split_ranks=None, timeout=None, pg_options=None
     in no split gets None.  Splits that share a rank are refused on every
     rank (torch leaves them to hang).  Any other parent goes to torch's
     function.
-    The one thing taken from torch's new_group is the group's name, which
-    is the prefix of the group's keys in the store.  torch hashes the ranks
+    The one part of torch's new_group replaced here is the group's name,
+    which is the prefix of the group's keys in the store.  torch hashes the ranks
     with the number of groups this rank knows, and ranks that were left
     out of some earlier group know fewer: the members of one split would
     then wait for each other under different names until the timeout.
