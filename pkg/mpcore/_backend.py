@@ -94,6 +94,7 @@ import collections
 import datetime
 import functools
 import hashlib
+import sys
 import weakref
 
 import torch
@@ -1405,7 +1406,6 @@ def register():
         _torch_split_group = _c10d.split_group
         split = functools.wraps(_torch_split_group)(_split_group)
         _c10d.split_group = dist.split_group = split   # NOTE [ Splitting a group ]
-        import sys
         mesh = sys.modules.get("torch.distributed.device_mesh")
         if getattr(mesh, "split_group", None) is _torch_split_group:
             mesh.split_group = split
