@@ -100,8 +100,11 @@
  * into every rank's buffer (a reduce: into the root's only): reading and
  * writing the size of the data once, with
  * one barrier to start (all data in place) and one to end (all results
- * written).  If any rank named none, every rank stages instead, so the
- * choice is the same everywhere.  A rank maps a peer's buffer through
+ * written).  An all-to-all names the buffer that holds its input, and
+ * when every rank named one, each reads its pieces from the peers'
+ * buffers with mpc_copy.  If any rank named none, every rank stages (or
+ * copies between the ranks' memory) instead, so the choice is the same
+ * everywhere.  A rank maps a peer's buffer through
  * /proc/<pid>/fd on first use and keeps the mapping (the least recently
  * used goes when MPC_COLL_MAPS are held); buffers are told apart by an id
  * unique in their process, never by fd, which the kernel reuses.  Freeing
@@ -715,7 +718,8 @@ static int begin(mpc_coll *c, uint32_t kind, uint32_t op, uint32_t dtype, int32_
     uint64_t parity = c->calls++ & 1;
     mpc_coll_call me = {kind, op, dtype, root, count};
     c->h->ranks[c->rank].call[parity] = me;
-    if (kind != MPC_COLL_ALL_REDUCE && kind != MPC_COLL_REDUCE) /* those post_buffer() */
+    if (kind != MPC_COLL_ALL_REDUCE && kind != MPC_COLL_REDUCE &&
+        kind != MPC_COLL_ALL_TO_ALL) /* those post_buffer() */
         c->h->ranks[c->rank].ref[parity].fd = -1;
     int r = barrier(c, kind_names[kind], deadline);
     if (r < 0)
@@ -1118,6 +1122,20 @@ static int cma_copy(mpc_coll *c, int q, void *mine, uint64_t theirs, uint64_t n,
     return broken_error(c);
 }
 
+/* Where rank q's data of the call of `parity` lies in this process: in
+ * q's group buffer, mapped here.  NULL, having broken the group, when it
+ * cannot be mapped. */
+static uint8_t *peer_data(mpc_coll *c, int q, uint64_t parity) {
+    const mpc_coll_ref *ref = &c->h->ranks[q].ref[parity];
+    uint8_t *b = peer_buffer(c, q, ref);
+    if (b == NULL) {
+        break_group(c, c->rank, "rank %d could not map rank %d's buffer: %s", lbl(c, c->rank),
+                    lbl(c, q), mpc_errmsg());
+        return NULL;
+    }
+    return b + ref->offset;
+}
+
 /* The all-reduce (root < 0) or reduce when every rank's data lies in a
  * group buffer: rank r reduces slice r straight from every rank's buffer
  * and writes the result into every rank's buffer, or into the root's only;
@@ -1130,18 +1148,9 @@ static int reduce_mapped(mpc_coll *c, uint8_t *mine, uint64_t count, int dtype, 
     size_t es = dtype_size[dtype];
     uint8_t *bufs[MPC_COLL_MAX_RANKS];
     void *srcs[MPC_COLL_MAX_RANKS];
-    for (int q = 0; q < W; q++) {
-        const mpc_coll_ref *ref = &c->h->ranks[q].ref[parity];
-        bufs[q] = q == c->rank ? mine : peer_buffer(c, q, ref);
-        if (bufs[q] == NULL) {
-            break_group(c, c->rank, "rank %d could not map rank %d's buffer: %s", lbl(c, c->rank),
-                        lbl(c, q),
-                        mpc_errmsg());
+    for (int q = 0; q < W; q++)
+        if ((bufs[q] = q == c->rank ? mine : peer_data(c, q, parity)) == NULL)
             return broken_error(c);
-        }
-        if (q != c->rank)
-            bufs[q] += ref->offset;
-    }
     uint64_t unit = MPC_COLL_ALIGN / es, units = (count + unit - 1) / unit;
     uint64_t a = units * (uint64_t)c->rank / (uint64_t)W * unit;
     uint64_t b = units * (uint64_t)(c->rank + 1) / (uint64_t)W * unit;
@@ -1545,15 +1554,16 @@ int mpc_coll_scatter(mpc_coll *c, void *out, const void *const *ins, uint64_t nb
 }
 
 int mpc_coll_all_to_all(mpc_coll *c, void *out, const void *in, const uint64_t *send,
-                        const uint64_t *recv, int64_t deadline) {
+                        const uint64_t *recv, const mpc_coll_buf *in_buf, int64_t deadline) {
     int W = c->world, me = c->rank;
-    uint64_t parity = c->calls & 1;
+    uint64_t parity = c->calls & 1, sent = 0;
     uint64_t *mine = a2a_sizes(c, parity, me);
     memcpy(mine, send, (size_t)W * sizeof *send);
     memcpy(mine + W, recv, (size_t)W * sizeof *recv);
-    c->h->ranks[me].addr[parity] = (uint64_t)(uintptr_t)in;
-    int r = begin(c, MPC_COLL_ALL_TO_ALL, 0, MPC_DT_U8, 0, 0, deadline);
-    if (r < 0)
+    for (int q = 0; q < W; q++)
+        sent += send[q];
+    int r = post_buffer(c, (void *)in, sent, 1, in_buf, parity);
+    if (r < 0 || (r = begin(c, MPC_COLL_ALL_TO_ALL, 0, MPC_DT_U8, 0, 0, deadline)) < 0)
         return r;
     /* Every rank checks every pair against the sizes all posted, so a
      * mismatch fails everywhere alike. */
@@ -1580,6 +1590,22 @@ int mpc_coll_all_to_all(mpc_coll *c, void *out, const void *in, const uint64_t *
         copy_own((uint8_t *)out + roff[me], (const uint8_t *)in + soff[me], send[me]);
     if (W == 1 || most == 0)
         return 0;
+    if (all_mapped(c, parity)) {
+        /* NOTE [ Group buffers ]: rank i's piece for me, read where it lies */
+        for (int k = 1; k < W; k++) {
+            int i = (me + k) % W;
+            const uint64_t *theirs = a2a_sizes(c, parity, i);
+            uint8_t *at = recv[i] > 0 ? peer_data(c, i, parity) : NULL;
+            if (recv[i] == 0)
+                continue;
+            if (at == NULL)
+                return broken_error(c);
+            for (int q = 0; q < me; q++)
+                at += theirs[q];
+            mpc_copy((uint8_t *)out + roff[i], at, recv[i]);
+        }
+        return barrier(c, "all_to_all", deadline);
+    }
     if (most >= MPC_COLL_CMA_MIN && cma_all(c)) {
         /* read rank i's piece for me from its input: it starts after its
          * pieces for ranks 0 .. me-1 */

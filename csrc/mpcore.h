@@ -840,7 +840,9 @@ int mpc_coll_reduce_scatter(mpc_coll *c, void *out, const void *in, uint64_t cou
  *     to end) go to rank j, and out gets recv[i] bytes from each rank i, end
  *     to end; in and out must not overlap.  send and recv hold `world`
  *     sizes each.  When a rank's send size to j differs from j's recv size
- *     from it, every rank returns -EINVAL naming both ranks and sizes. */
+ *     from it, every rank returns -EINVAL naming both ranks and sizes.
+ *     in_buf: NULL, or the group buffer that holds in (all_reduce's `in`);
+ *     -EINVAL when in's bytes do not lie in it. */
 int mpc_coll_reduce(mpc_coll *c, void *buf, uint64_t count, int dtype, int op, int root,
                     const mpc_coll_buf *in, int64_t deadline_ns);
 int mpc_coll_gather(mpc_coll *c, void *const *outs, const void *in, uint64_t nbytes, int root,
@@ -848,7 +850,7 @@ int mpc_coll_gather(mpc_coll *c, void *const *outs, const void *in, uint64_t nby
 int mpc_coll_scatter(mpc_coll *c, void *out, const void *const *ins, uint64_t nbytes, int root,
                      int64_t deadline_ns);
 int mpc_coll_all_to_all(mpc_coll *c, void *out, const void *in, const uint64_t *send,
-                        const uint64_t *recv, int64_t deadline_ns);
+                        const uint64_t *recv, const mpc_coll_buf *in_buf, int64_t deadline_ns);
 
 /* Point to point, through the mailboxes of the group's region (NOTE
  * [ Mailboxes ] in coll.c).  Only the ranks named take part, and messages

@@ -353,10 +353,12 @@ static PyObject *Group_scatter(PyObject *op, PyObject *args) {
 
 static PyObject *Group_all_to_all(PyObject *op, PyObject *args) {
     unsigned long long out, in;
-    PyObject *send, *recv, *timeout = Py_None;
+    PyObject *send, *recv, *timeout = Py_None, *inb = Py_None;
+    mpc_coll_buf *b;
     mpc_coll *c = group_of(op);
-    if (c == NULL || !PyArg_ParseTuple(args, "KKOO|O:all_to_all", &out, &in, &send, &recv,
-                                       &timeout))
+    if (c == NULL || !PyArg_ParseTuple(args, "KKOO|OO:all_to_all", &out, &in, &send, &recv,
+                                       &timeout, &inb) ||
+        buffer_arg(op, inb, "all_to_all", &b) < 0)
         return NULL;
     int world = mpc_coll_world(c);
     uint64_t s[MPC_COLL_MAX_RANKS], r[MPC_COLL_MAX_RANKS];
@@ -366,7 +368,8 @@ static PyObject *Group_all_to_all(PyObject *op, PyObject *args) {
     int64_t dl = deadline_of(timeout);
     if (dl == -2)
         return NULL;
-    RUN(op, mpc_coll_all_to_all(c, (void *)(uintptr_t)out, (const void *)(uintptr_t)in, s, r, dl));
+    RUN(op, mpc_coll_all_to_all(c, (void *)(uintptr_t)out, (const void *)(uintptr_t)in, s, r, b,
+                                dl));
 }
 
 /* A tag: torch's are non-negative ints that fit 32 bits.  Returns 0, or -1
@@ -468,8 +471,9 @@ static PyMethodDef Group_methods[] = {
      "scatter(out_address, ins, nbytes, root, timeout=None): out gets the root's ins[rank]\n"
      "(one address of world * nbytes, or world addresses of nbytes); ins read on root only"},
     {"all_to_all", Group_all_to_all, METH_VARARGS,
-     "all_to_all(out_address, in_address, send_sizes, recv_sizes, timeout=None): byte\n"
-     "counts per rank; in and out hold the pieces for/from ranks 0..world-1 end to end"},
+     "all_to_all(out_address, in_address, send_sizes, recv_sizes, timeout=None, buffer=None):\n"
+     "byte counts per rank; in and out hold the pieces for/from ranks 0..world-1 end to end;\n"
+     "buffer: the GroupBuffer that holds in, if any"},
     {"send", Group_send, METH_VARARGS,
      "send(address, nbytes, dst, tag=0, timeout=None)"},
     {"try_send", Group_try_send, METH_VARARGS,

@@ -234,8 +234,10 @@ def job_all_reduce(kind, op, noncontig=False, async_op=False, shape=(3, 5), coal
 
 def job_reduced_again(kind, call="all_reduce"):
     """NOTE [ Memory reduced again and again ]: three all-reduces (or
-    reduces to the last member) of a large tensor of each sort; its address
-    after each, and whether it then lies in a group buffer."""
+    reduces to the last member, or all_to_all_singles of it as the input)
+    of a large tensor of each sort; its address after each, and whether it
+    then lies in a group buffer.  "fresh" is a new tensor at each call, the
+    last one freed first (so malloc may put it where that one lay)."""
     if GROUPS[kind] is None:
         return "skip"
     import gc
@@ -243,32 +245,47 @@ def job_reduced_again(kind, call="all_reduce"):
     m, g, members = GROUPS[kind]
     W = len(members)
     n = _backend.BUFFER_MIN // 4 + 3
+    cut = 5
+    if call == "all_to_all":   # rows of 4 that split over the ranks, in "view" too
+        n, cut = n + -n % (4 * W), 4 * W
     st, check = checker()
     own = torch.empty(n)
     arr = np.zeros(n, dtype=np.float32)
-    tensors = {"own": own, "view": own[5:], "numpy": torch.from_numpy(arr),
-               "shared": torch.empty(n).share_memory_()}
+    tensors = {"own": own, "view": own[cut:], "numpy": torch.from_numpy(arr),
+               "shared": torch.empty(n).share_memory_(), "fresh": None}
     # rank 0's tensor over numpy stays where it is while the others' move:
     # the core must then copy between the ranks' memory, with the same result
     mixed = tensors["numpy"] if RANK == 0 else torch.empty(n)
+    me = members.index(RANK)
     out = {}
     for sort, t in list(tensors.items()) + [("mixed", mixed)]:
-        head = t[:7]                           # a view made before any move
+        head = t[:7] if t is not None else None     # a view made before any move
         trail = []
         for i in range(3):
+            if sort == "fresh":
+                t = res = w = None
+                t = torch.empty(n)
             ins = [make("float32", (t.numel(),), q, f"again{sort}{i}") for q in range(W)]
-            t.copy_(ins[members.index(RANK)])
-            if call == "reduce":
+            t.copy_(ins[me])
+            if call == "all_to_all":
+                res = torch.empty_like(t)
+                w = dist.all_to_all_single(res.view(-1, 4), t.view(-1, 4), group=m,
+                                           async_op=i == 2)
+                want = torch.cat([x.view(W, -1)[me] for x in ins])
+            elif call == "reduce":
+                res = t
                 w = dist.reduce(t, dst=members[-1], group=m, async_op=i == 2)
+                want = reduce_ref(ins, "SUM", "float32") if RANK == members[-1] else ins[me]
             else:
+                res = t
                 w = dist.all_reduce(t, group=m, async_op=i == 2)
+                want = reduce_ref(ins, "SUM", "float32")
             if i == 2:
                 w.wait()
-            want = reduce_ref(ins, "SUM", "float32")
-            if call == "reduce" and RANK != members[-1]:
-                want = ins[members.index(RANK)]
-            check(f"{sort} call {i}", t, want)
-            check(f"{sort} call {i}, a view made before", head, want[:7])
+            check(f"{sort} call {i}", res, want)
+            if head is not None:   # the input stays as it was in an all_to_all
+                check(f"{sort} call {i}, a view made before", head,
+                      (ins[me] if call == "all_to_all" else want)[:7])
             a = t.untyped_storage().data_ptr()
             trail.append([a, a in _backend._held])
         out[sort] = trail
@@ -1087,13 +1104,14 @@ def test_all_reduce_forms(pool, how):
                          async_op=how == "async", coalesced=how == "coalesced"))
 
 
-@pytest.mark.parametrize("call", ["all_reduce", "reduce"])
+@pytest.mark.parametrize("call", ["all_reduce", "reduce", "all_to_all"])
 @pytest.mark.parametrize("kind", ["world", "new_group"])
 def test_memory_reduced_again_moves_into_a_group_buffer(pool, kind, call):
     """A large tensor of torch's own memory moves into a group buffer at its
-    second all-reduce (or reduce) and stays; memory that others see
-    (numpy's, shared) never moves; a rank whose tensor did not move still
-    gets every result."""
+    second all-reduce (or reduce, or all_to_all_single as the input) and
+    stays; a new tensor at each call never moves, wherever malloc puts it;
+    memory that others see (numpy's, shared) never moves; a rank whose
+    tensor did not move still gets every result."""
     results = pool.run("reduced_again", kind=kind, call=call)
     _assert_all(results)
     for rank, res in enumerate(results):
@@ -1105,6 +1123,7 @@ def test_memory_reduced_again_moves_into_a_group_buffer(pool, kind, call):
         assert res["view"] == [own[2]] * 3, (rank, res["view"])  # a view of it is in it too
         for sort in ("numpy", "shared"):
             assert res[sort] == [res[sort][0]] * 3 and not res[sort][0][1], (rank, sort, res)
+        assert not any(held for _, held in res["fresh"]), (rank, res["fresh"])
         assert [held for _, held in res["mixed"]] == ([False] * 3 if rank == 0
                                                       else [False, True, True]), (rank, res)
         assert res["shared_after"] is True and res["freed"] is True, (rank, res)

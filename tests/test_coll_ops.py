@@ -479,14 +479,24 @@ def _gather_and_scatter_move_every_piece(ranks):
 # --- 5. all_to_all ----------------------------------------------------------------
 
 A2A = r'''
+from mpcore import _core
 out = {}
 for case, sizes in CASES.items():
     send = [sizes[rank][j] for j in range(world)]
     recv = [sizes[i][rank] for i in range(world)]
     src = np.concatenate([blob(send[j], rank, (case, j)) for j in range(world)])
+    named = None
+    if WHERE == "every rank" or (WHERE == "even ranks" and rank % 2 == 0):
+        # the input in a group buffer, at a different place on each rank
+        at = 3 * rank + 1
+        named = _core.GroupBuffer(at + len(src))
+        inside = np.frombuffer(named, np.uint8)[at:at + len(src)]
+        inside[:] = src
+        src = inside
     dst = np.full(sum(recv), 7, np.uint8)
-    g.all_to_all(dst.ctypes.data, src.ctypes.data, send, recv, 60)
+    g.all_to_all(dst.ctypes.data, src.ctypes.data, send, recv, 60, named)
     out[case] = digest(dst)
+    del src, named
 result = out
 '''
 
@@ -505,14 +515,18 @@ def a2a_cases(W):
     }
 
 
-def test_all_to_all_equal_uneven_zero_and_large(ranks):
-    _all_to_all_equal_uneven_zero_and_large(ranks)
+@pytest.mark.parametrize("where", ["own memory", "every rank", "even ranks"])
+def test_all_to_all_equal_uneven_zero_and_large(ranks, where):
+    """The inputs in the ranks' own memory, in group buffers on every rank
+    (each reads its pieces where they lie, NOTE [ Group buffers ]), or on
+    some ranks only (then none reads from them): the same bytes arrive."""
+    _all_to_all_equal_uneven_zero_and_large(ranks, where)
 
 
-def _all_to_all_equal_uneven_zero_and_large(ranks):
+def _all_to_all_equal_uneven_zero_and_large(ranks, where="own memory"):
     W = ranks.world
     cases = a2a_cases(W)
-    res = ranks.run(f"CASES = {cases!r}\n" + A2A, timeout=100)
+    res = ranks.run(f"CASES = {cases!r}\nWHERE = {where!r}\n" + A2A, timeout=100)
     for case, sizes in cases.items():
         for r in range(W):
             want = np.concatenate([blob(sizes[i][r], i, (case, r)) for i in range(W)])

@@ -406,8 +406,13 @@ def test_group_buffer_bad_input():
     for addr, count in ((other.address, 10), (b.address + 4000, 100), (b.address - 4, 2)):
         with pytest.raises(ValueError, match="does not lie in the group buffer given"):
             g.all_reduce(addr, count, 0, 0, None, b)
+    for addr, nbytes in ((other.address, 40), (b.address + 4000, 400), (b.address - 4, 8)):
+        with pytest.raises(ValueError, match="does not lie in the group buffer given"):
+            g.all_to_all(other.address, addr, [nbytes], [nbytes], None, b)
     with pytest.raises(TypeError, match="GroupBuffer"):
         g.all_reduce(b.address, 1, 0, 0, None, bytearray(4))
+    with pytest.raises(TypeError, match="all_to_all: buffer must be a GroupBuffer"):
+        g.all_to_all(other.address, b.address, [4], [4], None, bytearray(4))
     g.all_reduce(b.address + 4, 1023, 0, 1, None, b)
     assert np.array_equal(a, np.arange(1024))
     g.close()

@@ -164,10 +164,8 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
             or not isinstance(input_split_sizes, (list, tuple, type(None)))):
         return _TORCH["all_to_all_single"](output, input, output_split_sizes, input_split_sizes,
                                            group, async_op)
-    send = g._splits("input", input, input_split_sizes or ())
-    recv = g._splits("output", output, output_split_sizes or ())
-    g.shm.run(False, None, g.shm.core.all_to_all, output.data_ptr(), input.data_ptr(), send,
-              recv)
+    g.shm.run(False, None, *g._core_all_to_all(output, input, output_split_sizes or (),
+                                               input_split_sizes or ()))
     return None
 
 
