@@ -135,8 +135,16 @@ def _op(torch, dist, op, nbytes, g, rank, world):
         _expect((t == want_sum).all(), f"all_reduce gave {t[:2].tolist()}, want {want_sum}")
         t.zero_()
         return lambda: dist.all_reduce(t, group=g)
+    if op == "allreduce-fresh":
+        def call():
+            t = full(numel, rank + 1)
+            dist.all_reduce(t, group=g)
+            return t
+        t = call()
+        _expect((t == want_sum).all(), f"all_reduce gave {t[:2].tolist()}, want {want_sum}")
+        del t
+        return call
     if op == "broadcast":
-        t = full(numel, rank + 1)
         dist.broadcast(t, src=0, group=g)
         _expect((t == 1).all(), f"broadcast gave {t[:2].tolist()}, want 1")
         return lambda: dist.broadcast(t, src=0, group=g)
@@ -537,6 +545,13 @@ def register(cases):
                           (f" Target >= {goal:g}x." if goal else "") +
                           (f" Subgroup within {SUB_TARGET:g}x of the world group."
                            if group == "sub" else ""))
+    _add("c10d-allreduce-fresh-16m", "c10d all_reduce 16 MB, a new tensor each call", "ms",
+         op_row, {"jobs": [("op", "allreduce-fresh", 16 * MB, "world")], "nbytes": 16 * MB},
+         row_notes=_op_notes, timeout_s=120.0,
+         note="t = torch.full(16 MB of float32); dist.all_reduce(t): a tensor made anew for "
+              "each call, as gradients averaged by hand after zero_grad(set_to_none=True) are "
+              "(NOTE [ Memory reduced again and again ] in _backend.py); time per call, the "
+              f"making included; {side}. Target >= {TARGETS[16 * MB]:g}x.")
     _add("c10d-funcol-allreduce-4k", "c10d functional all_reduce 4 KB + wait", "us",
          funcol_row, {"jobs": [("funcol", 4 * KB)], "nbytes": 4 * KB}, row_notes=_op_notes,
          timeout_s=120.0,
