@@ -299,6 +299,26 @@ def job_reduced_again(kind, call="all_reduce"):
     return out
 
 
+def job_all_to_all_in_place(kind):
+    """all_to_all_single with the output the input itself, small and
+    large, three times each (the peers read the input while this rank
+    writes): the pieces as gloo's would be if gloo got them right."""
+    if GROUPS[kind] is None:
+        return "skip"
+    m, g, members = GROUPS[kind]
+    W, me = len(members), members.index(RANK)
+    st, check = checker()
+    for n in (8 * W, (_backend.BUFFER_MIN // 4 // W + 5) * W):
+        for i in range(3):
+            ins = [make("float32", (n,), q, f"inplace{n}{i}") for q in range(W)]
+            t = ins[me].clone()
+            w = dist.all_to_all_single(t, t, group=m, async_op=i == 2)
+            if i == 2:
+                w.wait()
+            check(f"{n} elements, call {i}", t, torch.cat([x.view(W, -1)[me] for x in ins]))
+    return st
+
+
 def job_reduce(kind, op):
     if GROUPS[kind] is None:
         return "skip"
@@ -1127,6 +1147,11 @@ def test_memory_reduced_again_moves_into_a_group_buffer(pool, kind, call):
         assert [held for _, held in res["mixed"]] == ([False] * 3 if rank == 0
                                                       else [False, True, True]), (rank, res)
         assert res["shared_after"] is True and res["freed"] is True, (rank, res)
+
+
+@pytest.mark.parametrize("kind", ["world", "new_group"])
+def test_all_to_all_in_place(pool, kind):
+    _assert_all(pool.run("all_to_all_in_place", kind=kind))
 
 
 @pytest.mark.parametrize("kind", KINDS)

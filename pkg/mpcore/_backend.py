@@ -174,7 +174,7 @@ def _reduce_in(core, addr, count, dtype, op, root, buf, timeout):
 
 
 def _all_to_all_in(core, out, inp, send, recv, buf, timeout):
-    core.all_to_all(out, inp, send, recv, timeout, buf)
+    core.all_to_all(out.data_ptr(), inp.data_ptr(), send, recv, timeout, buf)
 
 
 def _buffer_of(t):
@@ -1038,9 +1038,14 @@ class ProcessGroupMpcore(dist.ProcessGroup):
     def _core_all_to_all(self, output, input, output_split_sizes, input_split_sizes):
         """(fn, *args) of the core's all_to_all of two contiguous CPU tensors
         of one dtype, the input in its group buffer if it has one (NOTE
-        [ Memory reduced again and again ])."""
+        [ Memory reduced again and again ]).  An input that overlaps the
+        output is copied first: peers may still read a piece of it after
+        this rank has written its own (gloo's result is then garbage)."""
+        lo, hi = input.data_ptr(), input.data_ptr() + input.nbytes
+        if lo < output.data_ptr() + output.nbytes and output.data_ptr() < hi:
+            input = input.clone()
         buf = _buffer_of(input) if input.nbytes >= BUFFER_MIN else None
-        return (_all_to_all_in, self.shm.core, output.data_ptr(), input.data_ptr(),
+        return (_all_to_all_in, self.shm.core, output, input,
                 self._splits("input", input, input_split_sizes),
                 self._splits("output", output, output_split_sizes), buf)
 
