@@ -142,9 +142,9 @@ def _op(torch, dist, op, nbytes, g, rank, world):
             return t
         t = call()
         _expect((t == want_sum).all(), f"all_reduce gave {t[:2].tolist()}, want {want_sum}")
-        del t
         return call
     if op == "broadcast":
+        t = full(numel, rank + 1)
         dist.broadcast(t, src=0, group=g)
         _expect((t == 1).all(), f"broadcast gave {t[:2].tolist()}, want 1")
         return lambda: dist.broadcast(t, src=0, group=g)
