@@ -1041,13 +1041,15 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         [ Memory reduced again and again ]).  An input that overlaps the
         output is copied first: peers may still read a piece of it after
         this rank has written its own (gloo's result is then garbage)."""
-        lo, hi = input.data_ptr(), input.data_ptr() + input.nbytes
-        if lo < output.data_ptr() + output.nbytes and output.data_ptr() < hi:
-            input = input.clone()
-        buf = _buffer_of(input) if input.nbytes >= BUFFER_MIN else None
-        return (_all_to_all_in, self.shm.core, output, input,
-                self._splits("input", input, input_split_sizes),
-                self._splits("output", output, output_split_sizes), buf)
+        send = self._splits("input", input, input_split_sizes)
+        recv = self._splits("output", output, output_split_sizes)
+        o, i, n = output.data_ptr(), input.data_ptr(), sum(send)
+        if i < o + sum(recv) and o < i + n:
+            input = input.clone()      # passed on below, which keeps it alive
+        elif n < BUFFER_MIN:
+            return self.shm.core.all_to_all, o, i, send, recv
+        buf = _buffer_of(input) if n >= BUFFER_MIN else None
+        return _all_to_all_in, self.shm.core, output, input, send, recv, buf
 
     def _splits(self, what, t, sizes):
         """Byte counts for each rank of a dim-0 split of t (even when sizes
