@@ -1594,10 +1594,10 @@ int mpc_coll_all_to_all(mpc_coll *c, void *out, const void *in, const uint64_t *
         /* NOTE [ Group buffers ]: rank i's piece for me, read where it lies */
         for (int k = 1; k < W; k++) {
             int i = (me + k) % W;
-            const uint64_t *theirs = a2a_sizes(c, parity, i);
-            uint8_t *at = recv[i] > 0 ? peer_data(c, i, parity) : NULL;
             if (recv[i] == 0)
                 continue;
+            const uint64_t *theirs = a2a_sizes(c, parity, i);
+            uint8_t *at = peer_data(c, i, parity);
             if (at == NULL)
                 return broken_error(c);
             for (int q = 0; q < me; q++)

@@ -1045,10 +1045,11 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         recv = self._splits("output", output, output_split_sizes)
         o, i, n = output.data_ptr(), input.data_ptr(), sum(send)
         if i < o + sum(recv) and o < i + n:
-            input = input.clone()      # passed on below, which keeps it alive
+            input, buf = input.clone(), None   # passed on below, which keeps it alive
         elif n < BUFFER_MIN:
             return self.shm.core.all_to_all, o, i, send, recv
-        buf = _buffer_of(input) if n >= BUFFER_MIN else None
+        else:
+            buf = _buffer_of(input)
         return _all_to_all_in, self.shm.core, output, input, send, recv, buf
 
     def _splits(self, what, t, sizes):
