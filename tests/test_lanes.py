@@ -155,3 +155,27 @@ def test_a_callback_on_the_lanes_thread_waits_for_a_call_it_queued(how):
     assert order == ["first", "second", "inner"]
     assert results == [True]
     lane.stop()
+
+
+@pytest.mark.timeout(60)
+def test_only_small_calls_keep_the_thread_polling():
+    """The lane's thread polls (NOTE [ A waiter runs its own call ]) after
+    a small call, and not after large ones only: those wake it anyway."""
+    ln = _dist._Lane("test-lane", 5.0)
+
+    def polls_when_idle():
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            with ln.lock:   # the thread, inside cond.wait, set `polling` before it
+                if len(ln.cond._waiters) == 1 and not ln.queue and not ln.running:
+                    return ln.polling
+            assert time.monotonic() < deadline, "the lane's thread never went back to waiting"
+            time.sleep(0.0005)
+    try:
+        for _ in range(3):
+            _call(ln, lambda timeout: None, small=False).wait()
+        assert polls_when_idle() is False
+        _call(ln, lambda timeout: None, small=True).wait()
+        assert polls_when_idle() is True
+    finally:
+        ln.stop()

@@ -309,10 +309,13 @@ class _Lane:
     still cost the switches (and, on a machine with no idle core, time of
     a peer rank).  So a small call (SMALL bytes or less) queued while the
     lane's thread is polling wakes nobody: the thread polls every POLL_S
-    for as long as calls came in the last IDLE_S, and takes what no waiter
-    took.  A small call that nobody waits for starts at most POLL_S late;
-    a large one wakes the thread at once, so that it overlaps with what
-    the caller does next (DDP's buckets, FSDP's prefetches).
+    for as long as small calls came in the last IDLE_S, and takes what no
+    waiter took.  A small call that nobody waits for starts at most POLL_S
+    late; a large one wakes the thread at once, so that it overlaps with
+    what the caller does next (DDP's buckets, FSDP's prefetches), and does
+    not keep it polling: a lane of large calls only would wake every POLL_S
+    for nothing (with DDP's 40 MB of buckets a step, 2 ranks on 2 cores,
+    0.7 ms of CPU in a 50 ms step, taken from backward).
 
     NOTE [ A finished call wakes only who needs it ]
     A call's end wakes the threads waiting on the lane only when one of
@@ -360,7 +363,8 @@ class _Lane:
                 self.thread.start()
             self.queued += 1
             self.queue.append(item)
-            self.last_put = time.monotonic()
+            if small:
+                self.last_put = time.monotonic()
             here = threading.current_thread() is self.thread
             if not (here or small and self.polling):
                 self.cond.notify()
