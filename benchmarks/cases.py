@@ -1010,7 +1010,8 @@ DDP_LAYERS = (1024, 2048, 2048, 1024, 1024, 512)   # Linear sizes: 9.97M paramet
 DDP_BATCH = 32
 # what a DDP job reports that its rows keep
 DDP_EXTRA = ("params", "ddp", "param_spread", "compute_only_ms", "phases_ms",
-             "compute_only_phases_ms", "cpu_ms", "compute_only_cpu_ms", "reducer_only_ms")
+             "compute_only_phases_ms", "cpu_ms", "compute_only_cpu_ms", "reducer_only_ms",
+             "reduce_cpu_ms")
 DDP_WORLD = 2
 DDP_TARGET = 1.5
 DDP_OVERLAP_TARGET = 1.15       # mpcore's DDP step against its own no_sync step
@@ -1140,6 +1141,7 @@ def _ddp_job(torch, dist, impl, rank, target_s, torch_ddp=False):
     if impl == "mpcore" and not torch_ddp and getattr(ddp, "_mpcore_hooks", None) is None:
         raise RuntimeError("mpcore.parallel.DistributedDataParallel did not take the "
                            "shared-memory path")
+    reduce_cpu = _count_reduce_cpu(ddp) if impl == "mpcore" and not torch_ddp else None
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1 + rank)
     x = torch.randn(DDP_BATCH, DDP_LAYERS[0], generator=g)
@@ -1183,11 +1185,13 @@ def _ddp_job(torch, dist, impl, rank, target_s, torch_ddp=False):
         phases[:] = [0.0, 0.0, 0.0]
         k = max(3, min(20, n // 2))
         r0 = resource.getrusage(resource.RUSAGE_SELF)
+        c0 = reduce_cpu[0] if reduce_cpu else 0.0
         run(k, sync, timed=True)
         r1 = resource.getrusage(resource.RUSAGE_SELF)
         cpu = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
-        return [_max_over_ranks(torch, dist, p / k * 1e3) for p in phases + [cpu]]
-    fwd, bwd, opt_ms, cpu_ms = phase_ms(True)
+        red = reduce_cpu[0] - c0 if reduce_cpu else 0.0
+        return [_max_over_ranks(torch, dist, p / k * 1e3) for p in phases + [cpu, red]]
+    fwd, bwd, opt_ms, cpu_ms, reduce_ms = phase_ms(True)
     # The ranks must hold the same parameters after synchronised steps.
     w = ddp.module[0].weight.detach().double().sum().item()
     spread = _max_over_ranks(torch, dist, w) + _max_over_ranks(torch, dist, -w)
@@ -1196,7 +1200,7 @@ def _ddp_job(torch, dist, impl, rank, target_s, torch_ddp=False):
     # compute, what DDP's communication is added to.
     run(2, sync=False)
     n0, el0 = calibrate(lambda k: run(k, sync=False), min(target_s, 0.5), 4, lo=3)
-    fwd0, bwd0, opt0, cpu0 = phase_ms(False)
+    fwd0, bwd0, opt0, cpu0, _ = phase_ms(False)
     # Last, the step with a hook that communicates nothing (torch's own
     # noop_hook; a DDP takes one hook only, so nothing is measured after
     # it): what torch's reducer costs by itself (copying gradients into
@@ -1210,8 +1214,29 @@ def _ddp_job(torch, dist, impl, rank, target_s, torch_ddp=False):
             "compute_only_ms": el0 / n0 * 1e3, "phases_ms": [fwd, bwd, opt_ms],
             "compute_only_phases_ms": [fwd0, bwd0, opt0],
             "cpu_ms": cpu_ms, "compute_only_cpu_ms": cpu0,
-            "reducer_only_ms": el1 / n1 * 1e3,
+            "reducer_only_ms": el1 / n1 * 1e3, "reduce_cpu_ms": reduce_ms if reduce_cpu else None,
             "ddp": f"{type(ddp).__module__}.{type(ddp).__qualname__}"}
+
+
+def _count_reduce_cpu(ddp):
+    """Makes mpcore's DDP hook count the CPU time (of the thread that runs
+    them) of its buckets' all-reduces in the core; returns the one-element
+    list that sums it, in seconds."""
+    group = ddp._mpcore_hooks.group
+    core, total = group.core, [0.0]
+
+    class Counted:
+        def __getattr__(self, name):
+            return getattr(core, name)
+
+        def all_reduce(self, *args):
+            t0 = time.thread_time()
+            try:
+                return core.all_reduce(*args)
+            finally:
+                total[0] += time.thread_time() - t0
+    group.core = Counted()
+    return total
 
 
 def _run_ranks(env, world, jobs, target_s, rank_fn=None):
@@ -1354,6 +1379,13 @@ def _ddp_notes(row):
                     line += (f" (target step <= {DDP_OVERLAP_TARGET:g}x no_sync: "
                              f"{'met' if over <= DDP_OVERLAP_TARGET else 'MISSED'})")
                 out.append(line)
+                if e.get("reduce_cpu_ms") is not None:
+                    red = e["reduce_cpu_ms"]
+                    out.append(f"{impl}: the buckets' all-reduces took {red:.3g} ms of CPU a "
+                               f"step in the core; with that CPU added to the noop_hook floor "
+                               f"(no core is left to hide it on when the ranks' threads fill "
+                               f"the CPUs) {(e['reducer_only_ms'] + red) / e['compute_only_ms']:.2f}x "
+                               f"no_sync")
     if row["ratio"] is not None:
         out.append(f"target >= {DDP_TARGET:g}x: "
                    f"{'met' if row['ratio'] >= DDP_TARGET else 'MISSED'}")
