@@ -31,9 +31,14 @@ def lane():
 
 def _sleeping(lane):
     """Until the lane's thread waits on the lane again, having taken the
-    notifications so far (Condition keeps its waiters in _waiters)."""
+    notifications so far (Condition keeps its waiters in _waiters); returns
+    whether it polls (it sets `polling` before it waits, and a waiter is
+    listed until it holds the lock again)."""
     deadline = time.monotonic() + WAIT_S
-    while len(lane.cond._waiters) != 1:
+    while True:
+        with lane.lock:
+            if len(lane.cond._waiters) == 1:
+                return lane.polling
         assert time.monotonic() < deadline, "the lane's thread never went back to waiting"
         time.sleep(0.0005)
 
@@ -162,20 +167,11 @@ def test_only_small_calls_keep_the_thread_polling():
     """The lane's thread polls (NOTE [ A waiter runs its own call ]) after
     a small call, and not after large ones only: those wake it anyway."""
     ln = _dist._Lane("test-lane", 5.0)
-
-    def polls_when_idle():
-        deadline = time.monotonic() + WAIT_S
-        while True:
-            with ln.lock:   # the thread, inside cond.wait, set `polling` before it
-                if len(ln.cond._waiters) == 1 and not ln.queue and not ln.running:
-                    return ln.polling
-            assert time.monotonic() < deadline, "the lane's thread never went back to waiting"
-            time.sleep(0.0005)
     try:
         for _ in range(3):
             _call(ln, lambda timeout: None, small=False).wait()
-        assert polls_when_idle() is False
+        assert _sleeping(ln) is False
         _call(ln, lambda timeout: None, small=True).wait()
-        assert polls_when_idle() is True
+        assert _sleeping(ln) is True
     finally:
         ln.stop()
