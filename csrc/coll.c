@@ -718,8 +718,8 @@ static int begin(mpc_coll *c, uint32_t kind, uint32_t op, uint32_t dtype, int32_
     uint64_t parity = c->calls++ & 1;
     mpc_coll_call me = {kind, op, dtype, root, count};
     c->h->ranks[c->rank].call[parity] = me;
-    if (kind != MPC_COLL_ALL_REDUCE && kind != MPC_COLL_REDUCE &&
-        kind != MPC_COLL_ALL_TO_ALL) /* those post_buffer() */
+    if (kind != MPC_COLL_ALL_REDUCE && kind != MPC_COLL_REDUCE && kind != MPC_COLL_ALL_TO_ALL &&
+        kind != MPC_COLL_ALL_GATHER && kind != MPC_COLL_REDUCE_SCATTER) /* those post_buffer() */
         c->h->ranks[c->rank].ref[parity].fd = -1;
     int r = barrier(c, kind_names[kind], deadline);
     if (r < 0)
@@ -1323,11 +1323,82 @@ int mpc_coll_barrier(mpc_coll *c, int64_t deadline) {
     return begin(c, MPC_COLL_BARRIER, 0, MPC_DT_U8, 0, 0, deadline);
 }
 
+/* Copies a rank's own piece of a data mover, n bytes from src to dst,
+ * which may overlap (a caller may pass one tensor as both): apart, as
+ * mpc_copy does, so a large piece goes around the cache (NOTE [ Large
+ * copies go around the cache ] in util.c). */
+static void copy_own(void *dst, const void *src, uint64_t n) {
+    const uint8_t *d = dst, *s = src;
+    if (d + n <= s || s + n <= d)
+        mpc_copy(dst, src, n);
+    else if (d != s)
+        memmove(dst, src, n);
+}
+
+/* Whether n bytes at a and m bytes at b share a byte. */
+static int overlap(const void *a, uint64_t n, const void *b, uint64_t m) {
+    const uint8_t *x = a, *y = b;
+    return n > 0 && m > 0 && x < y + m && y < x + n;
+}
+
+/* NOTE [ Mapped movers write where no peer reads ]
+ * all_gather and reduce_scatter from group buffers (NOTE [ Group
+ * buffers ]) read the peers' inputs where they lie while each rank writes
+ * its own output.  An output that overlaps the rank's own input anywhere
+ * but where an in-place call puts it (all_gather: the input is this rank's
+ * part of the output; reduce_scatter: the output is this rank's part of
+ * the input, which no peer reads) would change what a slower peer still
+ * reads, so such a rank writes into memory of its own, and into out after
+ * the last barrier.  Returns where to write: out, or new memory in *tmp
+ * for the caller to free; NULL, the group broken, without memory. */
+static void *mapped_output(mpc_coll *c, void *out, uint64_t outn, const void *in, uint64_t inn,
+                           int in_place, void **tmp, const char *what) {
+    *tmp = NULL;
+    if (in_place || !overlap(out, outn, in, inn))
+        return out;
+    if ((*tmp = malloc(outn)) == NULL)
+        break_group(c, c->rank, "rank %d has no memory for its %s's result", lbl(c, c->rank),
+                    what);
+    return *tmp;
+}
+
+/* Ends a mapped all_gather or reduce_scatter: the barrier after which no
+ * peer reads this rank's input, then the result written aside (NOTE
+ * [ Mapped movers write where no peer reads ]) moved into out. */
+static int mapped_end(mpc_coll *c, int r, void *out, void *tmp, uint64_t n, const char *what,
+                      int64_t deadline) {
+    if (r == 0 && (r = barrier(c, what, deadline)) == 0 && tmp != NULL)
+        memcpy(out, tmp, n);
+    free(tmp);
+    return r;
+}
+
 int mpc_coll_all_gather(mpc_coll *c, void *out, const void *in, uint64_t nbytes,
-                        int64_t deadline) {
-    int r = begin(c, MPC_COLL_ALL_GATHER, 0, MPC_DT_U8, 0, nbytes, deadline);
-    if (r < 0)
+                        const mpc_coll_buf *in_buf, int64_t deadline) {
+    int W = c->world, me = c->rank;
+    uint64_t parity = c->calls & 1;
+    int r = post_buffer(c, (void *)in, nbytes, 1, in_buf, parity);
+    if (r < 0 || (r = begin(c, MPC_COLL_ALL_GATHER, 0, MPC_DT_U8, 0, nbytes, deadline)) < 0)
         return r;
+    if (all_mapped(c, parity)) {
+        /* NOTE [ Group buffers ]: rank q's part, read where it lies */
+        void *tmp;
+        uint8_t *to = mapped_output(c, out, W * nbytes, in, nbytes,
+                                    (const uint8_t *)in == (uint8_t *)out + me * nbytes, &tmp,
+                                    "all_gather");
+        if (to == NULL)
+            return broken_error(c);
+        copy_own(to + me * nbytes, in, nbytes);
+        for (int k = 1; k < W && r == 0; k++) {
+            int q = (me + k) % W;
+            const uint8_t *at = peer_data(c, q, parity);
+            if (at == NULL)
+                r = broken_error(c);
+            else
+                mpc_copy(to + (uint64_t)q * nbytes, at, nbytes);
+        }
+        return mapped_end(c, r, out, tmp, W * nbytes, "all_gather", deadline);
+    }
     for (uint64_t off = 0; off < nbytes; off += c->chunk) {
         uint64_t n = nbytes - off < c->chunk ? nbytes - off : c->chunk;
         uint64_t p = c->piece++ & 1;
@@ -1341,14 +1412,40 @@ int mpc_coll_all_gather(mpc_coll *c, void *out, const void *in, uint64_t nbytes,
 }
 
 int mpc_coll_reduce_scatter(mpc_coll *c, void *out, const void *in, uint64_t count, int dtype,
-                            int op, int64_t deadline) {
+                            int op, const mpc_coll_buf *in_buf, int64_t deadline) {
     int r = check_args(dtype, op, 1);
-    if (r < 0 || (r = begin(c, MPC_COLL_REDUCE_SCATTER, (uint32_t)op, (uint32_t)dtype, 0, count,
-                            deadline)) < 0)
+    if (r < 0)
         return r;
     size_t es = dtype_size[dtype];
-    int W = c->world;
+    int W = c->world, me = c->rank;
+    uint64_t parity = c->calls & 1;
+    if ((r = post_buffer(c, (void *)in, W * count, es, in_buf, parity)) < 0 ||
+        (r = begin(c, MPC_COLL_REDUCE_SCATTER, (uint32_t)op, (uint32_t)dtype, 0, count,
+                   deadline)) < 0)
+        return r;
     void *srcs[MPC_COLL_MAX_RANKS];
+    if (all_mapped(c, parity)) {
+        /* NOTE [ Group buffers ]: this rank's slice, reduced from every
+         * rank's input where it lies, a piece at a time */
+        uint64_t at = (uint64_t)me * count * es;
+        const uint8_t *ins[MPC_COLL_MAX_RANKS];
+        for (int q = 0; q < W; q++)
+            if ((ins[q] = q == me ? in : peer_data(c, q, parity)) == NULL)
+                return broken_error(c);
+        void *tmp;
+        uint8_t *to = mapped_output(c, out, count * es, in, W * count * es,
+                                    (uint8_t *)out == (const uint8_t *)in + at, &tmp,
+                                    "reduce_scatter");
+        if (to == NULL)
+            return broken_error(c);
+        uint64_t per = piece_elems(MPC_COLL_MAPPED_PIECE, es);
+        for (uint64_t off = 0; off < count; off += per) {
+            for (int q = 0; q < W; q++)
+                srcs[q] = (void *)(ins[q] + at + off * es);
+            reduce(dtype, op, to + off * es, srcs, W, count - off < per ? count - off : per);
+        }
+        return mapped_end(c, 0, out, tmp, count * es, "reduce_scatter", deadline);
+    }
     uint64_t per = piece_elems(c->chunk / (uint64_t)W, es);
     if (per == 0)
         per = 1;
@@ -1428,18 +1525,6 @@ int mpc_coll_reduce(mpc_coll *c, void *buf, uint64_t count, int dtype, int op, i
         }
     }
     return 0;
-}
-
-/* Copies a rank's own piece of a data mover, n bytes from src to dst,
- * which may overlap (a caller may pass one tensor as both): apart, as
- * mpc_copy does, so a large piece goes around the cache (NOTE [ Large
- * copies go around the cache ] in util.c). */
-static void copy_own(void *dst, const void *src, uint64_t n) {
-    const uint8_t *d = dst, *s = src;
-    if (d + n <= s || s + n <= d)
-        mpc_copy(dst, src, n);
-    else if (d != s)
-        memmove(dst, src, n);
 }
 
 static int check_root_size(const mpc_coll *c, int root, uint64_t nbytes) {

@@ -814,15 +814,20 @@ void *mpc_coll_buf_addr(const mpc_coll_buf *b, uint64_t *nbytes);
  *   barrier: returns once every rank has called it.
  *   all_gather: out (world * nbytes) gets every rank's in, in rank order.
  *   reduce_scatter: out (count elements) gets this rank's slice of the
- *     reduction of every rank's in (world * count elements). */
+ *     reduction of every rank's in (world * count elements).
+ *   For both, `in_buf` names the group buffer that holds in, or is NULL,
+ *   as all_reduce's `in`: when every rank names one, each reads the
+ *   peers' inputs where they lie.  out may hold in (this rank's part of
+ *   an all_gather's out; an in-place reduce_scatter's out is this rank's
+ *   slice of in) or overlap it otherwise (at the cost of a copy). */
 int mpc_coll_all_reduce(mpc_coll *c, void *buf, uint64_t count, int dtype, int op,
                         const mpc_coll_buf *in, int64_t deadline_ns);
 int mpc_coll_broadcast(mpc_coll *c, void *buf, uint64_t nbytes, int root, int64_t deadline_ns);
 int mpc_coll_barrier(mpc_coll *c, int64_t deadline_ns);
 int mpc_coll_all_gather(mpc_coll *c, void *out, const void *in, uint64_t nbytes,
-                        int64_t deadline_ns);
+                        const mpc_coll_buf *in_buf, int64_t deadline_ns);
 int mpc_coll_reduce_scatter(mpc_coll *c, void *out, const void *in, uint64_t count, int dtype,
-                            int op, int64_t deadline_ns);
+                            int op, const mpc_coll_buf *in_buf, int64_t deadline_ns);
 
 /* More collectives, with the same rules and errors as those above.  A
  * reduction's op must suit its dtype: AVG only for floating-point dtypes,

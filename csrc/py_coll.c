@@ -228,29 +228,34 @@ static PyObject *Group_barrier(PyObject *op, PyObject *args) {
 
 static PyObject *Group_all_gather(PyObject *op, PyObject *args) {
     unsigned long long out, in, n;
-    PyObject *timeout = Py_None;
+    PyObject *timeout = Py_None, *inb = Py_None;
+    mpc_coll_buf *b;
     mpc_coll *c = group_of(op);
-    if (c == NULL || !PyArg_ParseTuple(args, "KKK|O:all_gather", &out, &in, &n, &timeout))
+    if (c == NULL ||
+        !PyArg_ParseTuple(args, "KKK|OO:all_gather", &out, &in, &n, &timeout, &inb) ||
+        buffer_arg(op, inb, "all_gather", &b) < 0)
         return NULL;
     int64_t dl = deadline_of(timeout);
     if (dl == -2)
         return NULL;
-    RUN(op, mpc_coll_all_gather(c, (void *)(uintptr_t)out, (const void *)(uintptr_t)in, n, dl));
+    RUN(op, mpc_coll_all_gather(c, (void *)(uintptr_t)out, (const void *)(uintptr_t)in, n, b, dl));
 }
 
 static PyObject *Group_reduce_scatter(PyObject *op, PyObject *args) {
     unsigned long long out, in, count;
     int dtype, rop;
-    PyObject *timeout = Py_None;
+    PyObject *timeout = Py_None, *inb = Py_None;
+    mpc_coll_buf *b;
     mpc_coll *c = group_of(op);
-    if (c == NULL || !PyArg_ParseTuple(args, "KKKii|O:reduce_scatter", &out, &in, &count, &dtype,
-                                       &rop, &timeout))
+    if (c == NULL || !PyArg_ParseTuple(args, "KKKii|OO:reduce_scatter", &out, &in, &count, &dtype,
+                                       &rop, &timeout, &inb) ||
+        buffer_arg(op, inb, "reduce_scatter", &b) < 0)
         return NULL;
     int64_t dl = deadline_of(timeout);
     if (dl == -2)
         return NULL;
     RUN(op, mpc_coll_reduce_scatter(c, (void *)(uintptr_t)out, (const void *)(uintptr_t)in,
-                                    count, dtype, rop, dl));
+                                    count, dtype, rop, b, dl));
 }
 
 static PyObject *Group_reduce(PyObject *op, PyObject *args) {
@@ -458,9 +463,9 @@ static PyMethodDef Group_methods[] = {
     {"broadcast", Group_broadcast, METH_VARARGS, "broadcast(address, nbytes, root, timeout=None)"},
     {"barrier", Group_barrier, METH_VARARGS, "barrier(timeout=None)"},
     {"all_gather", Group_all_gather, METH_VARARGS,
-     "all_gather(out_address, in_address, nbytes, timeout=None)"},
+     "all_gather(out_address, in_address, nbytes, timeout=None, buffer=None)"},
     {"reduce_scatter", Group_reduce_scatter, METH_VARARGS,
-     "reduce_scatter(out_address, in_address, count, dtype, op, timeout=None)"},
+     "reduce_scatter(out_address, in_address, count, dtype, op, timeout=None, buffer=None)"},
     {"reduce", Group_reduce, METH_VARARGS,
      "reduce(address, count, dtype, op, root, timeout=None, buffer=None): root's data\n"
      "becomes the reduction; the others' stays; buffer as all_reduce's"},

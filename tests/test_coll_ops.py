@@ -476,6 +476,82 @@ def _gather_and_scatter_move_every_piece(ranks):
                 assert part == digest(blob(n, r, ("scatter", root))), (r, n, root)
 
 
+# --- 4b. all_gather and reduce_scatter ------------------------------------------------
+
+GATHER_SCATTER = r'''
+from mpcore import _core
+F32, SUM = _core.COLL_DTYPES["float32"], _core.COLL_OPS["SUM"]
+named = WHERE == "every rank" or (WHERE == "even ranks" and rank % 2 == 0)
+
+def room(n):
+    """n float32 zeros, in a group buffer (at a different place on each
+    rank) when this rank names one, and the buffer (or None)."""
+    if not named:
+        return np.zeros(n, np.float32), None
+    at = 16 * (rank + 1)
+    b = _core.GroupBuffer(4 * (at + n))
+    return np.frombuffer(b, np.float32)[at:at + n], b
+
+out = {}
+for n in SIZES:                 # float32 elements per rank
+    for place in PLACES:
+        mine = data("float32", n, rank, ("all_gather", place))
+        # all_gather: apart; in place (the input is this rank's part of the
+        # output); "aside" (the input is the output's first part on every
+        # rank: a peer still reads it while this rank writes its output)
+        whole, b = room(world * n + 1)
+        whole[-1] = 7
+        dst = whole[:world * n]
+        if place == "apart":
+            src, b = room(n)
+        else:
+            src = whole[rank * n:(rank + 1) * n] if place == "in place" else whole[:n]
+        src[:] = mine
+        g.all_gather(dst.ctypes.data, src.ctypes.data, n * 4, 60, b)
+        ag = digest(dst), float(whole[-1])
+        # reduce_scatter: apart; in place (the output is this rank's part of
+        # the input); "aside" (the output is the input's first part)
+        buf, b = room(world * n + 1)
+        buf[:-1] = data("float32", world * n, rank, ("reduce_scatter", place))
+        buf[-1] = 7
+        res = {"apart": np.full(n, 7, np.float32), "in place": buf[rank * n:(rank + 1) * n],
+               "aside": buf[:n]}[place]
+        g.reduce_scatter(res.ctypes.data, buf.ctypes.data, n, F32, SUM, 60, b)
+        out[n, place] = ag, res.copy(), float(buf[-1])
+        del whole, dst, src, buf, res, b
+result = out
+'''
+
+
+@pytest.mark.parametrize("where", ["own memory", "every rank", "even ranks"])
+def test_all_gather_and_reduce_scatter_in_and_out_of_place(ranks, where):
+    _all_gather_and_reduce_scatter(ranks, where)
+
+
+def _all_gather_and_reduce_scatter(ranks, where="own memory"):
+    """Every size, staged in pieces or (inputs in group buffers on every
+    rank) read where they lie (NOTE [ Group buffers ]), with the input apart
+    from the output, in place, and overlapping it elsewhere (NOTE [ Mapped
+    movers write where no peer reads ])."""
+    W = ranks.world
+    sizes = (0, 1, 1000, CHUNK // 4 + 3, 3 * CHUNK // 4 + 12345)
+    places = ("apart", "in place", "aside")
+    res = ranks.run(f"SIZES = {sizes!r}\nPLACES = {places!r}\nWHERE = {where!r}\n"
+                    + GATHER_SCATTER, timeout=150)
+    for n in sizes:
+        for place in places:
+            ag = digest(np.concatenate([data("float32", n, q, ("all_gather", place))
+                                        for q in range(W)]))
+            ins = [data("float32", W * n, q, ("reduce_scatter", place)) for q in range(W)]
+            total = reference("float32", "SUM", ins)
+            for r in range(W):
+                (got_ag, past_ag), got_rs, past_rs = res[r][n, place]
+                assert got_ag == ag and past_ag == 7, ("all_gather", r, n, place)
+                assert past_rs == 7, ("reduce_scatter wrote past its input", r, n, place)
+                assert np.array_equal(got_rs, total[r * n:(r + 1) * n]), \
+                    ("reduce_scatter", r, n, place)
+
+
 # --- 5. all_to_all ----------------------------------------------------------------
 
 A2A = r'''
@@ -642,6 +718,7 @@ def test_a_rank_that_may_not_copy_directly_makes_the_movers_stage(staged_pair):
     want = reference("float32", "SUM", [data("float32", n, q, "staged") for q in range(2)])
     assert res == [digest(want)] * 2
     _gather_and_scatter_move_every_piece(staged_pair)
+    _all_gather_and_reduce_scatter(staged_pair)
     _all_to_all_equal_uneven_zero_and_large(staged_pair)
     _send_recv_in_order_small_and_large(staged_pair)
 
