@@ -100,11 +100,12 @@
  * into every rank's buffer (a reduce: into the root's only): reading and
  * writing the size of the data once, with
  * one barrier to start (all data in place) and one to end (all results
- * written).  An all-to-all names the buffer that holds its input, and
- * when every rank named one, each reads its pieces from the peers'
- * buffers with mpc_copy.  If any rank named none, every rank stages (or
- * copies between the ranks' memory) instead, so the choice is the same
- * everywhere.  A rank maps a peer's buffer through
+ * written).  An all-to-all, all-gather or reduce-scatter names the
+ * buffer that holds its input, and when every rank named one, each reads
+ * what it needs of the peers' inputs where they lie: its pieces (mpc_copy)
+ * or its slice, which it reduces into its own output.  If any rank named
+ * none, every rank stages (or copies between the ranks' memory) instead,
+ * so the choice is the same everywhere.  A rank maps a peer's buffer through
  * /proc/<pid>/fd on first use and keeps the mapping (the least recently
  * used goes when MPC_COLL_MAPS are held); buffers are told apart by an id
  * unique in their process, never by fd, which the kernel reuses.  Freeing

@@ -234,8 +234,9 @@ def job_all_reduce(kind, op, noncontig=False, async_op=False, shape=(3, 5), coal
 
 def job_reduced_again(kind, call="all_reduce"):
     """NOTE [ Memory reduced again and again ]: three all-reduces (or
-    reduces to the last member, or all_to_all_singles of it as the input)
-    of a large tensor of each sort; its address after each, and whether it
+    reduces to the last member, or all_to_all_singles, all_gather_into_
+    tensors or reduce_scatter_tensors of it as the input) of a large tensor
+    of each sort; its address after each, and whether it
     then lies in a group buffer.  "fresh" is a new tensor at each call, the
     last one freed first (so malloc may put it where that one lay)."""
     if GROUPS[kind] is None:
@@ -248,6 +249,9 @@ def job_reduced_again(kind, call="all_reduce"):
     cut = 5
     if call == "all_to_all":   # rows of 4 that split over the ranks, in "view" too
         n, cut = n + -n % (4 * W), 4 * W
+    elif call == "reduce_scatter":   # a slice per rank, in "view" too
+        n, cut = n + -n % W, W
+    moves = call in ("all_to_all", "all_gather", "reduce_scatter")   # the input only
     st, check = checker()
     own = torch.empty(n)
     arr = np.zeros(n, dtype=np.float32)
@@ -272,6 +276,14 @@ def job_reduced_again(kind, call="all_reduce"):
                 w = dist.all_to_all_single(res.view(-1, 4), t.view(-1, 4), group=m,
                                            async_op=i == 2)
                 want = torch.cat([x.view(W, -1)[me] for x in ins])
+            elif call == "all_gather":
+                res = torch.empty(W * t.numel())
+                w = dist.all_gather_into_tensor(res, t, group=m, async_op=i == 2)
+                want = torch.cat(ins)
+            elif call == "reduce_scatter":
+                res = torch.empty(t.numel() // W)
+                w = dist.reduce_scatter_tensor(res, t, group=m, async_op=i == 2)
+                want = reduce_ref(ins, "SUM", "float32").view(W, -1)[me]
             elif call == "reduce":
                 res = t
                 w = dist.reduce(t, dst=members[-1], group=m, async_op=i == 2)
@@ -283,9 +295,9 @@ def job_reduced_again(kind, call="all_reduce"):
             if i == 2:
                 w.wait()
             check(f"{sort} call {i}", res, want)
-            if head is not None:   # the input stays as it was in an all_to_all
+            if head is not None:   # a mover's input stays as it was
                 check(f"{sort} call {i}, a view made before", head,
-                      (ins[me] if call == "all_to_all" else want)[:7])
+                      (ins[me] if moves else want)[:7])
             a = t.untyped_storage().data_ptr()
             trail.append([a, a in _backend._held])
         out[sort] = trail
@@ -1124,11 +1136,13 @@ def test_all_reduce_forms(pool, how):
                          async_op=how == "async", coalesced=how == "coalesced"))
 
 
-@pytest.mark.parametrize("call", ["all_reduce", "reduce", "all_to_all"])
+@pytest.mark.parametrize("call", ["all_reduce", "reduce", "all_to_all", "all_gather",
+                                  "reduce_scatter"])
 @pytest.mark.parametrize("kind", ["world", "new_group"])
 def test_memory_reduced_again_moves_into_a_group_buffer(pool, kind, call):
     """A large tensor of torch's own memory moves into a group buffer at its
-    second all-reduce (or reduce, or all_to_all_single as the input) and
+    second all-reduce (or reduce; or all_to_all_single, all_gather_into_
+    tensor or reduce_scatter_tensor as the input) and
     stays; a new tensor at each call never moves, wherever malloc puts it;
     memory that others see (numpy's, shared) never moves; a rank whose
     tensor did not move still gets every result."""
