@@ -1342,18 +1342,20 @@ static int overlap(const void *a, uint64_t n, const void *b, uint64_t m) {
     return n > 0 && m > 0 && x < y + m && y < x + n;
 }
 
-/* NOTE [ Mapped movers write where no peer reads ]
- * all_gather and reduce_scatter from group buffers (NOTE [ Group
- * buffers ]) read the peers' inputs where they lie while each rank writes
- * its own output.  An output that overlaps the rank's own input anywhere
- * but where an in-place call puts it (all_gather: the input is this rank's
- * part of the output; reduce_scatter: the output is this rank's part of
- * the input, which no peer reads) would change what a slower peer still
- * reads, so such a rank writes into memory of its own, and into out after
- * the last barrier.  Returns where to write: out, or new memory in *tmp
- * for the caller to free; NULL, the group broken, without memory. */
-static void *mapped_output(mpc_coll *c, void *out, uint64_t outn, const void *in, uint64_t inn,
-                           int in_place, void **tmp, const char *what) {
+/* NOTE [ Movers write where no one reads ]
+ * all_gather and reduce_scatter read the input while they write the
+ * output: a piece at a time when staged, and, from group buffers (NOTE
+ * [ Group buffers ]), while the peers read it where it lies.  An output
+ * that overlaps the rank's own input anywhere but where an in-place call
+ * puts it (all_gather: the input is this rank's part of the output;
+ * reduce_scatter: the output is this rank's slice of the input, which no
+ * peer reads) would change input not read yet, by this rank or by a slower
+ * peer.  Such a rank writes into memory of its own, copied into out at the
+ * end (after the last barrier, when peers read the input).  Returns where
+ * to write: out, or new memory in *tmp for the caller to free (end_apart);
+ * NULL, the group broken, without memory for it. */
+static void *write_apart(mpc_coll *c, void *out, uint64_t outn, const void *in, uint64_t inn,
+                         int in_place, void **tmp, const char *what) {
     *tmp = NULL;
     if (in_place || !overlap(out, outn, in, inn))
         return out;
@@ -1363,12 +1365,15 @@ static void *mapped_output(mpc_coll *c, void *out, uint64_t outn, const void *in
     return *tmp;
 }
 
-/* Ends a mapped all_gather or reduce_scatter: the barrier after which no
- * peer reads this rank's input, then the result written aside (NOTE
- * [ Mapped movers write where no peer reads ]) moved into out. */
-static int mapped_end(mpc_coll *c, int r, void *out, void *tmp, uint64_t n, const char *what,
-                      int64_t deadline) {
-    if (r == 0 && (r = barrier(c, what, deadline)) == 0 && tmp != NULL)
+/* Ends an all_gather or reduce_scatter that returned r so far: after the
+ * barrier that frees the peers' reads of the input when `mapped`, the
+ * result written apart (NOTE [ Movers write where no one reads ]) is
+ * copied into out. */
+static int end_apart(mpc_coll *c, int r, int mapped, void *out, void *tmp, uint64_t n,
+                     const char *what, int64_t deadline) {
+    if (r == 0 && mapped)
+        r = barrier(c, what, deadline);
+    if (r == 0 && tmp != NULL)
         memcpy(out, tmp, n);
     free(tmp);
     return r;
@@ -1381,15 +1386,16 @@ int mpc_coll_all_gather(mpc_coll *c, void *out, const void *in, uint64_t nbytes,
     int r = post_buffer(c, (void *)in, nbytes, 1, in_buf, parity);
     if (r < 0 || (r = begin(c, MPC_COLL_ALL_GATHER, 0, MPC_DT_U8, 0, nbytes, deadline)) < 0)
         return r;
-    if (all_mapped(c, parity)) {
-        /* NOTE [ Group buffers ]: rank q's part, read where it lies */
-        void *tmp;
-        uint8_t *to = mapped_output(c, out, W * nbytes, in, nbytes,
-                                    (const uint8_t *)in == (uint8_t *)out + me * nbytes, &tmp,
-                                    "all_gather");
-        if (to == NULL)
-            return broken_error(c);
+    int in_place = (const uint8_t *)in == (uint8_t *)out + me * nbytes;
+    int mapped = all_mapped(c, parity);
+    void *tmp;
+    uint8_t *to = write_apart(c, out, W * nbytes, in, nbytes, in_place, &tmp, "all_gather");
+    if (to == NULL)
+        return broken_error(c);
+    if (!in_place)
         copy_own(to + me * nbytes, in, nbytes);
+    if (mapped) {
+        /* NOTE [ Group buffers ]: rank q's part, read where it lies */
         for (int k = 1; k < W && r == 0; k++) {
             int q = (me + k) % W;
             const uint8_t *at = peer_data(c, q, parity);
@@ -1398,18 +1404,20 @@ int mpc_coll_all_gather(mpc_coll *c, void *out, const void *in, uint64_t nbytes,
             else
                 mpc_copy(to + (uint64_t)q * nbytes, at, nbytes);
         }
-        return mapped_end(c, r, out, tmp, W * nbytes, "all_gather", deadline);
+        return end_apart(c, r, 1, out, tmp, W * nbytes, "all_gather", deadline);
     }
-    for (uint64_t off = 0; off < nbytes; off += c->chunk) {
+    /* Staged, a chunk at a time (a rank's own part came from in above) */
+    for (uint64_t off = 0; off < nbytes && r == 0; off += c->chunk) {
         uint64_t n = nbytes - off < c->chunk ? nbytes - off : c->chunk;
         uint64_t p = c->piece++ & 1;
-        memcpy(stage(c, p, c->rank), (const uint8_t *)in + off, n);
+        memcpy(stage(c, p, me), (const uint8_t *)in + off, n);
         if ((r = barrier(c, "all_gather", deadline)) < 0)
-            return r;
-        for (int q = 0; q < c->world; q++)
-            memcpy((uint8_t *)out + (uint64_t)q * nbytes + off, stage(c, p, q), n);
+            break;
+        for (int q = 0; q < W; q++)
+            if (q != me)
+                memcpy(to + (uint64_t)q * nbytes + off, stage(c, p, q), n);
     }
-    return 0;
+    return end_apart(c, r, 0, out, tmp, W * nbytes, "all_gather", deadline);
 }
 
 int mpc_coll_reduce_scatter(mpc_coll *c, void *out, const void *in, uint64_t count, int dtype,
@@ -1424,46 +1432,50 @@ int mpc_coll_reduce_scatter(mpc_coll *c, void *out, const void *in, uint64_t cou
         (r = begin(c, MPC_COLL_REDUCE_SCATTER, (uint32_t)op, (uint32_t)dtype, 0, count,
                    deadline)) < 0)
         return r;
+    const uint8_t *mine = (const uint8_t *)in + (uint64_t)me * count * es;
+    void *tmp;
+    uint8_t *to = write_apart(c, out, count * es, in, W * count * es, (uint8_t *)out == mine,
+                              &tmp, "reduce_scatter");
+    if (to == NULL)
+        return broken_error(c);
     void *srcs[MPC_COLL_MAX_RANKS];
     if (all_mapped(c, parity)) {
         /* NOTE [ Group buffers ]: this rank's slice, reduced from every
          * rank's input where it lies, a piece at a time */
-        uint64_t at = (uint64_t)me * count * es;
         const uint8_t *ins[MPC_COLL_MAX_RANKS];
-        for (int q = 0; q < W; q++)
-            if ((ins[q] = q == me ? in : peer_data(c, q, parity)) == NULL)
-                return broken_error(c);
-        void *tmp;
-        uint8_t *to = mapped_output(c, out, count * es, in, W * count * es,
-                                    (uint8_t *)out == (const uint8_t *)in + at, &tmp,
-                                    "reduce_scatter");
-        if (to == NULL)
-            return broken_error(c);
+        for (int q = 0; q < W && r == 0; q++)
+            if ((ins[q] = q == me ? mine : peer_data(c, q, parity)) == NULL)
+                r = broken_error(c);
+            else if (q != me)
+                ins[q] += (uint64_t)me * count * es;
         uint64_t per = piece_elems(MPC_COLL_MAPPED_PIECE, es);
-        for (uint64_t off = 0; off < count; off += per) {
+        for (uint64_t off = 0; off < count && r == 0; off += per) {
             for (int q = 0; q < W; q++)
-                srcs[q] = (void *)(ins[q] + at + off * es);
+                srcs[q] = (void *)(ins[q] + off * es);
             reduce(dtype, op, to + off * es, srcs, W, count - off < per ? count - off : per);
         }
-        return mapped_end(c, 0, out, tmp, count * es, "reduce_scatter", deadline);
+        return end_apart(c, r, 1, out, tmp, count * es, "reduce_scatter", deadline);
     }
+    /* Staged, a piece at a time: a rank stages only the peers' slices and
+     * reads its own from in */
     uint64_t per = piece_elems(c->chunk / (uint64_t)W, es);
     if (per == 0)
         per = 1;
-    for (uint64_t off = 0; off < count; off += per) {
+    for (uint64_t off = 0; off < count && r == 0; off += per) {
         uint64_t n = count - off < per ? count - off : per;
         uint64_t p = c->piece++ & 1;
-        uint8_t *st = stage(c, p, c->rank);
+        uint8_t *st = stage(c, p, me);
         for (int q = 0; q < W; q++) /* this rank's input for rank q's output */
-            memcpy(st + (uint64_t)q * n * es, (const uint8_t *)in + ((uint64_t)q * count + off) * es,
-                   n * es);
+            if (q != me)
+                memcpy(st + (uint64_t)q * n * es,
+                       (const uint8_t *)in + ((uint64_t)q * count + off) * es, n * es);
         if ((r = barrier(c, "reduce_scatter", deadline)) < 0)
-            return r;
+            break;
         for (int q = 0; q < W; q++)
-            srcs[q] = stage(c, p, q) + (uint64_t)c->rank * n * es;
-        reduce(dtype, op, (uint8_t *)out + off * es, srcs, W, n);
+            srcs[q] = q == me ? (void *)(mine + off * es) : stage(c, p, q) + (uint64_t)me * n * es;
+        reduce(dtype, op, to + off * es, srcs, W, n);
     }
-    return 0;
+    return end_apart(c, r, 0, out, tmp, count * es, "reduce_scatter", deadline);
 }
 
 int mpc_coll_reduce(mpc_coll *c, void *buf, uint64_t count, int dtype, int op, int root,

@@ -819,7 +819,8 @@ void *mpc_coll_buf_addr(const mpc_coll_buf *b, uint64_t *nbytes);
  *   as all_reduce's `in`: when every rank names one, each reads the
  *   peers' inputs where they lie.  out may hold in (this rank's part of
  *   an all_gather's out; an in-place reduce_scatter's out is this rank's
- *   slice of in) or overlap it otherwise (at the cost of a copy). */
+ *   slice of in) or overlap it otherwise (at the cost of a copy: NOTE
+ *   [ Movers write where no one reads ] in coll.c). */
 int mpc_coll_all_reduce(mpc_coll *c, void *buf, uint64_t count, int dtype, int op,
                         const mpc_coll_buf *in, int64_t deadline_ns);
 int mpc_coll_broadcast(mpc_coll *c, void *buf, uint64_t nbytes, int root, int64_t deadline_ns);

@@ -498,24 +498,27 @@ for n in SIZES:                 # float32 elements per rank
         mine = data("float32", n, rank, ("all_gather", place))
         # all_gather: apart; in place (the input is this rank's part of the
         # output); "aside" (the input is the output's first part on every
-        # rank: a peer still reads it while this rank writes its output)
-        whole, b = room(world * n + 1)
+        # rank: a peer still reads it while this rank writes its output);
+        # "askew" (the input one element past this rank's part)
+        whole, b = room(world * n + 2)
         whole[-1] = 7
         dst = whole[:world * n]
         if place == "apart":
             src, b = room(n)
         else:
-            src = whole[rank * n:(rank + 1) * n] if place == "in place" else whole[:n]
+            at = {"in place": rank * n, "aside": 0, "askew": rank * n + 1}[place]
+            src = whole[at:at + n]
         src[:] = mine
         g.all_gather(dst.ctypes.data, src.ctypes.data, n * 4, 60, b)
         ag = digest(dst), float(whole[-1])
         # reduce_scatter: apart; in place (the output is this rank's part of
-        # the input); "aside" (the output is the input's first part)
-        buf, b = room(world * n + 1)
-        buf[:-1] = data("float32", world * n, rank, ("reduce_scatter", place))
+        # the input); "aside" (the output is the input's first part); "askew"
+        # (the output one element past this rank's part)
+        buf, b = room(world * n + 2)
+        buf[:world * n] = data("float32", world * n, rank, ("reduce_scatter", place))
         buf[-1] = 7
-        res = {"apart": np.full(n, 7, np.float32), "in place": buf[rank * n:(rank + 1) * n],
-               "aside": buf[:n]}[place]
+        at = {"in place": rank * n, "aside": 0, "askew": rank * n + 1}.get(place)
+        res = np.full(n, 7, np.float32) if at is None else buf[at:at + n]
         g.reduce_scatter(res.ctypes.data, buf.ctypes.data, n, F32, SUM, 60, b)
         out[n, place] = ag, res.copy(), float(buf[-1])
         del whole, dst, src, buf, res, b
@@ -531,11 +534,11 @@ def test_all_gather_and_reduce_scatter_in_and_out_of_place(ranks, where):
 def _all_gather_and_reduce_scatter(ranks, where="own memory"):
     """Every size, staged in pieces or (inputs in group buffers on every
     rank) read where they lie (NOTE [ Group buffers ]), with the input apart
-    from the output, in place, and overlapping it elsewhere (NOTE [ Mapped
-    movers write where no peer reads ])."""
+    from the output, in place, and overlapping it elsewhere (NOTE [ Movers
+    write where no one reads ])."""
     W = ranks.world
     sizes = (0, 1, 1000, CHUNK // 4 + 3, 3 * CHUNK // 4 + 12345)
-    places = ("apart", "in place", "aside")
+    places = ("apart", "in place", "aside", "askew")
     res = ranks.run(f"SIZES = {sizes!r}\nPLACES = {places!r}\nWHERE = {where!r}\n"
                     + GATHER_SCATTER, timeout=150)
     for n in sizes:
