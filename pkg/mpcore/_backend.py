@@ -169,12 +169,10 @@ def into_buffer(s):
     return b
 
 
-def _all_reduce_in(core, addr, count, dtype, op, buf, timeout):
-    core.all_reduce(addr, count, dtype, op, timeout, buf)
-
-
-def _reduce_in(core, addr, count, dtype, op, root, buf, timeout):
-    core.reduce(addr, count, dtype, op, root, timeout, buf)
+def _in_buffer(method, buf, *args):
+    """method(*args, buf): a core call whose last arguments are the timeout
+    (which the group's run appends) and then the group buffer."""
+    return method(*args, buf)
 
 
 def _all_to_all_in(core, out, inp, send, recv, buf, timeout):
@@ -204,14 +202,6 @@ def _buffer_of(t):
     if len(_seen) > _SEEN_MAX:
         _seen.popitem(last=False)
     return None
-
-
-def _all_gather_in(core, out, inp, nbytes, buf, timeout):
-    core.all_gather(out, inp, nbytes, timeout, buf)
-
-
-def _reduce_scatter_in(core, out, inp, count, dtype, op, buf, timeout):
-    core.reduce_scatter(out, inp, count, dtype, op, timeout, buf)
 
 
 # --- Work ------------------------------------------------------------------------
@@ -634,8 +624,8 @@ class ProcessGroupMpcore(dist.ProcessGroup):
                     if buf is None:
                         return shm.run(True, tensors, shm.core.all_reduce, t.data_ptr(),
                                        t.numel(), codes[0], codes[1], keep=(t,))
-                    return shm.run(True, tensors, _all_reduce_in, shm.core, t.data_ptr(),
-                                   t.numel(), codes[0], codes[1], buf, keep=(t,))
+                    return shm.run(True, tensors, _in_buffer, shm.core.all_reduce, buf,
+                                   t.data_ptr(), t.numel(), codes[0], codes[1], keep=(t,))
                 if shm._queued:
                     shm.drain()
                 shm.core.all_reduce(t.data_ptr(), t.numel(), codes[0], codes[1], shm.timeout,
@@ -703,8 +693,8 @@ class ProcessGroupMpcore(dist.ProcessGroup):
             if codes is not None and t.is_cpu and t.is_contiguous() and 0 <= root < self._world:
                 buf = _buffer_of(t) if t.nbytes >= BUFFER_MIN else None
                 if opts.asyncOp:
-                    return shm.run(True, tensors, _reduce_in, shm.core, t.data_ptr(), t.numel(),
-                                   codes[0], codes[1], root, buf, keep=(t,))
+                    return shm.run(True, tensors, _in_buffer, shm.core.reduce, buf, t.data_ptr(),
+                                   t.numel(), codes[0], codes[1], root, keep=(t,))
                 if shm._queued:
                     shm.drain()
                 shm.core.reduce(t.data_ptr(), t.numel(), codes[0], codes[1], root, shm.timeout,
@@ -816,8 +806,9 @@ class ProcessGroupMpcore(dist.ProcessGroup):
                 and output.numel() == input.numel() * self._world
                 and output.is_contiguous() and input.is_contiguous()):   # the core's call
             buf = _buffer_of(input) if input.nbytes >= BUFFER_MIN else None
-            return self._run(opts.asyncOp, [output], _all_gather_in, shm.core, output.data_ptr(),
-                             input.data_ptr(), _nbytes(input), buf, keep=(input, output))
+            return self._run(opts.asyncOp, [output], _in_buffer, shm.core.all_gather, buf,
+                             output.data_ptr(), input.data_ptr(), _nbytes(input),
+                             keep=(input, output))
         if self._gloo is not None:
             return self._gloo._allgather_base(output, input, opts)
         if output.dtype != input.dtype or output.numel() != input.numel() * self._world:
@@ -896,9 +887,9 @@ class ProcessGroupMpcore(dist.ProcessGroup):
             codes = row[opts.reduceOp.op.value] if row is not None else None
             if codes is not None:   # the core's call
                 buf = _buffer_of(input) if input.nbytes >= BUFFER_MIN else None
-                return self._run(opts.asyncOp, [output], _reduce_scatter_in, shm.core,
-                                 output.data_ptr(), input.data_ptr(), output.numel(), codes[0],
-                                 codes[1], buf, keep=(input, output))
+                return self._run(opts.asyncOp, [output], _in_buffer, shm.core.reduce_scatter,
+                                 buf, output.data_ptr(), input.data_ptr(), output.numel(),
+                                 codes[0], codes[1], keep=(input, output))
         if self._gloo is not None:
             return self._gloo._reduce_scatter_base(output, input, opts)
         if output.dtype != input.dtype or input.numel() != output.numel() * self._world:
