@@ -14,6 +14,7 @@ typedef struct BlockObject {
     mpc_block b;
     int held;
     PyObject *weakreflist;
+    PyObject *keys;           /* list: its entries in _torch._storages, or NULL */
     struct BlockObject *next; /* in the table below */
 } BlockObject;
 
@@ -63,6 +64,7 @@ static PyObject *block_new_from(PyTypeObject *type, const mpc_block *b) {
     self->b = *b;
     self->held = 1;
     self->weakreflist = NULL;
+    self->keys = NULL;
     size_t h = block_hash(b->seg_id, b->index, b->gen);
     self->next = block_table[h];
     block_table[h] = self;
@@ -71,11 +73,14 @@ static PyObject *block_new_from(PyTypeObject *type, const mpc_block *b) {
     return (PyObject *)self;
 }
 
+static void trec_forget_block(BlockObject *self);
+
 static void block_dealloc(BlockObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
     if (self->weakreflist)
         PyObject_ClearWeakRefs((PyObject *)self);
+    trec_forget_block(self);
     block_unlink(self);
     if (self->held) {
         self->held = 0;
@@ -936,10 +941,41 @@ static PyObject *trec_byte_storage(BlockObject *b, uint64_t offset, uint64_t nby
     return s;
 }
 
-/* Records storage as the one of its key, as _torch._remember does (the
- * expired entries are pruned by _torch._prune once the table has doubled
- * since the last pruning); 0, or -1 with an exception set. */
-static int trec_remember(PyObject *key, PyObject *storage) {
+/* NOTE [ Storage entries go with their block ]
+ * _torch._storages keeps torch's weak reference to each storage this
+ * process made over a block or moved into one (NOTE [ Storage identity ] in
+ * _torch.py).  Such a reference keeps the storage's StorageImpl, a small
+ * allocation of the C heap, until it is freed.  Every one of those storages
+ * holds its block's one Block object (through the numpy array that
+ * torch.from_numpy keeps), so once the Block object is freed, every storage
+ * over it is gone: its entries (the Block keeps their keys) are dropped
+ * then and their references freed.  That happens inside the last storage's
+ * release, while torch still counts the storage's own weak reference, so
+ * freeing ours there never frees the StorageImpl under torch.  Entries
+ * whose storage went while its Block lives on (held by another storage or
+ * by Python) are pruned once the table has doubled.
+ *
+ * Why it matters: one small chunk pinned per tensor that a loop makes and
+ * moves fragments the heap.  The next tensor's small allocations split the
+ * large chunk the move has just freed (the tensor's old memory); the next
+ * large tensor no longer fits there and comes from fresh pages at the top
+ * of the heap, so every item faults its whole size in and the process grows
+ * by that size per item.  With entries pruned only at doubling, a producer
+ * of 16 MB tensors grew by 5 GB in 300 items; with the entries of the last
+ * two moves dropped at the next move (this note's predecessor), a process
+ * holding eight such tensors at once still grew by about 110 MB a round of
+ * eight, and one holding sixteen ran out of memory at 24 GB. */
+
+/* Records storage, made over b or moved into it, as the one of its key,
+ * and the key as one of b's (NOTE [ Storage entries go with their block ]);
+ * the expired entries are pruned by _torch._prune once the table has
+ * doubled since the last pruning.  0, or -1 with an exception set. */
+static int trec_remember(BlockObject *b, PyObject *key, PyObject *storage) {
+    if (b->keys == NULL && (b->keys = PyList_New(0)) == NULL)
+        return -1;
+    int known = PySequence_Contains(b->keys, key);
+    if (known < 0 || (!known && PyList_Append(b->keys, key) < 0))
+        return -1;
     PyObject *ref = PyObject_CallMethodNoArgs(storage, s_weak_ref);
     if (ref == NULL)
         return -1;
@@ -967,62 +1003,43 @@ static int trec_remember(PyObject *key, PyObject *storage) {
     return r;
 }
 
-/* NOTE [ Moved storages are forgotten once gone ]
- * _torch._storages keeps a weak reference to each storage this process
- * moved into a block, so that one coming back arrives as the original
- * (NOTE [ Storage identity ] in _torch.py).  torch's weak reference keeps
- * the storage's StorageImpl, a small allocation of the C heap, until the
- * reference is freed, and pruning frees expired ones only once the table
- * has doubled: a thousand moves or more.  A producer that puts tensors it
- * makes in its loop (q.put(torch.full(...))) then leaves one small chunk
- * pinned per item, and the next tensor's small allocations find no free
- * chunk of their size but the large one the move just freed (the tensor's
- * old memory).  Once split, that chunk no longer fits the next large
- * tensor, which comes from fresh pages at the top of the heap: every item
- * faulted its whole size in, and the split chunks, resident and never used
- * again, grew the producer by the tensor's size per item (16 MB tensors:
- * 5 GB after 300 items, in five runs of eight; torch's own queue grows the
- * same way, by 2 GB).  So the keys of the last TREC_MOVED moves are kept,
- * and each move frees the entries of those whose storage is gone (a
- * temporary that was put is gone by the next put), before the next tensor
- * is made.  With that, none of sixteen runs grew (bounded and unbounded
- * queues, bare tensors and tensors in a list). */
-#define TREC_MOVED 2
-static PyObject *trec_moved[TREC_MOVED]; /* keys of the last moves, or NULL */
-static int trec_moved_next;
-
-/* Frees the entries of _torch._storages of the last moves whose storage is
- * gone, then records key as the latest move (NOTE [ Moved storages are
- * forgotten once gone ]); 0, or -1 with an exception set. */
-static int trec_forget_gone_moves(PyObject *key) {
-    for (int i = 0; i < TREC_MOVED; i++) {
-        if (trec_moved[i] == NULL)
+/* Drops the entries of _torch._storages that were made for self, which is
+ * being freed (NOTE [ Storage entries go with their block ]).  Never
+ * fails: an error is reported as unraisable, and an exception already set
+ * is kept. */
+static void trec_forget_block(BlockObject *self) {
+    PyObject *keys = self->keys;
+    if (keys == NULL)
+        return;
+    self->keys = NULL;
+#if PY_VERSION_HEX >= 0x030C0000
+    PyObject *exc = PyErr_GetRaisedException();
+#else
+    PyObject *et, *ev, *etb;
+    PyErr_Fetch(&et, &ev, &etb);
+#endif
+    for (Py_ssize_t i = 0; trec_torch.storages != NULL && i < PyList_GET_SIZE(keys); i++) {
+        PyObject *key = PyList_GET_ITEM(keys, i);
+        PyObject *ref = PyDict_GetItemWithError(trec_torch.storages, key); /* borrowed */
+        if (ref == NULL) {
+            if (PyErr_Occurred())
+                PyErr_WriteUnraisable(NULL);
             continue;
-        PyObject *ref = PyDict_GetItemWithError(trec_torch.storages, trec_moved[i]); /* borrowed */
-        if (ref == NULL && PyErr_Occurred())
-            return -1;
-        if (ref != NULL) {
-            PyObject *e = PyObject_CallOneArg(trec_torch.expired, ref);
-            int gone = e == NULL ? -1 : PyObject_IsTrue(e);
-            Py_XDECREF(e);
-            if (gone <= 0) {
-                if (gone < 0)
-                    return -1;
-                continue;
-            }
-            Py_INCREF(ref);
-            PyObject *x = PyDict_DelItem(trec_torch.storages, trec_moved[i]) < 0
-                              ? NULL : PyObject_CallOneArg(trec_torch.free_weak_ref, ref);
-            Py_DECREF(ref);
-            if (x == NULL)
-                return -1;
-            Py_DECREF(x);
         }
-        Py_CLEAR(trec_moved[i]);
+        Py_INCREF(ref);
+        PyObject *x = PyDict_DelItem(trec_torch.storages, key) < 0
+                          ? NULL : PyObject_CallOneArg(trec_torch.free_weak_ref, ref);
+        Py_DECREF(ref);
+        if (x == NULL)
+            PyErr_WriteUnraisable(NULL);
+        Py_XDECREF(x);
     }
-    Py_XSETREF(trec_moved[trec_moved_next], Py_NewRef(key));
-    trec_moved_next = (trec_moved_next + 1) % TREC_MOVED;
-    return 0;
+    Py_DECREF(keys);
+#if PY_VERSION_HEX >= 0x030C0000
+    PyErr_SetRaisedException(exc);
+#else
+    PyErr_Restore(et, ev, etb);
+#endif
 }
 
 /* Counts a storage moved into shared memory in _stats; 0, or -1 with an
@@ -1088,7 +1105,7 @@ static PyObject *trec_move(mpc_state *st, PyObject *storage, long long ptr, uint
         goto fail;
     Py_DECREF(res);
     key = trec_key(b, 0, nbytes);
-    if (key == NULL || trec_remember(key, storage) < 0 || trec_forget_gone_moves(key) < 0)
+    if (key == NULL || trec_remember(b, key, storage) < 0)
         goto fail;
     Py_CLEAR(key);
     if (trec_count_move() < 0)
@@ -1263,6 +1280,34 @@ static PyObject *trec_lookup(PyObject *key) {
     return s;
 }
 
+/* storage_over(block, offset, nbytes) -> the untyped storage over those
+ * bytes of block: the one this process has for them (NOTE [ Storage
+ * identity ] in _torch.py), else a new one, remembered.  HandleError when
+ * the bytes do not lie inside the block. */
+static PyObject *py_storage_over(PyObject *m, PyObject *args) {
+    mpc_state *st = mpc_get_state(m);
+    BlockObject *b;
+    Py_ssize_t offset, nbytes;
+    if (!PyArg_ParseTuple(args, "O!nn:storage_over", st->BlockType, &b, &offset, &nbytes))
+        return NULL;
+    if (trec_torch.storages == NULL)
+        return PyErr_Format(PyExc_RuntimeError, "storage_over() before torch_hooks()");
+    npy_intp n = (npy_intp)nbytes, one = 1;
+    if (block_check_view(b, 1, 1, &n, &one, offset, 0, -1) < 0)
+        return NULL;
+    PyObject *key = trec_key(b, (uint64_t)offset, (uint64_t)nbytes);
+    if (key == NULL)
+        return NULL;
+    PyObject *s = trec_lookup(key);
+    if (s == NULL && !PyErr_Occurred()) {
+        s = trec_byte_storage(b, (uint64_t)offset, (uint64_t)nbytes);
+        if (s != NULL && trec_remember(b, key, s) < 0)
+            Py_CLEAR(s);
+    }
+    Py_DECREF(key);
+    return s;
+}
+
 /* tensor_from_record(refs, payload) -> None if the message is not a tensor
  * record, else the tensor it carries (its ticket redeemed): a view of the
  * one storage of its byte range in this process (NOTE [ Tensor records in
@@ -1309,7 +1354,7 @@ static PyObject *py_tensor_from_record(PyObject *m, PyObject *args) {
             if (t == NULL)
                 goto done;
             s = PyObject_CallMethodNoArgs(t, s_untyped_storage);
-            if (s == NULL || trec_remember(key, s) < 0) {
+            if (s == NULL || trec_remember(b, key, s) < 0) {
                 Py_DECREF(t);
                 goto done;
             }
@@ -1319,7 +1364,7 @@ static PyObject *py_tensor_from_record(PyObject *m, PyObject *args) {
     }
     if (s == NULL) {
         s = trec_byte_storage(b, h.offset, h.nbytes);
-        if (s == NULL || trec_remember(key, s) < 0)
+        if (s == NULL || trec_remember(b, key, s) < 0)
             goto done;
     }
     Py_ssize_t itemsize;
@@ -1387,6 +1432,8 @@ PyMethodDef mpc_py_shm_methods[] = {
     {"torch_hooks", py_torch_hooks, METH_VARARGS,
      "torch_hooks(tensor_type, dispatch_keys, plain_keys, codes, descrs, proto, from_numpy,\n"
      "storages, new_with_weak_ptr, remember, moved): torch's objects for tensor records"},
+    {"storage_over", py_storage_over, METH_VARARGS,
+     "storage_over(block, offset, nbytes) -> the one storage over those bytes here"},
     {"move_storage", py_move_storage, METH_O,
      "move_storage(storage) -> Block: the storage moved into a new block in place"},
     {"tensor_record", py_tensor_record, METH_O,

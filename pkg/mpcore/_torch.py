@@ -18,7 +18,6 @@ torch.  `_storages` maps (handle, offset, nbytes) to a weak reference of the
 storage made for it; the storage a process moved into a block itself is
 recorded too, so a tensor that comes back arrives as the original storage.
 """
-import numpy as np
 import torch
 from multiprocessing.reduction import ForkingPickler
 from torch.multiprocessing import reductions as _torch_reductions
@@ -45,15 +44,6 @@ def _storage_block(storage):
     return _shm.find(storage.data_ptr(), n)
 
 
-def _remember(key, storage):
-    old = _storages.get(key)
-    _storages[key] = storage._weak_ref()
-    if old is not None:
-        torch.UntypedStorage._free_weak_ref(old)
-    if len(_storages) >= 2 * _remember.limit:
-        _remember.limit = max(1024, _prune())
-
-
 def _prune():
     """Drops the entries of expired storages; returns how many are left."""
     for k, ref in list(_storages.items()):
@@ -63,25 +53,11 @@ def _prune():
     return len(_storages)
 
 
-_remember.limit = 1024
-
-
-def _lookup(key):
-    ref = _storages.get(key)
-    if ref is None:
-        return None
-    return torch.UntypedStorage._new_with_weak_ptr(ref)
-
-
-def storage_over(block, offset, nbytes):
-    """The storage over bytes [offset, offset + nbytes) of a block: one per
-    byte range in a process (NOTE [ Storage identity ])."""
-    key = (block.handle, offset, nbytes)
-    s = _lookup(key)
-    if s is None:
-        s = torch.from_numpy(block.array(np.uint8, (nbytes,), None, offset)).untyped_storage()
-        _remember(key, s)
-    return s
+# storage_over(block, offset, nbytes): the storage over bytes [offset,
+# offset + nbytes) of a block, one per byte range in a process (NOTE
+# [ Storage identity ]; its entry goes with the block: NOTE [ Storage entries
+# go with their block ] in py_shm.c).
+storage_over = _core.storage_over
 
 
 def share_storage_(storage):
@@ -101,7 +77,6 @@ def _move(storage):
     b, off = _shm.find(storage.data_ptr(), n)
     if b is not None:
         return b, off
-    # NOTE [ Moved storages are forgotten once gone ] in py_shm.c
     return _core.move_storage(storage), 0
 
 
@@ -248,3 +223,8 @@ def empty(shape, dtype, zero=False):
     b = _shm.alloc(n, zero=zero)
     storage = storage_over(b, 0, n)
     return torch.empty((0,), dtype=dtype).set_(storage, 0, shape)
+
+
+# Gives the core torch's objects (_core.torch_hooks), which storage_over and
+# the moves need: last, since it reads this module's names.
+from . import _tensormsg  # noqa: E402,F401
