@@ -8,23 +8,30 @@ NOTE [ The fresh-tensor rows ]
 `queue-fresh-16m` and `-unbounded`: a forked producer makes each tensor in
 its loop, `q.put(torch.full((4 << 20,), float(i)))` (16 MB of float32),
 into a Queue of maxsize=16 (or an unbounded one); the consumer gets each
-and reads one element (checked).  The figure is ms per item, from the
-producer's start signal to the consumer's last get; a warm-up item comes
-before (as in cases.py's queue rows), so the producer's first put after
-fork (its keeper connection, its first segment, torch's thread pool) is not
-counted.  In the same run the
-producer times its own floor, before and after the puts (the lower
-counts): `torch.full` of the same size plus one
-`copy_` of it into a tensor made (and faulted in) beforehand, per item, the
-best of a few rounds: what a put cannot avoid (making the tensor, one copy
-into shared memory).  `extra.floor_ms` and `extra.vs_floor` carry it; the
-table's notes say whether mpcore is within FLOOR_TARGET of its floor.
+and reads one element (checked).  A warm-up item comes first (as in
+cases.py's queue rows), so the producer's first put after fork (its keeper
+connection, its first segment, torch's thread pool) is not counted.
+The producer then alternates two kinds of round, in the same process:
+  - a floor round: FLOOR_ITEMS times `torch.full` of the same size plus
+    one `copy_` of it into a tensor made (and faulted in) beforehand: what
+    a put cannot avoid (making the tensor, one copy into shared memory);
+  - a queue round: ROUND_ITEMS puts, from the producer's first put to the
+    consumer's last get of the round (both read the same monotonic clock);
+    a bounded queue blocks the producer within a round, an unbounded one
+    lets it run ahead of the consumer.
+The figure is the median queue round's ms per item, `extra.floor_ms` the
+median floor round's, and `extra.vs_floor` their ratio; the table's notes
+say whether mpcore is within FLOOR_TARGET of its floor.  Alternating the
+rounds compares the two under the same conditions: this machine's speed
+drifts by 2x within minutes, and a floor timed only before or after the
+puts (as the row first did) drew on other minutes than the puts did.
 That floor copies into one tensor again and again, which the CPU's last
 cache may hold (16 MB of source and 16 MB of destination fit a 32 MB L3),
 while a queue with items in flight writes into a block no cache holds.  So
-the producer also times the same loop copying into enough tensors in turn
-to outgrow that cache (`extra.cold_floor_ms`, COLD_MAX of them at most):
-the notes give it beside the floor, which stays the target's reference.
+the producer also times at the end (median of three rounds) the same loop copying into enough
+tensors in turn to outgrow that cache (`extra.cold_floor_ms`, COLD_MAX of
+them at most): the notes give it beside the floor, which stays the
+target's reference.
 
 NOTE [ The small-object row ]
 `queue-dict`: a forked producer puts N dicts of about 100 pickled bytes
@@ -41,10 +48,10 @@ import time
 KB, MB = 1 << 10, 1 << 20
 FRESH_NUMEL = 4 << 20          # float32: 16 MB
 FRESH_MAXSIZE = 16
-FRESH_MAX_ITEMS = 200          # a bounded queue holds at most maxsize of them
-FRESH_MAX_UNBOUNDED = 160      # an unbounded one may hold them all: 2.5 GB at most
+ROUND_ITEMS = 48               # puts per queue round: 768 MB in flight at most
+FLOOR_ITEMS = 16               # items per floor round
+FRESH_MAX_ROUNDS = 12
 FLOOR_TARGET = 1.5
-FLOOR_ROUNDS = 3
 COLD_MAX = 16                  # destinations of the cold floor: 256 MB at most
 FF_TARGET = 1.5
 BATCH = 64
@@ -73,62 +80,66 @@ def _last_cache_bytes():
     return best or 32 * MB
 
 
-def _fresh_floor(torch, n):
-    """ms per item of torch.full plus one copy_ of the same size, best of
-    FLOOR_ROUNDS rounds of n items: (into one tensor, into tensors in turn
-    that together outgrow the last cache)."""
-    nbytes = FRESH_NUMEL * 4
-    k = min(COLD_MAX, _last_cache_bytes() // nbytes + 2)
+def _floor_round(torch, dsts):
+    """ms per item of torch.full plus one copy_ of the same size into the
+    tensors of dsts in turn, over FLOOR_ITEMS items."""
+    t0 = time.perf_counter()
+    for i in range(FLOOR_ITEMS):
+        t = torch.full((FRESH_NUMEL,), float(i))
+        dsts[i % len(dsts)].copy_(t)
+        del t
+    return (time.perf_counter() - t0) / FLOOR_ITEMS * 1e3
+
+
+def _faulted(torch, k):
+    """k tensors of FRESH_NUMEL, faulted in, as a reused shared block is."""
     dsts = [torch.empty(FRESH_NUMEL) for _ in range(k)]
     for d in dsts:
-        d.fill_(0.0)             # faulted in, as a reused shared block is
-    best = [None, None]
-    for _ in range(FLOOR_ROUNDS):
-        for which, ring in ((0, 1), (1, k)):
-            t0 = time.perf_counter()
-            for i in range(n):
-                t = torch.full((FRESH_NUMEL,), float(i))
-                dsts[i % ring].copy_(t)
-                del t
-            ms = (time.perf_counter() - t0) / n * 1e3
-            best[which] = ms if best[which] is None else min(best[which], ms)
-    return tuple(best)
+        d.fill_(0.0)
+    return dsts
 
 
-def _fresh_producer(torch, q, n, go, done):
-    # A warm-up item first (the consumer's cue), as the other queue rows:
+def _fresh_producer(torch, q, rounds, go, acks, done):
+    # A warm-up item first (the consumer's cue), as the other queue rounds:
     # what is timed is a running producer, not its first put after fork.
-    # The floor is timed before and after the puts, and the lower of the two
-    # counts: on a busy machine a floor taken at one moment only may be the
-    # slower one, which would flatter the puts.
-    before = _fresh_floor(torch, min(n, 16))
+    dst = _faulted(torch, 1)
     q.put(torch.full((FRESH_NUMEL,), -1.0))
     go.acquire(timeout=_c.CHILD_WAIT_S)
-    for i in range(n):
-        q.put(torch.full((FRESH_NUMEL,), float(i)))
-    after = _fresh_floor(torch, min(n, 16))
-    q.put({"floor_ms": min(before[0], after[0]), "cold_floor_ms": min(before[1], after[1])})
+    floor, puts = [], []
+    for _ in range(rounds):
+        floor.append(_floor_round(torch, dst))
+        t0 = time.perf_counter()
+        for i in range(ROUND_ITEMS):
+            q.put(torch.full((FRESH_NUMEL,), float(i)))
+        puts.append((acks.get() - t0) / ROUND_ITEMS * 1e3)
+    del dst
+    k = min(COLD_MAX, _last_cache_bytes() // (FRESH_NUMEL * 4) + 2)
+    cold_dsts = _faulted(torch, k)
+    cold = sorted(_floor_round(torch, cold_dsts) for _ in range(3))[1]
+    q.put({"puts_ms": puts, "floor_ms": floor, "cold_floor_ms": cold})
     done.wait(_c.CHILD_WAIT_S)
 
 
-def _fresh_once(env, n, maxsize, out):
+def _fresh_once(env, rounds, maxsize, out):
     q = env.Queue(maxsize)
-    go, done = env.ctx.Semaphore(0), env.ctx.Event()
+    go, done, acks = env.ctx.Semaphore(0), env.ctx.Event(), env.ctx.SimpleQueue()
     p = env.ctx.Process(target=_fresh_producer, daemon=True,
-                        args=(env.torch, q, n, go, done))
+                        args=(env.torch, q, rounds, go, acks, done))
     p.start()
     try:
         q.get(timeout=_c.CHILD_WAIT_S)            # the warm-up item
-        t0 = time.perf_counter()
         go.release()
-        for i in range(n):
-            t = q.get(timeout=_c.CHILD_WAIT_S)
-            if t.numel() != FRESH_NUMEL or float(t[-1]) != float(i):
-                raise AssertionError(f"item {i} wrong: {t.numel()} elements, last {float(t[-1])}")
-            del t
-        el = time.perf_counter() - t0
+        for _ in range(rounds):
+            for i in range(ROUND_ITEMS):
+                t = q.get(timeout=_c.CHILD_WAIT_S)
+                if t.numel() != FRESH_NUMEL or float(t[-1]) != float(i):
+                    raise AssertionError(f"item {i} wrong: {t.numel()} elements, "
+                                         f"last {float(t[-1])}")
+                del t
+            acks.put(time.perf_counter())
+        out.clear()
         out.update(q.get(timeout=_c.CHILD_WAIT_S))
-        return el
+        return sum(out["puts_ms"]) * ROUND_ITEMS / 1e3
     finally:
         done.set()
         go.release()
@@ -137,24 +148,30 @@ def _fresh_once(env, n, maxsize, out):
 
 
 def fresh_16m(env, target_s, maxsize):
+    import statistics
     out = {}
-    n, el = _c.calibrate(lambda k: _fresh_once(env, k, maxsize, out), target_s, 4, lo=4,
-                         hi=FRESH_MAX_ITEMS if maxsize else FRESH_MAX_UNBOUNDED)
-    ms = el / n * 1e3
-    return _c.Measurement(ms, n, el, {"ms_per_item": ms, "floor_ms": out["floor_ms"],
-                                      "vs_floor": ms / out["floor_ms"],
-                                      "cold_floor_ms": out["cold_floor_ms"],
-                                      "GB_per_s": n * FRESH_NUMEL * 4 / el / 1e9})
+    rounds, el = _c.calibrate(lambda k: _fresh_once(env, k, maxsize, out), target_s, 1, lo=3,
+                              hi=FRESH_MAX_ROUNDS)
+    ms, floor = statistics.median(out["puts_ms"]), statistics.median(out["floor_ms"])
+    return _c.Measurement(ms, rounds * ROUND_ITEMS, el,
+                          {"ms_per_item": ms, "floor_ms": floor, "vs_floor": ms / floor,
+                           "rounds_ms": out["puts_ms"], "floor_rounds_ms": out["floor_ms"],
+                           "cold_floor_ms": out["cold_floor_ms"],
+                           "GB_per_s": FRESH_NUMEL * 4 / ms / 1e6})
 
 
 def _fresh_notes(row):
     out = []
     for impl, best, e in _c.best_entries(row):
-        line = (f"{impl}: {best:.3g} ms per item; its producer's floor (torch.full + one "
-                f"16 MB copy) {e['floor_ms']:.3g} ms: {e['vs_floor']:.2f}x the floor")
+        line = (f"{impl}: {best:.3g} ms per item (median round); its producer's floor "
+                f"(torch.full + one 16 MB copy, median of the rounds between) "
+                f"{e['floor_ms']:.3g} ms: {e['vs_floor']:.2f}x the floor")
         if impl == "mpcore":
             line += (f" (target <= {FLOOR_TARGET:g}x: "
                      f"{'met' if e['vs_floor'] <= FLOOR_TARGET else 'MISSED'})")
+        if e.get("rounds_ms") and e.get("floor_rounds_ms"):
+            bq, bf = min(e["rounds_ms"]), min(e["floor_rounds_ms"])
+            line += f"; best rounds {bq:.3g} / {bf:.3g} ms: {bq / bf:.2f}x"
         if e.get("cold_floor_ms"):
             line += (f"; {best / e['cold_floor_ms']:.2f}x the same floor copying into memory "
                      f"no cache holds ({e['cold_floor_ms']:.3g} ms)")
@@ -287,8 +304,9 @@ def register(cases):
                        own_child=True, timeout_s=180.0,
                        note=f"A forked producer puts torch.full((4M,), i) made in its loop "
                             f"(16 MB float32) on a Queue ({what}); the consumer reads one "
-                            f"element of each; ms per item, after a warm-up item. The notes compare it with the "
-                            f"producer's floor (torch.full + one 16 MB copy), target <= "
+                            f"element of each; ms per item, the median of rounds of {ROUND_ITEMS} after a "
+                            f"warm-up item. The notes compare it with the producer's floor, timed "
+                            f"in rounds between (torch.full + one 16 MB copy), target <= "
                             f"{FLOOR_TARGET:g}x (NOTE [ The fresh-tensor rows ]).")
     cases.add_case("queue-dict", "Queue 100-byte dicts", "items/s", True, queue_dict,
                    row_notes=_dict_notes, timeout_s=240.0,
