@@ -840,7 +840,6 @@ static struct {
     PyObject *storages;          /* _torch._storages: key -> weak reference */
     PyObject *new_with_weak_ptr; /* torch.UntypedStorage._new_with_weak_ptr */
     PyObject *free_weak_ref;     /* torch.UntypedStorage._free_weak_ref */
-    PyObject *expired;           /* torch.UntypedStorage._expired */
     PyObject *prune;             /* _torch._prune() -> entries left: drops the expired ones */
     PyObject *counts;            /* _stats._counts: "storages_shared" counts the moves */
     Py_ssize_t limit;            /* prune once storages holds twice this many */
@@ -874,26 +873,24 @@ static int trec_intern(void) {
 }
 
 /* torch_hooks(tensor_type, dispatch_keys, plain_keys, codes, descrs, proto,
- * from_numpy, storages, new_with_weak_ptr, free_weak_ref, expired, prune,
- * counts):
+ * from_numpy, storages, new_with_weak_ptr, free_weak_ref, prune, counts):
  * the torch objects of NOTE [ Tensor records in C ].  Called once torch is
  * imported; calling it again replaces them. */
 
 static PyObject *py_torch_hooks(PyObject *m, PyObject *args) {
-    PyObject *o[13];
-    if (!PyArg_ParseTuple(args, "OOO!O!O!OOO!OOOOO!:torch_hooks", &o[0], &o[1], &PyTuple_Type,
+    PyObject *o[12];
+    if (!PyArg_ParseTuple(args, "OOO!O!O!OOO!OOOO!:torch_hooks", &o[0], &o[1], &PyTuple_Type,
                           &o[2], &PyDict_Type, &o[3], &PyTuple_Type, &o[4], &o[5], &o[6],
-                          &PyDict_Type, &o[7], &o[8], &o[9], &o[10], &o[11], &PyDict_Type,
-                          &o[12]))
+                          &PyDict_Type, &o[7], &o[8], &o[9], &o[10], &PyDict_Type, &o[11]))
         return NULL;
     if (trec_intern() < 0 || PyArray_ImportNumPyAPI() < 0)
         return NULL;
-    PyObject **slot[13] = {&trec_torch.tensor_type, &trec_torch.dispatch_keys,
+    PyObject **slot[12] = {&trec_torch.tensor_type, &trec_torch.dispatch_keys,
                            &trec_torch.plain_keys, &trec_torch.codes, &trec_torch.descrs,
                            &trec_torch.proto, &trec_torch.from_numpy, &trec_torch.storages,
                            &trec_torch.new_with_weak_ptr, &trec_torch.free_weak_ref,
-                           &trec_torch.expired, &trec_torch.prune, &trec_torch.counts};
-    for (int i = 0; i < 13; i++)
+                           &trec_torch.prune, &trec_torch.counts};
+    for (int i = 0; i < 12; i++)
         Py_XSETREF(*slot[i], Py_NewRef(o[i]));
     trec_torch.limit = 1024;
     Py_CLEAR(trec_torch.protos);
@@ -1431,7 +1428,8 @@ PyMethodDef mpc_py_shm_methods[] = {
      "-> (refs, payload): a Queue message carrying that view of block as a tensor record"},
     {"torch_hooks", py_torch_hooks, METH_VARARGS,
      "torch_hooks(tensor_type, dispatch_keys, plain_keys, codes, descrs, proto, from_numpy,\n"
-     "storages, new_with_weak_ptr, remember, moved): torch's objects for tensor records"},
+     "storages, new_with_weak_ptr, free_weak_ref, prune, counts): torch's objects for tensor\n"
+     "records"},
     {"storage_over", py_storage_over, METH_VARARGS,
      "storage_over(block, offset, nbytes) -> the one storage over those bytes here"},
     {"move_storage", py_move_storage, METH_O,
