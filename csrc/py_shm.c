@@ -840,7 +840,7 @@ static struct {
     PyObject *storages;          /* _torch._storages: key -> weak reference */
     PyObject *new_with_weak_ptr; /* torch.UntypedStorage._new_with_weak_ptr */
     PyObject *free_weak_ref;     /* torch.UntypedStorage._free_weak_ref */
-    PyObject *prune;             /* _torch._prune() -> entries left: drops the expired ones */
+    PyObject *expired;           /* torch.UntypedStorage._expired */
     PyObject *counts;            /* _stats._counts: "storages_shared" counts the moves */
     Py_ssize_t limit;            /* prune once storages holds twice this many */
     PyObject *protos;            /* list: code -> proto's result, None until asked */
@@ -873,7 +873,7 @@ static int trec_intern(void) {
 }
 
 /* torch_hooks(tensor_type, dispatch_keys, plain_keys, codes, descrs, proto,
- * from_numpy, storages, new_with_weak_ptr, free_weak_ref, prune, counts):
+ * from_numpy, storages, new_with_weak_ptr, free_weak_ref, expired, counts):
  * the torch objects of NOTE [ Tensor records in C ].  Called once torch is
  * imported; calling it again replaces them. */
 
@@ -889,7 +889,7 @@ static PyObject *py_torch_hooks(PyObject *m, PyObject *args) {
                            &trec_torch.plain_keys, &trec_torch.codes, &trec_torch.descrs,
                            &trec_torch.proto, &trec_torch.from_numpy, &trec_torch.storages,
                            &trec_torch.new_with_weak_ptr, &trec_torch.free_weak_ref,
-                           &trec_torch.prune, &trec_torch.counts};
+                           &trec_torch.expired, &trec_torch.counts};
     for (int i = 0; i < 12; i++)
         Py_XSETREF(*slot[i], Py_NewRef(o[i]));
     trec_torch.limit = 1024;
@@ -963,10 +963,49 @@ static PyObject *trec_byte_storage(BlockObject *b, uint64_t offset, uint64_t nby
  * holding eight such tensors at once still grew by about 110 MB a round of
  * eight, and one holding sixteen ran out of memory at 24 GB. */
 
+/* Drops the entries of _torch._storages whose storage is gone and frees
+ * their references; returns how many entries are left, or -1 with an
+ * exception set.  It works on a copy of the items and drops an entry only
+ * if it still holds the reference found expired: a Block freed meanwhile
+ * (by a collection that the copy's allocation ran) has dropped its own. */
+static Py_ssize_t trec_prune(void) {
+    PyObject *items = PyDict_Items(trec_torch.storages);
+    if (items == NULL)
+        return -1;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
+        PyObject *key = PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 0);
+        PyObject *ref = PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 1);
+        PyObject *e = PyObject_CallOneArg(trec_torch.expired, ref);
+        int gone = e == NULL ? -1 : PyObject_IsTrue(e);
+        Py_XDECREF(e);
+        if (gone < 0) {
+            Py_DECREF(items);
+            return -1;
+        }
+        PyObject *cur = gone ? PyDict_GetItemWithError(trec_torch.storages, key) : NULL;
+        if (cur != ref) {
+            if (PyErr_Occurred()) {
+                Py_DECREF(items);
+                return -1;
+            }
+            continue;
+        }
+        PyObject *x = PyDict_DelItem(trec_torch.storages, key) < 0
+                          ? NULL : PyObject_CallOneArg(trec_torch.free_weak_ref, ref);
+        if (x == NULL) {
+            Py_DECREF(items);
+            return -1;
+        }
+        Py_DECREF(x);
+    }
+    Py_DECREF(items);
+    return PyDict_GET_SIZE(trec_torch.storages);
+}
+
 /* Records storage, made over b or moved into it, as the one of its key,
  * and the key as one of b's (NOTE [ Storage entries go with their block ]);
- * the expired entries are pruned by _torch._prune once the table has
- * doubled since the last pruning.  0, or -1 with an exception set. */
+ * the expired entries are pruned (trec_prune) once the table has doubled
+ * since the last pruning.  0, or -1 with an exception set. */
 static int trec_remember(BlockObject *b, PyObject *key, PyObject *storage) {
     if (b->keys == NULL && (b->keys = PyList_New(0)) == NULL)
         return -1;
@@ -988,12 +1027,8 @@ static int trec_remember(BlockObject *b, PyObject *key, PyObject *storage) {
             r = -1;
     }
     if (r == 0 && PyDict_GET_SIZE(trec_torch.storages) >= 2 * trec_torch.limit) {
-        PyObject *n = PyObject_CallNoArgs(trec_torch.prune);
-        if (n == NULL)
-            return -1;
-        Py_ssize_t left = PyLong_AsSsize_t(n);
-        Py_DECREF(n);
-        if (left < 0 && PyErr_Occurred())
+        Py_ssize_t left = trec_prune();
+        if (left < 0)
             return -1;
         trec_torch.limit = left > 1024 ? left : 1024;
     }
@@ -1428,7 +1463,7 @@ PyMethodDef mpc_py_shm_methods[] = {
      "-> (refs, payload): a Queue message carrying that view of block as a tensor record"},
     {"torch_hooks", py_torch_hooks, METH_VARARGS,
      "torch_hooks(tensor_type, dispatch_keys, plain_keys, codes, descrs, proto, from_numpy,\n"
-     "storages, new_with_weak_ptr, free_weak_ref, prune, counts): torch's objects for tensor\n"
+     "storages, new_with_weak_ptr, free_weak_ref, expired, counts): torch's objects for tensor\n"
      "records"},
     {"storage_over", py_storage_over, METH_VARARGS,
      "storage_over(block, offset, nbytes) -> the one storage over those bytes here"},

@@ -851,7 +851,27 @@ def test_storage_entries_go_with_their_block():
     assert float(got[1][0][0]) == 2.0
 
 
+def test_entries_of_storages_gone_under_a_live_block_are_pruned():
+    import torch  # noqa: F401  (served first: mpcore._torch is imported by that)
+    from mpcore import _core, _torch
+    b = mpcore._shm.alloc(1 << 16)
+    kept = {}
+    for i in range(5000):                  # the table is pruned each time it doubles
+        s = _core.storage_over(b, 8 * i, 8)
+        if i % 500 == 0:
+            kept[i] = s
+    mine = [k for k in _torch._storages if k[0] == b.handle]
+    assert len(mine) < 4096, len(mine)
+    for i, s in kept.items():              # the live ones stay, as themselves
+        assert (b.handle, 8 * i, 8) in _torch._storages
+        assert _core.storage_over(b, 8 * i, 8).data_ptr() == s.data_ptr()
+    del kept, s
+    del b                                  # and the rest goes with the block
+    assert not [k for k in _torch._storages if k[0] == mine[0][0]]
+
+
 def test_storage_over_checks_its_bytes():
+    import torch  # noqa: F401  (served first, as above)
     from mpcore import _core
     b = mpcore._shm.alloc(4096)
     s = _core.storage_over(b, 1024, 1024)

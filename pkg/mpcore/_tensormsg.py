@@ -66,7 +66,8 @@ def _from_numpy_dtypes():
 _core.torch_hooks(torch.Tensor, _torch._dispatch_keys, _torch._PLAIN_KEYS,
                   {d: (c, d.itemsize) for d, c in _CODE.items()}, _from_numpy_dtypes(), _proto,
                   torch.from_numpy, _torch._storages, torch.UntypedStorage._new_with_weak_ptr,
-                  torch.UntypedStorage._free_weak_ref, _torch._prune, _stats._counts)
+                  torch.UntypedStorage._free_weak_ref, torch.UntypedStorage._expired,
+                  _stats._counts)
 
 
 def install():

@@ -44,15 +44,6 @@ def _storage_block(storage):
     return _shm.find(storage.data_ptr(), n)
 
 
-def _prune():
-    """Drops the entries of expired storages; returns how many are left."""
-    for k, ref in list(_storages.items()):
-        if torch.UntypedStorage._expired(ref):
-            del _storages[k]
-            torch.UntypedStorage._free_weak_ref(ref)
-    return len(_storages)
-
-
 # storage_over(block, offset, nbytes): the storage over bytes [offset,
 # offset + nbytes) of a block, one per byte range in a process (NOTE
 # [ Storage identity ]; its entry goes with the block: NOTE [ Storage entries
