@@ -28,10 +28,10 @@ puts (as the row first did) drew on other minutes than the puts did.
 That floor copies into one tensor again and again, which the CPU's last
 cache may hold (16 MB of source and 16 MB of destination fit a 32 MB L3),
 while a queue with items in flight writes into a block no cache holds.  So
-the producer also times at the end (median of three rounds) the same loop copying into enough
-tensors in turn to outgrow that cache (`extra.cold_floor_ms`, COLD_MAX of
-them at most): the notes give it beside the floor, which stays the
-target's reference.
+the producer also times at the end (median of three rounds) the same loop
+copying into enough tensors in turn to outgrow that cache
+(`extra.cold_floor_ms`, COLD_MAX of them at most): the notes give it
+beside the floor, which stays the target's reference.
 
 NOTE [ The small-object row ]
 `queue-dict`: a forked producer puts N dicts of about 100 pickled bytes
@@ -43,6 +43,7 @@ comparison, never a dependency), and both again in batches of BATCH
 (`put_many`/`get_many`).  The notes give each and the target: mpcore at
 least FF_TARGET times faster-fifo, single items.
 """
+import statistics
 import time
 
 KB, MB = 1 << 10, 1 << 20
@@ -100,7 +101,7 @@ def _faulted(torch, k):
 
 
 def _fresh_producer(torch, q, rounds, go, acks, done):
-    # A warm-up item first (the consumer's cue), as the other queue rounds:
+    # A warm-up item first (the consumer's cue), as the other queue rows:
     # what is timed is a running producer, not its first put after fork.
     dst = _faulted(torch, 1)
     q.put(torch.full((FRESH_NUMEL,), -1.0))
@@ -148,7 +149,6 @@ def _fresh_once(env, rounds, maxsize, out):
 
 
 def fresh_16m(env, target_s, maxsize):
-    import statistics
     out = {}
     rounds, el = _c.calibrate(lambda k: _fresh_once(env, k, maxsize, out), target_s, 1, lo=3,
                               hi=FRESH_MAX_ROUNDS)

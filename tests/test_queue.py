@@ -881,7 +881,8 @@ def test_storage_over_checks_its_bytes():
             _core.storage_over(b, off, n)
 
 
-HELD_LARGE_TENSORS = """
+# The head of the programs below: their anonymous memory, in MB.
+RSS_PROGRAM = """
 import mpcore, torch
 
 def rss_anon_mb():
@@ -889,7 +890,9 @@ def rss_anon_mb():
         for line in f:
             if line.startswith("RssAnon:"):
                 return int(line.split()[1]) >> 10
+"""
 
+HELD_LARGE_TENSORS = RSS_PROGRAM + """
 if __name__ == "__main__":
     for rnd in range(8):
         held = [torch.full((4 << 20,), float(i)).share_memory_() for i in range(8)]
@@ -901,15 +904,7 @@ if __name__ == "__main__":
 """
 
 
-FRESH_LARGE_PRODUCER = """
-import mpcore, torch
-
-def rss_anon_mb():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) >> 10
-
+FRESH_LARGE_PRODUCER = RSS_PROGRAM + """
 def consume(q, n):
     for i in range(n):
         assert float(q.get(timeout=60)[-1]) == float(i)
