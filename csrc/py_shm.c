@@ -963,6 +963,22 @@ static PyObject *trec_byte_storage(BlockObject *b, uint64_t offset, uint64_t nby
  * holding eight such tensors at once still grew by about 110 MB a round of
  * eight, and one holding sixteen ran out of memory at 24 GB. */
 
+/* Drops key's entry of _torch._storages and frees its reference; with
+ * expect, only if the entry still holds that very reference.  0 (also when
+ * there is no such entry), or -1 with an exception set. */
+static int trec_drop_entry(PyObject *key, PyObject *expect) {
+    PyObject *ref = PyDict_GetItemWithError(trec_torch.storages, key); /* borrowed */
+    if (ref == NULL || (expect != NULL && ref != expect))
+        return PyErr_Occurred() ? -1 : 0;
+    Py_INCREF(ref);
+    PyObject *x = PyDict_DelItem(trec_torch.storages, key) < 0
+                      ? NULL : PyObject_CallOneArg(trec_torch.free_weak_ref, ref);
+    Py_DECREF(ref);
+    int r = x == NULL ? -1 : 0;
+    Py_XDECREF(x);
+    return r;
+}
+
 /* Drops the entries of _torch._storages whose storage is gone and frees
  * their references; returns how many entries are left, or -1 with an
  * exception set.  It works on a copy of the items and drops an entry only
@@ -978,25 +994,10 @@ static Py_ssize_t trec_prune(void) {
         PyObject *e = PyObject_CallOneArg(trec_torch.expired, ref);
         int gone = e == NULL ? -1 : PyObject_IsTrue(e);
         Py_XDECREF(e);
-        if (gone < 0) {
+        if (gone < 0 || (gone && trec_drop_entry(key, ref) < 0)) {
             Py_DECREF(items);
             return -1;
         }
-        PyObject *cur = gone ? PyDict_GetItemWithError(trec_torch.storages, key) : NULL;
-        if (cur != ref) {
-            if (PyErr_Occurred()) {
-                Py_DECREF(items);
-                return -1;
-            }
-            continue;
-        }
-        PyObject *x = PyDict_DelItem(trec_torch.storages, key) < 0
-                          ? NULL : PyObject_CallOneArg(trec_torch.free_weak_ref, ref);
-        if (x == NULL) {
-            Py_DECREF(items);
-            return -1;
-        }
-        Py_DECREF(x);
     }
     Py_DECREF(items);
     return PyDict_GET_SIZE(trec_torch.storages);
@@ -1050,22 +1051,9 @@ static void trec_forget_block(BlockObject *self) {
     PyObject *et, *ev, *etb;
     PyErr_Fetch(&et, &ev, &etb);
 #endif
-    for (Py_ssize_t i = 0; trec_torch.storages != NULL && i < PyList_GET_SIZE(keys); i++) {
-        PyObject *key = PyList_GET_ITEM(keys, i);
-        PyObject *ref = PyDict_GetItemWithError(trec_torch.storages, key); /* borrowed */
-        if (ref == NULL) {
-            if (PyErr_Occurred())
-                PyErr_WriteUnraisable(NULL);
-            continue;
-        }
-        Py_INCREF(ref);
-        PyObject *x = PyDict_DelItem(trec_torch.storages, key) < 0
-                          ? NULL : PyObject_CallOneArg(trec_torch.free_weak_ref, ref);
-        Py_DECREF(ref);
-        if (x == NULL)
+    for (Py_ssize_t i = 0; trec_torch.storages != NULL && i < PyList_GET_SIZE(keys); i++)
+        if (trec_drop_entry(PyList_GET_ITEM(keys, i), NULL) < 0)
             PyErr_WriteUnraisable(NULL);
-        Py_XDECREF(x);
-    }
     Py_DECREF(keys);
 #if PY_VERSION_HEX >= 0x030C0000
     PyErr_SetRaisedException(exc);
