@@ -35,7 +35,7 @@ import time
 
 import pytest
 
-from conftest import Scenario, fresh_env, mpcore_memfds, mpcore_processes
+from conftest import Scenario, fresh_env, mpcore_memfds, mpcore_processes, scaled, shm_gained
 
 MODES = ("gloo", "mpcore", "run-gloo")
 MPCORE_PG = "mpcore._backend.ProcessGroupMpcore"
@@ -84,7 +84,9 @@ def check(name):
 
 
 def init():
-    dist.init_process_group(BACKEND, timeout=datetime.timedelta(seconds=60))
+    # 60 s of a quiet machine (NOTE [ Waits scale with how slow the machine is ])
+    seconds = 60 * float(os.environ.get("TEST_TIME_SCALE", "1"))
+    dist.init_process_group(BACKEND, timeout=datetime.timedelta(seconds=seconds))
     RESULTS["_identity"] = {"value": identity()}
     RESULTS["_mpcore_imported"] = {"value": "mpcore" in sys.modules}
     _save()
@@ -118,28 +120,11 @@ def rank_env(rank, world, port, extra=None):
     return env
 
 
-def shm_users(names):
-    """{name: [pid, ...]} of the processes that map /dev/shm/<name> now."""
-    users = {}
-    wanted = {"/dev/shm/" + n: n for n in names}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                for line in f:
-                    path = line.rstrip("\n").split(None, 5)[-1]
-                    if path in wanted:
-                        users.setdefault(wanted[path], []).append(int(pid))
-        except OSError:
-            pass
-    return users
-
-
 def left_behind(sc):
     """What the run under Scenario `sc` left: Scenario.check_clean's checks,
     except that a /dev/shm entry that a live process outside the run maps
-    (another program on this machine, not ours) does not count."""
+    (another program on this machine, not ours) does not count (NOTE [ Whose
+    /dev/shm entry is it ])."""
     out = []
     left = sc.wait_tree()
     if left:
@@ -150,9 +135,7 @@ def left_behind(sc):
     keepers = [p for p in mpcore_processes() if sc.tagged(p)]
     if keepers:
         out.append(f"keepers still running: {keepers}")
-    gained = set(os.listdir("/dev/shm")) - sc.shm_before
-    users = shm_users(gained)
-    ours = sorted(n for n in gained if n not in users or any(sc.tagged(p) for p in users[n]))
+    ours = shm_gained(sc.shm_before, ours=sc.tagged)
     if ours:
         out.append(f"/dev/shm gained entries no other program maps: {ours}")
     return out
@@ -199,7 +182,8 @@ class Run:
 def launch(script, mode, world, outdir, timeout, env=None):
     """Starts `script` on `world` ranks in `mode` under a Scenario and waits
     (on pidfds) for all of them, killing the rest as soon as one fails or the
-    deadline passes.  Returns a Run."""
+    deadline (`timeout`, a quiet machine's seconds: scaled) passes.  Returns
+    a Run."""
     os.makedirs(outdir, exist_ok=True)
     sc = Scenario()
     procs, logs, leftovers = [], [], []
@@ -214,7 +198,7 @@ def launch(script, mode, world, outdir, timeout, env=None):
             logs.append(log)
             procs.append(subprocess.Popen(cmd + [script, mode, outdir], env=e, stdout=log,
                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + scaled(timeout)
         fds = {os.pidfd_open(p.pid): p for p in procs}
         try:
             while fds:

@@ -1,7 +1,9 @@
 """Shared helpers for mpcore's tests.
 
 Tests that start processes are bounded by pytest-timeout (pyproject sets a
-default) and check afterwards that nothing is left behind."""
+default) and check afterwards that nothing is left behind.  Every bound a
+test puts on a wait is scaled by how slow the machine is now (NOTE [ Waits
+scale with how slow the machine is ])."""
 import ctypes
 import json
 import os
@@ -30,6 +32,143 @@ def require(condition, reason):
     if IN_CI:
         pytest.fail(f"required in CI: {reason}")
     pytest.skip(reason)
+
+
+# --- how slow the machine is --------------------------------------------------
+
+TIME_SCALE_VAR = "TEST_TIME_SCALE"
+_SCALE_CAP = 10.0
+
+
+def _cpu_share_slowdown(seconds=0.2):
+    """Wall time over the CPU time a busy loop of `seconds` was given: 1 on
+    a CPU of its own, 3 when it shares one with two other busy programs."""
+    w0, c0 = time.monotonic(), time.thread_time()
+    while time.monotonic() - w0 < seconds:
+        pass
+    return (time.monotonic() - w0) / max(time.thread_time() - c0, 1e-3)
+
+
+def _load_slowdown():
+    """The 1-minute load average per CPU this process may run on."""
+    try:
+        return os.getloadavg()[0] / max(1, len(os.sched_getaffinity(0)))
+    except OSError:
+        return 1.0
+
+
+class _TimeScale:
+    """NOTE [ Waits scale with how slow the machine is ]
+    A test bounds each wait for an event (a line from a child, a process's
+    exit, a queue's item) so that a hang fails instead of blocking the
+    suite; the bound only matters when the event never comes.  On a busy
+    machine (other programs on the same cores: a load of 10 to 15 on two
+    cores is common here) everything takes several times longer, and a
+    bound picked on a quiet machine ends tests that were on their way.  So
+    every such bound, every deadline, every "it took less than" check and
+    every timeout given to mpcore only so that it does not fire before
+    slow peers arrive goes through scaled(): the quiet machine's seconds
+    times `factor`, the machine's slowdown now.  pytest-timeout's per-test
+    limit is scaled the same way (pytest_runtest_protocol below), and the
+    helpers of this file scale the timeouts they are given: their callers
+    name a quiet machine's seconds.
+
+    The factor is the larger of the 1-minute load average per CPU (read
+    again before every test, as other programs come and go) and the
+    slowdown a 0.2 s busy loop saw at the session's start (its wall time
+    over the CPU time it was given), at least 1 (a quiet machine keeps the
+    numbers the tests name) and at most _SCALE_CAP (so that a hang still
+    fails within minutes).  TEST_TIME_SCALE in the environment fixes it;
+    the programs the tests start inherit it there, so that their waits
+    (scaled(), or the factor read from that variable) agree with the
+    test's.  What a test waits for in order to see that something does
+    NOT happen (an Empty after a short get) may take longer under a larger
+    factor, never less: scaling keeps such checks as strict as they were."""
+
+    def __init__(self):
+        given = os.environ.get(TIME_SCALE_VAR)
+        self.fixed = given is not None
+        self.start = 1.0
+        try:
+            self.factor = float(given) if self.fixed else 1.0
+        except ValueError:
+            raise ValueError(f"{TIME_SCALE_VAR}={given!r} is not a number") from None
+        if self.fixed and not self.factor > 0:
+            raise ValueError(f"{TIME_SCALE_VAR}={given!r} must be above 0")
+        self.load = None
+
+    def calibrate(self):
+        """At the session's start, in the pytest process only."""
+        if not self.fixed:
+            self.start = _cpu_share_slowdown()
+            self.refresh()
+
+    def refresh(self):
+        """Before each test: the factor from the load now."""
+        if self.fixed:
+            return self.factor
+        self.load = _load_slowdown()
+        self.factor = round(min(_SCALE_CAP, max(1.0, self.start, self.load)), 2)
+        os.environ[TIME_SCALE_VAR] = str(self.factor)
+        return self.factor
+
+    def describe(self):
+        if self.fixed:
+            return f"{self.factor:g} (fixed by {TIME_SCALE_VAR})"
+        return (f"{self.factor:g} (load {self.load:.2f} per CPU; a busy loop ran "
+                f"{self.start:.2f}x slower than its CPU time at the session's start)")
+
+
+TIME_SCALE = _TimeScale()
+
+
+def scaled(seconds):
+    """`seconds` of a quiet machine on this machine now (NOTE [ Waits scale
+    with how slow the machine is ])."""
+    return seconds * TIME_SCALE.factor
+
+
+def pytest_configure(config):
+    TIME_SCALE.calibrate()
+
+
+def pytest_report_header(config):
+    return f"time scale of waits: {TIME_SCALE.describe()}"
+
+
+_BASE_TIMEOUT = pytest.StashKey()
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Scales the test's pytest-timeout limit (its marker's, else the
+    configured one) by the factor now, before pytest-timeout reads it."""
+    TIME_SCALE.refresh()
+    if _BASE_TIMEOUT not in item.stash:
+        marker = item.get_closest_marker("timeout")
+        args, kwargs = ((), {}) if marker is None else (marker.args, dict(marker.kwargs))
+        if "timeout" in kwargs:
+            base = kwargs.pop("timeout")
+        elif args:
+            base, args = args[0], args[1:]
+        else:
+            base = item.config.getoption("timeout", None) or os.environ.get("PYTEST_TIMEOUT") \
+                or item.config.getini("timeout")
+        item.stash[_BASE_TIMEOUT] = (float(base or 0), args, kwargs)
+    base, args, kwargs = item.stash[_BASE_TIMEOUT]
+    if base > 0:
+        if args:    # the method, given by position
+            kwargs = dict(kwargs, method=args[0])
+        item.add_marker(pytest.mark.timeout(timeout=scaled(base), **kwargs), append=False)
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        report.sections.append(("time scale", TIME_SCALE.describe()))
 
 
 def article(name):
@@ -108,6 +247,52 @@ def mpcore_ranges():
     return out
 
 
+def shm_gained(before, ours=None):
+    """The entries of /dev/shm made since `before` (a set of its names) that
+    a test can have left: those still there that no live process outside
+    the test maps.  The test process and the processes for which ours(pid)
+    is true are the test's.
+
+    NOTE [ Whose /dev/shm entry is it ]
+    Other programs on the machine make and remove /dev/shm entries while a
+    test runs (the semaphores of their multiprocessing locks, torch's
+    shared files), so a snapshot before and after finds theirs too.  One
+    that is gone again was nobody's leak.  One that a process outside the
+    test maps is that process's.  The match is by inode, not by name: glibc
+    makes a named semaphore under a temporary name, maps it, links it to its
+    name and unlinks the temporary one, so its creator's maps name
+    "/dev/shm/sem.XXXXXX (deleted)" and never "sem.mp-..." (a match by name
+    took every other program's multiprocessing lock for the test's)."""
+    gained = {}
+    for name in set(os.listdir("/dev/shm")) - set(before):
+        try:
+            st = os.stat(os.path.join("/dev/shm", name))
+        except FileNotFoundError:
+            continue        # gone again
+        gained[name] = (st.st_dev, st.st_ino)
+    if not gained:
+        return []
+    wanted = set(gained.values())
+    me = os.getpid()
+    theirs = set()
+    for p in os.listdir("/proc"):
+        if not p.isdigit() or int(p) == me or (ours is not None and ours(int(p))):
+            continue
+        try:
+            with open(f"/proc/{p}/maps") as f:
+                maps = f.read()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            fields = line.split(None, 5)
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/") and fields[4] != "0":
+                major, minor = (int(x, 16) for x in fields[3].split(":"))
+                key = (os.makedev(major, minor), int(fields[4]))
+                if key in wanted:
+                    theirs.add(key)
+    return sorted(n for n, key in gained.items() if key not in theirs)
+
+
 def mpcore_processes(all_groups=False):
     """pids of live (not zombie) mpcore keepers in this process group, where
     the programs a test starts run (other sessions' keepers are not ours)."""
@@ -157,7 +342,7 @@ def fresh_env():
 def run_program(code, *args, timeout=60, env=None, launcher=False, flags=()):
     """Runs `code` as a fresh Python program (optionally under `mpcore run`),
     the interpreter given `flags`, in its own process tree; returns the
-    CompletedProcess."""
+    CompletedProcess.  timeout: a quiet machine's seconds (scaled)."""
     import tempfile
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(textwrap.dedent(code))
@@ -168,7 +353,7 @@ def run_program(code, *args, timeout=60, env=None, launcher=False, flags=()):
         e = fresh_env()
         e.update(env or {})
         return subprocess.run(cmd + list(args), capture_output=True, text=True,
-                              timeout=timeout, env=e)
+                              timeout=scaled(timeout), env=e)
     finally:
         os.unlink(path)
 
@@ -316,7 +501,7 @@ class Scenario:
     def wait_tree(self, timeout=30.0):
         """Waits (bounded) until every process of the program has exited and
         been reaped; returns those still running at the deadline."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + scaled(timeout)
         while True:
             left = set(self._reap()) | set(self.live())
             if not left or time.monotonic() > deadline:
@@ -330,7 +515,7 @@ class Scenario:
         try:
             return run_program(code, *args, timeout=timeout, env=self.env())
         except subprocess.TimeoutExpired as e:
-            pytest.fail(f"the program did not finish within {timeout}s; still running: "
+            pytest.fail(f"the program did not finish within {scaled(timeout):g}s; still running: "
                         f"{self.describe(self.live())}\nstdout:\n{e.stdout}\nstderr:\n{e.stderr}")
 
     def check_clean(self):
@@ -344,27 +529,10 @@ class Scenario:
         assert not memfds, f"mpcore memfds still open: {memfds}"
         keepers = [p for p in mpcore_processes() if self.tagged(p)]
         assert not keepers, f"keepers of the program still running: {keepers}"
-        gained = set(os.listdir("/dev/shm")) - self.shm_before
-        # What another program (a test run next to this one) holds is not ours.
-        gained -= self._mapped_by_others(gained)
-        assert not gained, f"/dev/shm gained entries: {sorted(gained)}"
-
-    def _mapped_by_others(self, names):
-        """Those of the /dev/shm entries `names` that a process outside the
-        program maps (or that are already gone again)."""
-        if not names:
-            return set()
-        others = set()
-        for p in os.listdir("/proc"):
-            if not p.isdigit() or int(p) == self.me or self.tagged(int(p)):
-                continue
-            try:
-                with open(f"/proc/{p}/maps") as f:
-                    maps = f.read()
-            except OSError:
-                continue
-            others |= {n for n in names if f"/dev/shm/{n}" in maps}
-        return others | {n for n in names if not os.path.exists(f"/dev/shm/{n}")}
+        # What another program (a test run next to this one) holds is not
+        # ours (NOTE [ Whose /dev/shm entry is it ]).
+        gained = shm_gained(self.shm_before, ours=self.tagged)
+        assert not gained, f"/dev/shm gained entries: {gained}"
 
     def close(self):
         try:
@@ -416,7 +584,7 @@ def wait_session_gone(sid, timeout=30):
     zygote, resource tracker, children) to exit, then to be reaped; fails
     listing what is left.  Exits are awaited on pidfds; reaping by init is
     not an event we can wait on, so that part polls (with a deadline)."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     # A process may start another while we wait (a zygote's throwaway fork):
     # list again until none is running.
     running = [pid for pid, s in session_members(sid) if s not in _EXITED]
@@ -483,7 +651,7 @@ def run_in_session(cmd, cwd=None, env=None, timeout=90):
         p = subprocess.Popen([str(x) for x in cmd], cwd=cwd, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
-            out, err = p.communicate(timeout=timeout)
+            out, err = p.communicate(timeout=scaled(timeout))
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
             p.communicate()
@@ -502,7 +670,7 @@ def run_in_session(cmd, cwd=None, env=None, timeout=90):
 def result(q, procs, timeout=90):
     """The next report of a child; fails at once if a child died without
     reporting (the loop's timeouts only bound a hang)."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while True:
         try:
             kind, value = q.get(timeout=0.5)
@@ -638,7 +806,7 @@ class ScenarioRunner:
             f"the scenario runner of {self.module} is gone (rc {self.proc.returncode})")
         self.proc.stdin.write(json.dumps([name, method]) + "\n")
         self.proc.stdin.flush()
-        out = json.loads(self._line("SCENARIO-RESULT ", time.monotonic() + timeout))
+        out = json.loads(self._line("SCENARIO-RESULT ", time.monotonic() + scaled(timeout)))
         assert out["ok"], (f"scenario {name}({method!r}) failed\n{out['tb']}\n"
                            f"--- stderr\n{self._stderr()}")
         assert not out["kids"], f"processes left behind: {out['kids']}"
@@ -657,8 +825,8 @@ class ScenarioRunner:
                 self.proc.stdin.close()
             except BrokenPipeError:
                 pass        # it is gone already: _line says so, with its rc
-            keeper = int(self._line("KEEPER=", time.monotonic() + timeout))
-            rc = self.proc.wait(timeout)
+            keeper = int(self._line("KEEPER=", time.monotonic() + scaled(timeout)))
+            rc = self.proc.wait(scaled(timeout))
             self.proc.stdout.close()
             assert rc == 0, f"the scenario runner exited with {rc}\n{self._stderr()}"
             wait_session_gone(self.proc.pid)
@@ -689,7 +857,7 @@ def scenario_runner(request, tmp_path_factory):
 def reap(procs, timeout=60):
     for p in procs:
         if p._popen is not None:
-            p.join(timeout)
+            p.join(scaled(timeout))
     for p in procs:
         if p._popen is not None and p.is_alive():
             p.kill()
@@ -706,11 +874,11 @@ def wait_keeper_gone(pid, timeout=30):
     except ProcessLookupError:
         return
     try:
-        ready, _, _ = select.select([fd], [], [], timeout)
+        ready, _, _ = select.select([fd], [], [], scaled(timeout))
     finally:
         os.close(fd)
     assert ready, f"the keeper {pid} of a finished program is still running"
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
         time.sleep(0.02)
 
@@ -771,7 +939,7 @@ def make_memcg(limit):
 
 
 def remove_memcg(path):
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + scaled(30)
     while os.path.isdir(path):
         try:
             os.rmdir(path)
@@ -797,7 +965,7 @@ def run_in_memcg(scenario, code, limit, timeout=120):
             f.write(str(p.pid))
         with open(f"/proc/{p.pid}/cgroup") as f:
             assert os.path.basename(cg) in f.read(), "the child did not move into the cgroup"
-        out, err = p.communicate("GO\n", timeout=timeout)
+        out, err = p.communicate("GO\n", timeout=scaled(timeout))
     finally:
         if p is not None and p.poll() is None:
             p.kill()

@@ -13,7 +13,7 @@ from importlib import metadata
 import pytest
 
 from conftest import (TESTS_ON_PATH, exited, fresh_env, program_result, require,
-                      run_in_session)
+                      run_in_session, shm_gained)
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("leak_check")]
 
@@ -26,7 +26,8 @@ SECTIONS = ("memory", "dev_shm", "nofile", "start_methods", "zygote", "versions"
 def doctor(*args, env=None, nofile=None):
     """Runs the installed `mpcore doctor` (under a lowered RLIMIT_NOFILE
     when nofile is given); returns its CompletedProcess, with shm_gained:
-    the /dev/shm entries that appeared meanwhile."""
+    the /dev/shm entries that appeared meanwhile and that no other program
+    maps (NOTE [ Whose /dev/shm entry is it ])."""
     require(os.path.exists(MPCORE), f"the mpcore command is not installed at {MPCORE}")
     cmd = [MPCORE, "doctor", *args]
     if nofile is not None:
@@ -39,7 +40,7 @@ def doctor(*args, env=None, nofile=None):
     e.update(env or {})
     before = set(os.listdir("/dev/shm"))
     r = run_in_session(cmd, env=e, timeout=90)
-    r.shm_gained = sorted(set(os.listdir("/dev/shm")) - before)
+    r.shm_gained = shm_gained(before)
     return r
 
 

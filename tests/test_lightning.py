@@ -17,8 +17,8 @@ import sys
 
 import pytest
 
-from _ranks import left_behind, shm_users
-from conftest import Scenario, require
+from _ranks import left_behind
+from conftest import Scenario, require, shm_gained
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -127,8 +127,7 @@ def _end_hung_run(sc):
         except ProcessLookupError:
             pass
     assert not sc.wait_tree(), "a hung reference run could not be ended"
-    gained = set(os.listdir("/dev/shm")) - sc.shm_before
-    for name in gained - set(shm_users(gained)):
+    for name in shm_gained(sc.shm_before, ours=sc.tagged):
         try:
             os.unlink(os.path.join("/dev/shm", name))
         except FileNotFoundError:
