@@ -30,9 +30,12 @@ demo: install
 	$(VENV)/bin/mpcore bench --quick
 
 # tests/test_multinode.py plays two machines in network namespaces: it needs `ip` and `unshare`.
+# tests/test_cross_compile.py builds the core for aarch64 with Debian's cross compiler.
 test: install
 	@command -v ip >/dev/null && command -v unshare >/dev/null || \
 	  (apt-get update -qq && apt-get install -y -qq iproute2 util-linux)
+	@command -v aarch64-linux-gnu-gcc >/dev/null || \
+	  (apt-get update -qq && apt-get install -y -qq gcc-aarch64-linux-gnu)
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 # faster-fifo is a comparison in the bench's dict row only, never a dependency of mpcore.

@@ -196,6 +196,8 @@ _Static_assert(sizeof(mpc_ref) == 16, "mpc_ref layout changed");
 static inline void mpc__ring_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("isb" ::: "memory"); /* NOTE [ Spin hints ] in sync.c */
 #endif
 }
 

@@ -20,11 +20,19 @@
  * its way from another core, short enough to cost little when it is not. */
 #define MPC_SPIN_ITERATIONS 200
 
-/* Tells the CPU that this is a spin loop, so that it saves power and lets
- * the other hyperthread of the core run; elsewhere it does nothing. */
+/* NOTE [ Spin hints ]
+ * A spin loop tells the CPU what it is doing, so that it saves power and
+ * lets the other hyperthread of the core run.  On x86 that is `pause`.
+ * aarch64's `yield` is a no-op on most cores, so a spin of
+ * MPC_SPIN_ITERATIONS would end in a fraction of the time it takes with
+ * pause; an instruction barrier (`isb`) stalls for a comparable few tens
+ * of cycles, which is what Rust's spin_loop and others chose.  Elsewhere
+ * the hint is nothing.  ring.c's spin uses the same hint. */
 static inline void mpc__cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("isb" ::: "memory");
 #endif
 }
 
