@@ -2,6 +2,13 @@
 
 MPCORE_DEBUG=1 builds without optimisation and with assertions;
 MPCORE_ASAN=1 adds AddressSanitizer.
+
+What an sdist carries beyond the packages is listed in MANIFEST.in
+(pkg/mpcore.pth and the headers among them: a wheel is built from it).
+The core's Extension is made by core_extension(), which
+tests/test_cross_compile.py also reads, so that its aarch64 build uses
+these very flags; setup() runs only when this file is run as a script
+(as pip and build run it).
 """
 import os
 import sys
@@ -38,10 +45,9 @@ class build_py_with_pth(build_py):
                        preserve_mode=0)
 
 
-setup(
-    package_dir={"": "pkg", "mpcore.bench": "benchmarks"},
-    packages=["mpcore", "mpcore.data", "mpcore.bench"],
-    ext_modules=[Extension(
+def core_extension():
+    """The C core, mpcore._core."""
+    return Extension(
         "mpcore._core",
         sources=sorted(glob("csrc/*.c")),
         depends=sorted(glob("csrc/*.h")),  # a changed header rebuilds every object
@@ -50,6 +56,13 @@ setup(
         extra_compile_args=extra_compile,
         extra_link_args=extra_link,
         libraries=["dl"],
-    )],
-    cmdclass={"build_py": build_py_with_pth},
-)
+    )
+
+
+if __name__ == "__main__":
+    setup(
+        package_dir={"": "pkg", "mpcore.bench": "benchmarks"},
+        packages=["mpcore", "mpcore.data", "mpcore.bench"],
+        ext_modules=[core_extension()],
+        cmdclass={"build_py": build_py_with_pth},
+    )

@@ -24,7 +24,7 @@ from ._spawn import (
     SpawnContext, spawn, start_processes,
 )
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 set_start_method = _mp.set_start_method
 get_start_method = _mp.get_start_method
