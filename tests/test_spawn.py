@@ -30,7 +30,7 @@ import multiprocessing as std
 
 import pytest
 
-from conftest import adopt_orphans, children_of, require, run_program, wait_session_gone
+from conftest import adopt_orphans, children_of, require, run_program, scaled, wait_session_gone
 
 import mpcore._spawn as S
 
@@ -56,8 +56,8 @@ def pipe(method):
 
 
 def recv(r, timeout=60):
-    if not r.poll(timeout):
-        pytest.fail(f"no message from a child within {timeout}s")
+    if not r.poll(scaled(timeout)):
+        pytest.fail(f"no message from a child within {scaled(timeout):g}s")
     return r.recv()
 
 
@@ -411,7 +411,7 @@ def test_sibling_finishes_within_grace_period(method):
     go = std.get_context(method).Event()
     ctx = run(_exception_with_finishing_sibling, (go,), nprocs=2, method=method, join=False)
     with pytest.raises(S.ProcessRaisedException, match="legitimate exception from process 0"):
-        join_all(ctx, grace_period=60)
+        join_all(ctx, grace_period=scaled(60))
     assert [p.exitcode for p in ctx.processes] == [1, 0]
 
 
@@ -648,7 +648,7 @@ class Program:
         self.lines = []
 
     def line(self, prefix, timeout=60):
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + scaled(timeout)
         fd = self.p.stdout.fileno()
         while True:
             while b"\n" in self.buf:
@@ -669,13 +669,13 @@ class Program:
     def close(self, timeout=60):
         try:
             try:
-                out, err = self.p.communicate(timeout=timeout)
+                out, err = self.p.communicate(timeout=scaled(timeout))
             except subprocess.TimeoutExpired:
                 os.killpg(self.p.pid, signal.SIGKILL)
                 out, err = self.p.communicate()
                 self.err = err.decode(errors="replace")
                 wait_session_gone(self.p.pid)
-                pytest.fail(f"the program did not finish within {timeout}s:\n{self.err}")
+                pytest.fail(f"the program did not finish within {scaled(timeout):g}s:\n{self.err}")
             self.buf += out
             self.lines += self.buf.decode().splitlines()
             self.buf = b""
@@ -844,7 +844,7 @@ def test_children_die_with_the_parent(method, where, tmp_path):
         killed = time.monotonic()
         waiting = list(fds)
         while waiting:
-            left = killed + 1.0 - time.monotonic()
+            left = killed + scaled(1.0) - time.monotonic()
             if left <= 0:
                 break
             ready = select.select(waiting, [], [], left)[0]
@@ -856,7 +856,8 @@ def test_children_die_with_the_parent(method, where, tmp_path):
         if alive:   # they hold the program's stdout: the program cannot be waited for
             os.killpg(prog.p.pid, signal.SIGKILL)
         prog.close()
-    assert not alive, f"children still running 1 s after their parent was killed: {alive}"
+    assert not alive, (f"children still running {scaled(1.0):g} s after their parent was "
+                       f"killed: {alive}")
     assert prog.p.returncode == -signal.SIGKILL
     assert error_dirs(prog.p.pid) == []
 

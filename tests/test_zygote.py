@@ -5,7 +5,7 @@ import signal
 
 import pytest
 
-from conftest import exited, run_program
+from conftest import exited, run_program, scaled
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -16,6 +16,7 @@ def test_child_gets_spawn_semantics(tmp_path, leak_check):
     # fd of the parent's beyond stdio.
     r = run_program(f"""
         import os, sys
+        SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
         import mpcore
         def child(q):
             targets = set()
@@ -37,7 +38,7 @@ def test_child_gets_spawn_semantics(tmp_path, leak_check):
             q = mpcore.Queue()
             p = ctx.Process(target=child, args=(q,))
             p.start()
-            env, cwd, last, argv, name, mod, ppid, targets = q.get(timeout=60)
+            env, cwd, last, argv, name, mod, ppid, targets = q.get(timeout=60 * SLOW)
             p.join()
             # The child is the zygote's, not ours: forked, not exec'd.
             print(env, cwd, last, argv, name, mod, ppid != os.getpid(), p.exitcode)
@@ -58,13 +59,15 @@ def test_zygote_with_threads_falls_back_and_says_so(tmp_path, leak_check):
         "threading.Thread(target=threading.Event().wait, daemon=True).start()\n")
     r = run_program("""
         import mpcore
+        import os
+        SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
         def child(q):
             q.put(42)
         if __name__ == "__main__":
             q = mpcore.Queue()
             p = mpcore.get_context("spawn").Process(target=child, args=(q,))
             p.start()
-            print(q.get(timeout=60))
+            print(q.get(timeout=60 * SLOW))
             p.join()
             print(p.exitcode)
         """, env={"MPCORE_ZYGOTE_PRELOAD": "threaded_preload",
@@ -91,7 +94,7 @@ def test_zygote_lives_as_long_as_its_program(leak_check):
     # The program has exited; its zygote notices at once and leaves (it is
     # reaped by init, so poll for it to be gone rather than a zombie).
     import time
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + scaled(10)
     while time.monotonic() < deadline:
         if exited(zpid):
             break
@@ -104,6 +107,7 @@ def test_requester_killed_children_die(leak_check):
     # The requester is SIGKILLed: the zygote kills its children at once.
     r = run_program("""
         import os, signal, sys, time
+        SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
         import mpcore
         def child(q):
             q.put(os.getpid())
@@ -115,7 +119,7 @@ def test_requester_killed_children_die(leak_check):
             for p in procs:
                 p.start()
             for _ in procs:
-                q.get(timeout=60)
+                q.get(timeout=60 * SLOW)
             print(" ".join(str(p.pid) for p in procs), flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         """)
@@ -123,12 +127,13 @@ def test_requester_killed_children_die(leak_check):
     pids = [int(x) for x in r.stdout.split()]
     assert len(pids) == 3
     import time
-    deadline = time.monotonic() + 1.0
+    deadline = time.monotonic() + scaled(1.0)
     alive = pids
     while alive and time.monotonic() < deadline:
         alive = [p for p in alive if not exited(p)]
         time.sleep(0.01)
-    assert not alive, f"children still running 1 s after their parent was killed: {alive}"
+    assert not alive, (f"children still running {scaled(1.0):g} s after their parent was "
+                       f"killed: {alive}")
 
 
 
@@ -164,18 +169,18 @@ def test_child_output_on_a_terminal_is_line_buffered(tmp_path, leak_check):
     out = b""
     try:
         while b"child is running" not in out:
-            ready, _, _ = select.select([master], [], [], 60)
+            ready, _, _ = select.select([master], [], [], scaled(60))
             assert ready, f"no line from the child while it runs; got {out!r}"
             out += os.read(master, 1024)
         os.write(master, b"go\n")
         while b"exit" not in out or not out.rstrip().endswith(b"0"):
-            ready, _, _ = select.select([master], [], [], 60)
+            ready, _, _ = select.select([master], [], [], scaled(60))
             assert ready, out
             try:
                 out += os.read(master, 1024)
             except OSError:
                 break
-        assert proc.wait(timeout=60) == 0, proc.stderr.read()
+        assert proc.wait(timeout=scaled(60)) == 0, proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -195,12 +200,13 @@ def _run_in(tmp_path, files, main, timeout=90):
     for name, text in dict(files, **{"main.py": main}).items():
         (tmp_path / name).write_text(textwrap.dedent(text))
     return subprocess.run([sys.executable, "-m", "mpcore", "run", "main.py"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=timeout, env=fresh_env())
+                          capture_output=True, text=True, timeout=scaled(timeout),
+                          env=fresh_env())
 
 
 def _wait_gone(pid):
     import time
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + scaled(10)
     while time.monotonic() < deadline:
         if exited(pid):
             return
@@ -221,6 +227,7 @@ def test_zygote_forked_at_torch_import_holds_nothing_of_the_program(tmp_path, le
         "outer.py": "import os\nimport torch\nloaded_in = os.getpid()\nDONE = True\n",
     }, """
         import os, signal, sys
+        SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
         import early
         held = open(__file__)                    # an fd of the program's
         signal.signal(signal.SIGTERM, lambda *a: None)
@@ -249,7 +256,7 @@ def test_zygote_forked_at_torch_import_holds_nothing_of_the_program(tmp_path, le
             q = mpcore.Queue()
             p = mpcore.get_context("spawn").Process(target=child, args=(q,))
             p.start()
-            got = q.get(timeout=60)
+            got = q.get(timeout=60 * SLOW)
             p.join()
             print(*zygote_view(zpid))            # it has served: its set-up is done
             print(*got)
@@ -275,6 +282,8 @@ def test_a_childs_thread_imports_what_the_fork_was_importing(tmp_path, leak_chec
         import threading
         import outer                             # imports torch: the fork happens inside
         import mpcore
+        import os
+        SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
 
         def child(q):
             got = []
@@ -285,15 +294,15 @@ def test_a_childs_thread_imports_what_the_fork_was_importing(tmp_path, leak_chec
                 got.append((torch.__name__, outer.__name__))
             t = threading.Thread(target=imports, daemon=True)
             t.start()
-            t.join(20)
+            t.join(20 * SLOW)
             q.put(got)
 
         if __name__ == "__main__":
             q = mpcore.Queue()
             p = mpcore.get_context("spawn").Process(target=child, args=(q,))
             p.start()
-            print(q.get(timeout=60))
-            p.join(60)
+            print(q.get(timeout=60 * SLOW))
+            p.join(60 * SLOW)
             print(p.exitcode)
         """)
     assert r.returncode == 0, r.stderr
@@ -327,6 +336,8 @@ def test_zygote_not_started_for_a_program_that_never_imports_torch(tmp_path, lea
     r = _run_in(tmp_path, {}, """
         import mpcore, sys
         from mpcore import _zygote
+        import os
+        SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
         def child(q):
             q.put("torch" in sys.modules)
         if __name__ == "__main__":
@@ -334,7 +345,7 @@ def test_zygote_not_started_for_a_program_that_never_imports_torch(tmp_path, lea
             q = mpcore.Queue()
             p = mpcore.get_context("spawn").Process(target=child, args=(q,))
             p.start()
-            print(q.get(timeout=60), _zygote._forked)
+            print(q.get(timeout=60 * SLOW), _zygote._forked)
             p.join()
             print(p.exitcode, _zygote._service[1])
         """)
@@ -360,6 +371,7 @@ def test_zygote_not_forked_while_the_program_runs_threads(tmp_path, leak_check):
         stop.set()
         t.join()
         import os, mpcore
+        SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
         from mpcore import _zygote
         def child(q):
             q.put(os.getpid())
@@ -368,7 +380,7 @@ def test_zygote_not_forked_while_the_program_runs_threads(tmp_path, leak_check):
             q = mpcore.Queue()
             p = mpcore.get_context("spawn").Process(target=child, args=(q,))
             p.start()
-            print(q.get(timeout=60) == p.pid, _zygote._forked)
+            print(q.get(timeout=60 * SLOW) == p.pid, _zygote._forked)
             p.join()
             print(p.exitcode, _zygote._service[1])
         """)
@@ -382,6 +394,7 @@ def test_zygote_not_forked_while_the_program_runs_threads(tmp_path, leak_check):
 
 ENDINGS_PROGRAM = """
     import atexit, os, sys, tempfile
+    SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
     import multiprocessing
     import mpcore
     def child(out, how):
@@ -403,7 +416,7 @@ ENDINGS_PROGRAM = """
             os.mkdir(d)
             p = ctx.Process(target=child, args=(d, how))
             p.start()
-            p.join(60)
+            p.join(60 * SLOW)
             left = sorted(n for n in os.listdir(d) if n not in ("file", "atexit"))
             with open(os.path.join(d, "file")) as f:
                 text = f.read()
@@ -435,6 +448,7 @@ def test_a_child_ends_as_the_standard_librarys_would(tmp_path, method, leak_chec
 
 START_ENV_PROGRAM = """
     import os, sys
+    SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
     import multiprocessing
     import torch
     import mpcore
@@ -456,13 +470,14 @@ START_ENV_PROGRAM = """
             q = ctx.Queue()
             p = ctx.Process(target=child, args=(q,))
             p.start()
-            print(name, value, q.get(timeout=60), flush=True)
+            print(name, value, q.get(timeout=60 * SLOW), flush=True)
             p.join()
 """
 
 
 INHERIT_PROGRAM = """
     import os, resource, signal, sys
+    SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
     import multiprocessing
     if sys.argv[1] == "mpcore":
         import torch  # under mpcore run, the zygote starts now
@@ -503,7 +518,7 @@ INHERIT_PROGRAM = """
             q = ctx.Queue()
             p = ctx.Process(target=child, args=(q,))
             p.start()
-            print(name, q.get(timeout=60), flush=True)
+            print(name, q.get(timeout=60 * SLOW), flush=True)
             p.join()
 """
 
@@ -543,6 +558,8 @@ FLAGS_PROGRAM = """
     import multiprocessing
     import torch
     import mpcore
+    import os
+    SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
     def child(q):
         q.put((sys.flags.optimize, __debug__, faulthandler.is_enabled(), sys._xoptions,
                [(f[0], getattr(f[1], "pattern", f[1]), f[2].__name__,
@@ -552,7 +569,7 @@ FLAGS_PROGRAM = """
         q = ctx.Queue()
         p = ctx.Process(target=child, args=(q,))
         p.start()
-        print(q.get(timeout=60), flush=True)
+        print(q.get(timeout=60 * SLOW), flush=True)
         p.join()
 """
 
@@ -612,6 +629,7 @@ def test_a_childs_traceback_is_the_standard_librarys(leak_check, method, tmp_pat
 
 PARENT_PROGRAM = """
     import os, signal, sys
+    SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
     import mpcore
     def child(q, until, tell_parent):
         with open("/proc/self/stat") as f:
@@ -619,7 +637,7 @@ PARENT_PROGRAM = """
         q.put((os.getppid(), real_ppid))
         if tell_parent:
             os.kill(os.getppid(), signal.SIGUSR1)
-        until.poll(60)  # a pipe: a child killed while it waits leaves nothing locked
+        until.poll(60 * SLOW)  # a pipe: a child killed while it waits leaves nothing locked
     if __name__ == "__main__":
         signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
         ctx = mpcore.get_context(sys.argv[1])
@@ -627,23 +645,23 @@ PARENT_PROGRAM = """
         until, go = ctx.Pipe(duplex=False)
         first = ctx.Process(target=child, args=(q, until, True))
         first.start()
-        ppid, zygote = q.get(timeout=60)
-        heard = signal.sigtimedwait([signal.SIGUSR1], 60)
+        ppid, zygote = q.get(timeout=60 * SLOW)
+        heard = signal.sigtimedwait([signal.SIGUSR1], 60 * SLOW)
         print("parent", ppid == os.getpid(), zygote != os.getpid(), heard is not None, flush=True)
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT):
             os.kill(zygote, sig)  # as a job's every process gets them
         second = ctx.Process(target=child, args=(q, until, False))
         second.start()
-        print("second", q.get(timeout=60) == (os.getpid(), zygote), flush=True)
+        print("second", q.get(timeout=60 * SLOW) == (os.getpid(), zygote), flush=True)
         os.kill(zygote, signal.SIGKILL)
-        first.join(60)
-        second.join(60)
+        first.join(60 * SLOW)
+        second.join(60 * SLOW)
         print("killed with it", first.exitcode, second.exitcode, flush=True)
         third = ctx.Process(target=child, args=(q, until, False))
         third.start()
-        print("third", q.get(timeout=60)[0] == os.getpid(), flush=True)
+        print("third", q.get(timeout=60 * SLOW)[0] == os.getpid(), flush=True)
         go.send(None)
-        third.join(60)
+        third.join(60 * SLOW)
         print("third ended", third.exitcode, flush=True)
 """
 
@@ -757,6 +775,8 @@ TERMINATE_PROGRAM = """
     import sys
     import multiprocessing
     import mpcore
+    import os
+    SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
     def child(until):
         until.recv()
     if __name__ == "__main__":
@@ -768,7 +788,7 @@ TERMINATE_PROGRAM = """
             p = ctx.Process(target=child, args=(until,))
             p.start()
             p.terminate()  # most often while the child is still starting
-            p.join(10)
+            p.join(10 * SLOW)
             codes.append(p.exitcode)
             if p.exitcode is None:
                 p.kill()
@@ -791,6 +811,7 @@ def test_a_child_terminated_as_it_starts_ends(leak_check, method):
 
 SIGCHLD_PROGRAM = """
     import os, select, signal, sys
+    SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
     import multiprocessing
     import mpcore
     def child():
@@ -806,7 +827,7 @@ SIGCHLD_PROGRAM = """
                 os.write(w, b"!")
         signal.signal(signal.SIGCHLD, handler)
         p.start()
-        print("heard", bool(select.select([r], [], [], 30)[0]), ended, flush=True)
+        print("heard", bool(select.select([r], [], [], 30 * SLOW)[0]), ended, flush=True)
         p.join()
 """
 
@@ -824,6 +845,7 @@ def test_a_spawned_childs_end_sends_sigchld(leak_check, launcher):
 
 GROUP_PROGRAM = """
     import os, sys
+    SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
     import multiprocessing
     import torch  # under mpcore run, the zygote starts now
     import mpcore
@@ -836,7 +858,7 @@ GROUP_PROGRAM = """
         q = ctx.Queue()
         p = ctx.Process(target=child, args=(q,))
         p.start()
-        print(make, q.get(timeout=60) == (os.getpgrp(), os.getsid(0)), flush=True)
+        print(make, q.get(timeout=60 * SLOW) == (os.getpgrp(), os.getsid(0)), flush=True)
         p.join()
 """
 
