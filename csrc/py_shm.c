@@ -841,6 +841,8 @@ static struct {
     PyObject *new_with_weak_ptr; /* torch.UntypedStorage._new_with_weak_ptr */
     PyObject *free_weak_ref;     /* torch.UntypedStorage._free_weak_ref */
     PyObject *expired;           /* torch.UntypedStorage._expired */
+    PyObject *swap;              /* torch.UntypedStorage._swap_data_ptr_, or None where torch
+                                  * lacks it: then nothing is moved in place */
     PyObject *counts;            /* _stats._counts: "storages_shared" counts the moves */
     Py_ssize_t limit;            /* prune once storages holds twice this many */
     PyObject *protos;            /* list: code -> proto's result, None until asked */
@@ -848,7 +850,7 @@ static struct {
 } trec_torch;
 
 static PyObject *s_requires_grad, *s_dtype, *s_shape, *s_stride, *s_storage_offset,
-    *s_untyped_storage, *s_nbytes, *s_data_ptr, *s_swap_data_ptr_, *s_new, *s_set_, *s_weak_ref,
+    *s_untyped_storage, *s_nbytes, *s_data_ptr, *s_new, *s_set_, *s_weak_ref,
     *s_storages_shared;
 
 static int trec_intern(void) {
@@ -863,7 +865,6 @@ static int trec_intern(void) {
     TREC_INTERN(s_untyped_storage, "untyped_storage");
     TREC_INTERN(s_nbytes, "nbytes");
     TREC_INTERN(s_data_ptr, "data_ptr");
-    TREC_INTERN(s_swap_data_ptr_, "_swap_data_ptr_");
     TREC_INTERN(s_new, "new");
     TREC_INTERN(s_weak_ref, "_weak_ref");
     TREC_INTERN(s_storages_shared, "storages_shared");
@@ -873,24 +874,31 @@ static int trec_intern(void) {
 }
 
 /* torch_hooks(tensor_type, dispatch_keys, plain_keys, codes, descrs, proto,
- * from_numpy, storages, new_with_weak_ptr, free_weak_ref, expired, counts):
- * the torch objects of NOTE [ Tensor records in C ].  Called once torch is
- * imported; calling it again replaces them. */
+ * from_numpy, storages, new_with_weak_ptr, free_weak_ref, expired, counts,
+ * swap): the torch objects of NOTE [ Tensor records in C ], as _tensormsg
+ * reads them through _torchapi's table.  swap is None where torch cannot
+ * move a storage in place: tensor_record then records only tensors already
+ * in a block, and move_storage raises.  Called once torch is imported;
+ * calling it again replaces them.  On a bad argument, TypeError and
+ * nothing changed. */
 
 static PyObject *py_torch_hooks(PyObject *m, PyObject *args) {
-    PyObject *o[12];
-    if (!PyArg_ParseTuple(args, "OOO!O!O!OOO!OOOO!:torch_hooks", &o[0], &o[1], &PyTuple_Type,
+    PyObject *o[13];
+    if (!PyArg_ParseTuple(args, "OOO!O!O!OOO!OOOO!O:torch_hooks", &o[0], &o[1], &PyTuple_Type,
                           &o[2], &PyDict_Type, &o[3], &PyTuple_Type, &o[4], &o[5], &o[6],
-                          &PyDict_Type, &o[7], &o[8], &o[9], &o[10], &PyDict_Type, &o[11]))
+                          &PyDict_Type, &o[7], &o[8], &o[9], &o[10], &PyDict_Type, &o[11],
+                          &o[12]))
         return NULL;
+    if (o[12] != Py_None && !PyCallable_Check(o[12]))
+        return PyErr_Format(PyExc_TypeError, "torch_hooks(): swap must be callable or None");
     if (trec_intern() < 0 || PyArray_ImportNumPyAPI() < 0)
         return NULL;
-    PyObject **slot[12] = {&trec_torch.tensor_type, &trec_torch.dispatch_keys,
+    PyObject **slot[13] = {&trec_torch.tensor_type, &trec_torch.dispatch_keys,
                            &trec_torch.plain_keys, &trec_torch.codes, &trec_torch.descrs,
                            &trec_torch.proto, &trec_torch.from_numpy, &trec_torch.storages,
                            &trec_torch.new_with_weak_ptr, &trec_torch.free_weak_ref,
-                           &trec_torch.expired, &trec_torch.counts};
-    for (int i = 0; i < 12; i++)
+                           &trec_torch.expired, &trec_torch.counts, &trec_torch.swap};
+    for (int i = 0; i < 13; i++)
         Py_XSETREF(*slot[i], Py_NewRef(o[i]));
     trec_torch.limit = 1024;
     Py_CLEAR(trec_torch.protos);
@@ -1119,7 +1127,7 @@ static PyObject *trec_move(mpc_state *st, PyObject *storage, long long ptr, uint
     PyObject *key = NULL, *res, *tmp = trec_byte_storage(b, 0, nbytes);
     if (tmp == NULL)
         goto fail;
-    res = PyObject_CallMethodOneArg(storage, s_swap_data_ptr_, tmp);
+    res = PyObject_CallFunctionObjArgs(trec_torch.swap, storage, tmp, NULL);
     Py_DECREF(tmp); /* takes the storage's old memory away with it */
     if (res == NULL)
         goto fail;
@@ -1144,6 +1152,9 @@ fail:
 static PyObject *py_move_storage(PyObject *m, PyObject *storage) {
     if (trec_torch.storages == NULL)
         return PyErr_Format(PyExc_RuntimeError, "move_storage() before torch_hooks()");
+    if (trec_torch.swap == Py_None)
+        return PyErr_Format(PyExc_RuntimeError, "move_storage(): this torch cannot move a "
+                            "storage in place (it lacks UntypedStorage._swap_data_ptr_)");
     long long nbytes, ptr;
     if (trec_call_ll(storage, s_nbytes, &nbytes) < 0 || trec_call_ll(storage, s_data_ptr, &ptr) < 0)
         return NULL;
@@ -1231,6 +1242,9 @@ static PyObject *py_tensor_record(PyObject *m, PyObject *t) {
         (bo = block_lookup(found.seg_id, found.index, found.gen)) != NULL) {
         blk = Py_NewRef((PyObject *)bo);
         off = (uint64_t)ptr - (uint64_t)(uintptr_t)found.addr;
+    } else if (trec_torch.swap == Py_None) {
+        res = Py_NewRef(Py_None); /* no move in place on this torch: pickled by torch's way */
+        goto done;
     } else if ((blk = trec_move(st, storage, ptr, (uint64_t)nbytes)) == NULL) {
         goto done;
     }
@@ -1451,8 +1465,8 @@ PyMethodDef mpc_py_shm_methods[] = {
      "-> (refs, payload): a Queue message carrying that view of block as a tensor record"},
     {"torch_hooks", py_torch_hooks, METH_VARARGS,
      "torch_hooks(tensor_type, dispatch_keys, plain_keys, codes, descrs, proto, from_numpy,\n"
-     "storages, new_with_weak_ptr, free_weak_ref, expired, counts): torch's objects for tensor\n"
-     "records"},
+     "storages, new_with_weak_ptr, free_weak_ref, expired, counts, swap): torch's objects for\n"
+     "tensor records (swap None: nothing is moved in place)"},
     {"storage_over", py_storage_over, METH_VARARGS,
      "storage_over(block, offset, nbytes) -> the one storage over those bytes here"},
     {"move_storage", py_move_storage, METH_O,

@@ -116,10 +116,14 @@ import weakref
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
-from torch._C._distributed_c10d import AllgatherOptions as _AllgatherOptions  # not re-exported
 from torch.distributed import distributed_c10d as _c10d
 
-from . import _core, _dist
+from . import _core, _dist, _torchapi
+
+_AllgatherOptions = _torchapi.get("torch._C._distributed_c10d.AllgatherOptions")  # not re-exported
+# None where torch cannot move a storage in place: no group buffers then
+# (NOTE [ Moving a storage in place ] in _torch.py).
+_SWAP = _torchapi.find("torch.UntypedStorage._swap_data_ptr_")
 
 _RED = ReduceOp.RedOpType
 
@@ -164,7 +168,7 @@ def into_buffer(s):
     b = _core.GroupBuffer(n)
     new = torch.frombuffer(b, dtype=torch.uint8, count=n)  # holds b
     new.copy_(torch.empty(0, dtype=torch.uint8).set_(s))
-    s._swap_data_ptr_(new.untyped_storage())
+    _SWAP(s, new.untyped_storage())
     _held[b.address] = b
     return b
 
@@ -189,7 +193,7 @@ def _buffer_of(t):
     if b is not None:
         return b
     n = s.nbytes()
-    if (n < BUFFER_MIN or not s.resizable() or s.is_shared()
+    if (n < BUFFER_MIN or _SWAP is None or not s.resizable() or s.is_shared()
             or (torch.cuda.is_initialized() and s.is_pinned())):
         return None     # small, or memory that never moves: not remembered either
     ref = _seen.pop(addr, None)

@@ -8,6 +8,11 @@ subprocess) run mpcore.pth from site-packages at start-up, which calls
 activate_run() when MPCORE_RUN is set and costs nothing otherwise.
 Hooks run right after a watched module finishes executing, so the
 program's own `import torch.multiprocessing as mp` already sees mpcore's.
+
+Every torch attribute the hooks replace goes through _torchapi.replace(),
+and each feature is installed only where _torchapi.serves() it on the
+installed torch (NOTE [ A feature torch cannot carry falls back ] in
+_torchapi.py): a hook never raises into the program's `import torch`.
 """
 import os
 import sys
@@ -68,8 +73,10 @@ def _serve_numpy(np):
 
 
 def _serve_tensors(tmp):
-    from . import _torch
-    _torch.install()
+    from . import _torchapi
+    if _torchapi.serves("tensor handles"):
+        from . import _torch
+        _torch.install()
 
 
 _served = set()
@@ -89,12 +96,12 @@ def serve_torch(patch_multiprocessing):
 
 def _patch_torch_multiprocessing(tmp):
     """Makes torch.multiprocessing's names mpcore's."""
+    from . import _torchapi
+    if not _torchapi.serves("torch.multiprocessing"):
+        return
     import mpcore
-    for name in ("Process", "Queue", "SimpleQueue", "JoinableQueue", "Pool", "get_context",
-                 "set_sharing_strategy", "get_sharing_strategy", "get_all_sharing_strategies",
-                 "spawn", "start_processes", "ProcessContext", "ProcessException",
-                 "ProcessRaisedException", "ProcessExitedException"):
-        setattr(tmp, name, getattr(mpcore, name))
+    for name in _torchapi.TM_NAMES:
+        _torchapi.replace(f"torch.multiprocessing.{name}", getattr(mpcore, name))
     tmp.__mpcore__ = True
     _supply_torch_sleep(sys.modules["torch"])
     when_imported("torch.utils.data", _patch_torch_data)
@@ -105,35 +112,43 @@ def _patch_torch_multiprocessing(tmp):
 def _patch_torch_data(tud):
     """Makes torch.utils.data.DataLoader mpcore's (get_worker_info is
     torch's own: mpcore's workers fill it in)."""
+    from . import _torchapi
+    if not _torchapi.serves("DataLoader"):
+        return
     from .data import DataLoader
-    tud.DataLoader = DataLoader
-    sys.modules["torch.utils.data.dataloader"].DataLoader = DataLoader
+    _torchapi.replace("torch.utils.data.DataLoader", DataLoader)
+    _torchapi.replace("torch.utils.data.dataloader.DataLoader", DataLoader)
 
 
 def _patch_torchdata(tsd):
     """Makes torchdata's StatefulDataLoader mpcore's (whose state dicts it
     reads and writes)."""
+    from . import _torchapi
+    if not _torchapi.check_window() or not _torchapi.serves("StatefulDataLoader"):
+        return
     from .data import StatefulDataLoader
-    tsd.StatefulDataLoader = StatefulDataLoader
-    sys.modules["torchdata.stateful_dataloader.stateful_dataloader"].StatefulDataLoader = \
-        StatefulDataLoader
+    _torchapi.replace("torchdata.stateful_dataloader.StatefulDataLoader", StatefulDataLoader)
+    _torchapi.replace("torchdata.stateful_dataloader.stateful_dataloader.StatefulDataLoader",
+                      StatefulDataLoader)
 
 
 def _patch_torch_distributed(td):
     """Registers mpcore's backend and makes it what CPU groups get
     (NOTE [ Which backend a group gets ] in distributed.py)."""
-    if td.is_available():
+    from . import _torchapi
+    if td.is_available() and _torchapi.serves("distributed backend"):
         from . import distributed
         distributed.install()
 
 
 def _patch_torch_ddp(tnp):
     """Makes torch.nn.parallel.DistributedDataParallel mpcore's."""
-    if sys.modules["torch.distributed"].is_available():
+    from . import _torchapi
+    if sys.modules["torch.distributed"].is_available() and _torchapi.serves("DDP"):
         from .parallel import DistributedDataParallel
-        tnp.DistributedDataParallel = DistributedDataParallel
-        sys.modules["torch.nn.parallel.distributed"].DistributedDataParallel = \
-            DistributedDataParallel
+        _torchapi.replace("torch.nn.parallel.DistributedDataParallel", DistributedDataParallel)
+        _torchapi.replace("torch.nn.parallel.distributed.DistributedDataParallel",
+                          DistributedDataParallel)
 
 
 def _supply_torch_sleep(torch):
@@ -141,9 +156,9 @@ def _supply_torch_sleep(torch):
     The founding article calls torch.sleep(1), meaning a one-second sleep;
     PyTorch has no such function.  Under `mpcore run`, and only where torch
     lacks one, torch.sleep is time.sleep.  Nothing else of torch changes."""
-    if not hasattr(torch, "sleep"):
-        import time
-        torch.sleep = time.sleep
+    import time
+    from . import _torchapi
+    _torchapi.replace("torch.sleep", time.sleep)
 
 
 def activate_run(launcher=False):

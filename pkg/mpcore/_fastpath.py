@@ -55,16 +55,14 @@ and which funcol.wait_tensor returns at once.  Everything else goes to
 torch's function.  Measured after it, 4 KB all_reduce + wait: 12.6 us on
 one rank; on two (`mpcore bench --only c10d-funcol-allreduce-4k`) 13.6 to
 20 us, 52x to 75x gloo (4.5x before)."""
-import functools
-import inspect
 
 import torch
 from torch.distributed import distributed_c10d as _c10d
 
-from . import _backend, _boot
+from . import _backend, _boot, _torchapi
 
 _TORCH = {}   # key (the function's name, "funcol." before a functional one's) -> torch's
-_has_torch_function = torch._C._has_torch_function
+_has_torch_function = _torchapi.get("torch._C._has_torch_function")
 _Tensor = torch.Tensor
 _PG = _backend.ProcessGroupMpcore
 _FUNCOL = "torch.distributed._functional_collectives"
@@ -251,21 +249,21 @@ def reduce_scatter_single(self, reduceOp, scatter_dim, group, tag=""):
 def _put(module, key, fn):
     """Puts fn in place of module's function of fn's name (once), when
     their parameters are the same; torch's function is then _TORCH[key]."""
-    name = fn.__name__
-    torch_fn = getattr(module, name)
-    if getattr(torch_fn, "_mpcore_fast", False):
+    torch_fn = getattr(module, fn.__name__, None)
+    if torch_fn is None or getattr(torch_fn, "_mpcore_fast", False):
         return None
-    if list(inspect.signature(torch_fn).parameters) != list(inspect.signature(fn).parameters):
+    # the table checks the parameters are the same (_torchapi.py)
+    if _torchapi.replace(f"{module.__name__}.{fn.__name__}", fn, wraps=True) is None:
         return None    # another torch's function: its own serves every call
     _TORCH[key] = torch_fn
-    fn = functools.update_wrapper(fn, torch_fn)
     fn._mpcore_fast = True
-    setattr(module, name, fn)
     return fn
 
 
 def _install_funcol(fc):
     global _fc
+    if not _torchapi.serves("functional collective fast paths"):
+        return    # torch's functions serve every call, through the backend
     _fc = fc
     for fn in (all_reduce, all_gather_single, reduce_scatter_single):
         _put(fc, "funcol." + fn.__name__, fn)
@@ -277,5 +275,5 @@ def install():
     import torch.distributed as dist
     for fn in (send, recv, broadcast, gather, scatter, all_to_all_single):
         if _put(_c10d, fn.__name__, fn) is not None:
-            setattr(dist, fn.__name__, fn)
+            _torchapi.replace(f"torch.distributed.{fn.__name__}", fn)
     _boot.when_imported(_FUNCOL, _install_funcol)

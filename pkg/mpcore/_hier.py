@@ -74,10 +74,11 @@ import threading
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions
 from torch.distributed import ReduceOp
 
-from . import _dist
+from . import _dist, _torchapi
+
+AllgatherOptions = _torchapi.get("torch._C._distributed_c10d.AllgatherOptions")
 
 _RED = ReduceOp.RedOpType
 _CAUSE_WAIT_S = 1.0

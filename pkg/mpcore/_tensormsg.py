@@ -17,7 +17,7 @@ list) takes the pickle path, with the same handle in other words.
 """
 import torch
 
-from . import _core, _queue, _stats, _torch
+from . import _core, _queue, _stats, _torch, _torchapi
 
 # Dtype codes of records: the index in this list, the same in every process
 # of a program (same torch, same mpcore).
@@ -63,11 +63,16 @@ def _from_numpy_dtypes():
     return tuple(out)
 
 
+# torch's private objects come through the table (_torchapi.py); _torch._SWAP
+# is None where moves in place are not served (NOTE [ Moving a storage in
+# place ] in _torch.py).
 _core.torch_hooks(torch.Tensor, _torch._dispatch_keys, _torch._PLAIN_KEYS,
                   {d: (c, d.itemsize) for d, c in _CODE.items()}, _from_numpy_dtypes(), _proto,
-                  torch.from_numpy, _torch._storages, torch.UntypedStorage._new_with_weak_ptr,
-                  torch.UntypedStorage._free_weak_ref, torch.UntypedStorage._expired,
-                  _stats._counts)
+                  torch.from_numpy, _torch._storages,
+                  _torchapi.get("torch.UntypedStorage._new_with_weak_ptr"),
+                  _torchapi.get("torch.UntypedStorage._free_weak_ref"),
+                  _torchapi.get("torch.UntypedStorage._expired"),
+                  _stats._counts, _torch._SWAP)
 
 
 def install():

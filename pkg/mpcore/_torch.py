@@ -10,6 +10,14 @@ copied into an mpcore block, a storage is made over the block (through
 numpy, whose array keeps the Block alive), and `_swap_data_ptr_` swaps the
 two storages' memory.  The user's storage object now points into the block;
 the temporary one takes the old memory away with it.
+torch before 2.13 has no `_swap_data_ptr_` and no other way, from Python,
+to change a storage's memory under the tensors that share it (torch's own
+`share_memory_` does it in C++, into torch's own shared memory, and
+`torch.utils.swap_tensors` swaps two tensors, not what their views see).
+There the move is not served ("in-place moves" in _torchapi.py):
+share_memory_() is torch's own, and a tensor not yet in mpcore memory is
+pickled by torch's reductions; tensors made in mpcore memory (mpcore.empty,
+a DataLoader's batches, tensors received) still travel as handles.
 
 NOTE [ Storage identity ]
 A block (or a byte range of one) arriving twice in one process must give
@@ -22,7 +30,7 @@ import torch
 from multiprocessing.reduction import ForkingPickler
 from torch.multiprocessing import reductions as _torch_reductions
 
-from . import _core, _shm
+from . import _core, _shm, _torchapi
 
 _storages = {}  # (handle, offset, nbytes) -> torch's weak reference (an int)
 _orig = {}
@@ -53,7 +61,7 @@ storage_over = _core.storage_over
 
 def share_storage_(storage):
     """Moves a CPU storage into an mpcore block in place (no-op if there)."""
-    if storage.device.type != "cpu":
+    if storage.device.type != "cpu" or not _MOVES:
         return _orig["share_memory_"](storage)
     _move(storage)
     return storage
@@ -61,12 +69,13 @@ def share_storage_(storage):
 
 def _move(storage):
     """(Block, offset) of a CPU storage after moving it into mpcore memory;
-    (None, 0) for an empty storage."""
+    (None, 0) for an empty storage, or one outside mpcore memory where
+    moves are not served (NOTE [ Moving a storage in place ])."""
     n = storage.nbytes()
     if n == 0:
         return None, 0
     b, off = _shm.find(storage.data_ptr(), n)
-    if b is not None:
+    if b is not None or not _MOVES:
         return b, off
     return _core.move_storage(storage), 0
 
@@ -90,9 +99,11 @@ def _rebuild_storage(ref, offset, nbytes):
 def reduce_storage(storage):
     if storage.device.type != "cpu":
         return _torch_reductions.reduce_storage(storage)
+    if storage.nbytes() == 0:
+        return (torch.UntypedStorage, (0,))
     b, off = _move(storage)
     if b is None:
-        return (torch.UntypedStorage, (0,))
+        return _torch_reductions.reduce_storage(storage)
     return (_rebuild_storage, (_shm.ticket(b), off, storage.nbytes()))
 
 
@@ -141,7 +152,7 @@ def _rebuild_tensor(param, ref, offset, nbytes, dtype, storage_offset, size, str
 # (DTensor, ...).  Deciding by a positive test, rather than by a list of
 # what to exclude, keeps a kind of tensor torch adds later off the fast path.
 _PLAIN_TYPES = (torch.Tensor, torch.nn.parameter.Parameter)
-_dispatch_keys = torch._C._dispatch_keys
+_dispatch_keys = _torchapi.get("torch._C._dispatch_keys")
 
 
 def _plain_keys():
@@ -180,21 +191,31 @@ def reduce_tensor(tensor):
 
 
 _installed = False
+_orig["share_memory_"] = torch.UntypedStorage.share_memory_
+_orig["is_shared"] = torch.UntypedStorage.is_shared
+# The move's swap (None where torch lacks it) and whether moves are served:
+# read once, here (NOTE [ Moving a storage in place ]).
+_SWAP = (_torchapi.get("torch.UntypedStorage._swap_data_ptr_")
+         if _torchapi.serves("in-place moves") else None)
+_MOVES = _SWAP is not None
 
 
 def install():
-    """Serves torch's tensor sharing from mpcore memory (idempotent)."""
+    """Serves torch's tensor sharing from mpcore memory (idempotent); the
+    caller has checked that "tensor handles" is served."""
     global _installed
     if _installed:
         return
     _installed = True
-    _orig["share_memory_"] = torch.UntypedStorage.share_memory_
-    _orig["is_shared"] = torch.UntypedStorage.is_shared
-    torch.UntypedStorage.share_memory_ = _share_memory_
-    torch.UntypedStorage.is_shared = _is_shared
+    _torchapi.replace("torch.UntypedStorage.is_shared", _is_shared)
+    if _MOVES:
+        _torchapi.replace("torch.UntypedStorage.share_memory_", _share_memory_)
     ForkingPickler.register(torch.UntypedStorage, reduce_storage)
-    for t in list(torch._tensor_classes) + [torch.Tensor, torch.nn.parameter.Parameter]:
+    for t in (list(_torchapi.get("torch._tensor_classes"))
+              + [torch.Tensor, torch.nn.parameter.Parameter]):
         ForkingPickler.register(t, reduce_tensor)
+    _torchapi.mark("multiprocessing.reduction.ForkingPickler[torch tensors and storages]",
+                   "replaced")
     from . import _tensormsg
     _tensormsg.install()
 

@@ -71,17 +71,27 @@ def _rank_report(e, tb):
     sys.exit(1)
 
 
-def _torch_return_queue():
-    """The queue torch's worker wrapper (elastic.multiprocessing.api._wrap,
-    which called this rank's program) puts the return value on, or None."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if (code.co_name == "_wrap" and "elastic" in code.co_filename
-                and "ret_val_" in frame.f_locals):
-            return frame.f_locals["ret_val_"]
-        frame = frame.f_back
-    return None
+# NOTE [ The rank's return queue ]
+# torch's worker wrapper (elastic.multiprocessing.api._wrap) calls the
+# rank's program and then puts its return value on ret_vals[local_rank].
+# The launcher puts _rank_wrap in _wrap's place (through _torchapi, which
+# checks that _wrap takes ret_vals): it keeps that queue for rank_main and
+# calls torch's _wrap with every argument as given.  Where torch's _wrap
+# takes no ret_vals the launcher keeps torch's, and the queue is None.
+_WRAP = "torch.distributed.elastic.multiprocessing.api._wrap"
+_return_queue = None
+
+
+def _rank_wrap(local_rank, fn, args, envs, stdout_redirects, stderr_redirects, ret_vals,
+               *rest, **kwargs):
+    """torch's _wrap, keeping this rank's return queue (NOTE [ The rank's
+    return queue ])."""
+    global _return_queue
+    from . import _torchapi
+    _return_queue = ret_vals[local_rank]
+    torch_wrap = _torchapi.original(_WRAP) or _torchapi.get(_WRAP)
+    return torch_wrap(local_rank, fn, args, envs, stdout_redirects, stderr_redirects,
+                      ret_vals, *rest, **kwargs)
 
 
 def _end_as_python_would(queue, code):
@@ -120,7 +130,7 @@ def rank_main(module, target, *argv):
     # As torchrun's `python -u`.
     sys.stdout.reconfigure(write_through=True)
     sys.stderr.reconfigure(write_through=True)
-    queue = _torch_return_queue()
+    queue = _return_queue
     code = 0
     try:
         if module:
@@ -172,10 +182,12 @@ def _start_binaries_dying_with_the_launcher():
     """Wraps torch's SubprocessHandler._popen (NOTE [ Binaries under
     --no-python ])."""
     import threading
-    from torch.distributed.elastic.multiprocessing.subprocess_handler import (
-        subprocess_handler as sh)
-    from . import _shm
-    popen = sh.SubprocessHandler._popen
+    from . import _shm, _torchapi
+    target = ("torch.distributed.elastic.multiprocessing.subprocess_handler."
+              "subprocess_handler.SubprocessHandler._popen")
+    popen = _torchapi.find(target)
+    if popen is None:
+        return    # torch's own Popen: a rank may outlive a SIGKILLed launcher
 
     def _popen(self, args, env):
         if threading.current_thread() is threading.main_thread():
@@ -183,7 +195,7 @@ def _start_binaries_dying_with_the_launcher():
         p = popen(self, args, env)
         _binaries.append(p)
         return p
-    sh.SubprocessHandler._popen = _popen
+    _torchapi.replace(target, _popen)
 
 
 def _plain_failure_line(record):
@@ -199,7 +211,8 @@ def _plain_failure_line(record):
 
 def _parse(argv):
     import torch.distributed.run as tdr
-    parser = tdr.get_args_parser()
+    from . import _torchapi
+    parser = _torchapi.get("torch.distributed.run.get_args_parser")()
     parser.prog = "mpcore run"
     return tdr, parser.parse_args(argv)
 
@@ -213,7 +226,8 @@ def _settle(tdr, args):
         args.rdzv_endpoint = "localhost:0"
         args.rdzv_id = str(uuid.uuid4())
     elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
-        _, max_nodes = tdr.parse_min_max_nnodes(args.nnodes)
+        from . import _torchapi
+        _, max_nodes = _torchapi.get("torch.distributed.run.parse_min_max_nnodes")(args.nnodes)
         if max_nodes == 1:
             # a free port: two jobs on one host never clash
             args.rdzv_backend = "c10d"
@@ -290,8 +304,13 @@ def _die_by(signum):
 
 def main(argv):
     """`mpcore run` with torchrun's flags; returns the exit code."""
-    from . import _boot
+    from . import _boot, _torchapi
     _boot.activate_run(launcher=True)  # the zygote forks once torch is imported
+    import torch  # noqa: F401  (the window and the table are torch's)
+    if not _torchapi.serves("torchrun launch"):
+        why = _torchapi.report_feature("torchrun launch")
+        print(f"mpcore run: torchrun's flags need torch's launcher: {why}", file=sys.stderr)
+        return 1
     tdr, args = _parse(argv)
     _settle(tdr, args)
     from torch.distributed import DistStoreError
@@ -301,11 +320,15 @@ def main(argv):
     from torch.distributed.launcher.api import elastic_launch
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
         _plain_failure_line)
-    torch_handles = {s.strip() for s in str(args.signals_to_handle).split(",")}
+    # --signals-to-handle came in torch 2.9; before it torch handles SIGTERM,
+    # SIGINT, SIGHUP and SIGQUIT, never SIGUSR1 or SIGUSR2.
+    signals = getattr(args, "signals_to_handle", None)
+    torch_handles = {s.strip() for s in str(signals).split(",")} if signals else set()
     for name in _FORWARDED:
         if name not in torch_handles:
             signal.signal(getattr(signal, name), _forward)
-    config, cmd, cmd_args = tdr.config_from_args(args)
+    config, cmd, cmd_args = _torchapi.get("torch.distributed.run.config_from_args")(args)
+    _torchapi.replace(_WRAP, _rank_wrap)   # NOTE [ The rank's return queue ]
     entry, entry_args = _entrypoint(args, cmd, cmd_args)
     if isinstance(entry, str):
         _start_binaries_dying_with_the_launcher()

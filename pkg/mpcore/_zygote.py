@@ -272,7 +272,12 @@ def _flush_files():
     """Flushes every open file object the collector tracks, text ones
     first (each pushes its text into its binary buffer)."""
     import _io  # its bases: io's are ABCs, slower to test against
-    files = [o for o in gc.get_objects() if isinstance(o, _io._IOBase)]
+    import warnings
+    with warnings.catch_warnings():
+        # isinstance reads __class__, which some objects warn about (torch
+        # before 2.7: torch.distributed.reduce_op is deprecated)
+        warnings.simplefilter("ignore")
+        files = [o for o in gc.get_objects() if isinstance(o, _io._IOBase)]
     files.sort(key=lambda o: not isinstance(o, _io._TextIOBase))
     for f in files:
         try:
@@ -377,7 +382,10 @@ def _as_a_fresh_start_reads_the_environment():
             n = min(n, cores)
         torch.set_num_threads(n)
     if changed & set(_LOG_VARS):
-        torch._logging._internal._init_logs()
+        from . import _torchapi
+        init_logs = _torchapi.find("torch._logging._internal._init_logs")
+        if init_logs is not None:   # else the child keeps the zygote's logging
+            init_logs()
 
 
 # NOTE [ What a spawned child inherits from its parent ]

@@ -14,30 +14,48 @@ except ImportError:  # mpcore works without torch: batches are numpy arrays
     torch = None
 
 if torch is not None:
-    from torch.utils.data.dataloader import _DatasetKind
+    import sys as _sys
+    from .. import _torchapi
+    # torch's private names come through the table (_torchapi.py): one that
+    # a torch lacks is named in the ImportError of mpcore.data.
+    try:
+        _DatasetKind = _torchapi.get("torch.utils.data.dataloader._DatasetKind")
+        ExceptionWrapper = _torchapi.get("torch._utils.ExceptionWrapper")
+        sharding_worker_init_fn = _torchapi.get(
+            "torch.utils.data.dataloader._sharding_worker_init_fn")
+        apply_random_seed = _torchapi.get("torch.utils.data.graph_settings.apply_random_seed")
+        _generate_state = _torchapi.get("torch.utils.data._utils.worker._generate_state")
+        _WorkerInfo = _torchapi.get("torch.utils.data._utils.worker.WorkerInfo")
+        _torchapi.get("torch.utils.data._utils.worker._worker_info")
+        pin_memory = _torchapi.get("torch.utils.data._utils.pin_memory.pin_memory")
+        IterBase = _torchapi.get("torch.utils.data.dataloader._BaseDataLoaderIter")
+    except _torchapi.Missing as e:
+        raise ImportError(f"mpcore.data needs torch's DataLoader internals: torch "
+                          f"{torch.__version__} {e}") from None
     MAP, ITERABLE = _DatasetKind.Map, _DatasetKind.Iterable
     from torch.utils.data import (
         BatchSampler, Dataset, IterableDataset, RandomSampler, Sampler, SequentialSampler,
         SubsetRandomSampler, WeightedRandomSampler, default_collate, default_convert,
         get_worker_info,
     )
-    from torch.utils.data._utils import worker as _torch_worker
-    from torch._utils import ExceptionWrapper
     # DataPipes are torch's alone; the loader treats them as torch's does
     # (NOTE [ DataPipes ] in _loader.py).
     from torch.utils.data import IterDataPipe, MapDataPipe
-    from torch.utils.data.dataloader import _sharding_worker_init_fn as sharding_worker_init_fn
-    from torch.utils.data.graph_settings import apply_random_seed
+    _torch_worker = _sys.modules["torch.utils.data._utils.worker"]
 
     def base_seed(generator):
         return torch.empty((), dtype=torch.int64).random_(generator=generator).item()
 
     def numpy_seed(base, worker_id):
-        return _torch_worker._generate_state(base, worker_id)
+        return _generate_state(base, worker_id)
 
     def set_worker_info(worker_id, num_workers, seed, dataset):
-        _torch_worker._worker_info = _torch_worker.WorkerInfo(
+        """Fills in torch's get_worker_info() in a worker (its row of the
+        table: torch.utils.data._utils.worker._worker_info)."""
+        _torch_worker._worker_info = _WorkerInfo(
             id=worker_id, num_workers=num_workers, seed=seed, dataset=dataset)
+        _torchapi.mark("torch.utils.data._utils.worker._worker_info", "replaced",
+                       "set in each worker of mpcore's DataLoader")
 else:
     from ._standalone import (  # noqa: F401
         ITERABLE, MAP, BatchSampler, Dataset, ExceptionWrapper, IterableDataset, RandomSampler,
@@ -46,7 +64,7 @@ else:
         default_collate, default_convert, get_worker_info, numpy_seed, set_worker_info,
     )
     IterDataPipe = MapDataPipe = ()  # no DataPipes without torch: isinstance is False
-    sharding_worker_init_fn = apply_random_seed = None
+    sharding_worker_init_fn = apply_random_seed = pin_memory = IterBase = None
 
 
 def wrap_exception(worker_id):

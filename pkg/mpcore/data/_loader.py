@@ -62,7 +62,7 @@ _EXIT_CODE_WAIT = 1.0       # seconds to learn the exit code of a worker known t
 _STOP = pickle.dumps(_worker.STOP)
 
 if torch is not None:
-    from torch.utils.data.dataloader import _BaseDataLoaderIter as _IterBase
+    _IterBase = _compat.IterBase
     _Base = torch.utils.data.DataLoader
 else:
     from ._base import DataLoaderBase as _Base
@@ -526,8 +526,7 @@ class _PoolIter(_state.Position, _IterBase):
         if state is not None:
             self._worker_states[worker] = state
         if self._pin_memory:
-            from torch.utils.data._utils.pin_memory import pin_memory
-            data = pin_memory(data, self._pin_memory_device)
+            data = _compat.pin_memory(data, self._pin_memory_device)
         return data
 
     def _wait(self, get):

@@ -8,7 +8,7 @@ from ._fetch import Fetcher
 
 torch = _compat.torch
 if torch is not None:
-    from torch.utils.data.dataloader import _BaseDataLoaderIter as _IterBase
+    _IterBase = _compat.IterBase
 else:
     from ._base import DataLoaderIterBase as _IterBase
 
@@ -40,8 +40,7 @@ class SingleIter(_state.Position, _IterBase):
         index = self._next_index()  # may raise StopIteration
         data = self._collate_fn(self._fetcher.fetch(index))  # may raise StopIteration
         if self._pin_memory:
-            from torch.utils.data._utils.pin_memory import pin_memory
-            data = pin_memory(data, self._pin_memory_device)
+            data = _compat.pin_memory(data, self._pin_memory_device)
         return data
 
     def state_dict(self):
