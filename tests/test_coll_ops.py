@@ -25,7 +25,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import children_of, fresh_env, mpcore_memfds, require
+from conftest import children_of, fresh_env, mpcore_memfds, require, scaled
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -74,12 +74,15 @@ import os, pickle, struct, sys, traceback
 from mpcore import _core
 
 fd, rank, world, direct = map(int, sys.argv[1:5])
+# The timeouts the jobs give the group only bound a hang: they scale with
+# the machine's slowdown (NOTE [ Waits scale with how slow the machine is ]).
+SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))
 replies = os.fdopen(os.dup(1), "wb")
 os.dup2(2, 1)                      # stray prints go to stderr, never into a reply
 jobs = sys.stdin.buffer
 g = _core.Group(fd, rank, world, bool(direct))
 os.close(fd)
-g.barrier(60)
+g.barrier(60 * SLOW)
 g.watch()
 
 def reply(obj):
@@ -94,7 +97,7 @@ while True:
         break
     src = pickle.loads(jobs.read(struct.unpack("<Q", head)[0]))
     ns = {"g": g, "rank": rank, "world": world, "np": np, "data": data, "blob": blob,
-          "digest": digest, "result": None}
+          "digest": digest, "result": None, "SLOW": SLOW}
     try:
         exec(src, ns)
         reply(("ok", ns["result"]))
@@ -149,7 +152,7 @@ class Ranks:
 
     def collect(self, timeout=60, ranks=None):
         """Each rank's reply: {"value": ...} or {"error": (type, message)}."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + scaled(timeout)
         out = []
         for r in range(self.world) if ranks is None else ranks:
             n = struct.unpack("<Q", self._read(r, 8, deadline))[0]
@@ -176,7 +179,7 @@ class Ranks:
         killed = {}
         for r, p in enumerate(self.procs):
             try:
-                p.wait(10)
+                p.wait(scaled(10))
             except subprocess.TimeoutExpired:
                 p.kill()
                 killed[r] = p.wait()
@@ -339,7 +342,7 @@ for dtype in DTYPES:
             for root in ROOTS:
                 x = data(dtype, n, rank, (op, root))
                 before = digest(x)
-                g.reduce(x.ctypes.data, n, D[dtype], O[op], root, 60)
+                g.reduce(x.ctypes.data, n, D[dtype], O[op], root, 60 * SLOW)
                 out[dtype, op, n, root] = (x if n <= 1000 else digest(x), before)
 result = out
 '''
@@ -386,7 +389,7 @@ for op in ("BAND", "BOR", "BXOR"):
         except ValueError as e:
             msgs.append((op, str(e)))
 y = np.ones(4, np.int32)   # the group is still fine
-g.all_reduce(y.ctypes.data, 4, c.COLL_DTYPES["int32"], c.COLL_OPS["SUM"], 10)
+g.all_reduce(y.ctypes.data, 4, c.COLL_DTYPES["int32"], c.COLL_OPS["SUM"], 10 * SLOW)
 result = msgs, y.tolist()
 ''')
     for msgs, after in res:
@@ -405,13 +408,14 @@ from mpcore import _core as c
 import datetime
 port = np.zeros(1, np.int64)
 if rank == 0:
-    store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=datetime.timedelta(seconds=60),
+    store = dist.TCPStore("127.0.0.1", 0, world, True,
+                          timeout=datetime.timedelta(seconds=60 * SLOW),
                           wait_for_workers=False)
     port[0] = store.port
-g.broadcast(port.ctypes.data, 8, 0, 30)         # the port, through our own group
+g.broadcast(port.ctypes.data, 8, 0, 30 * SLOW)         # the port, through our own group
 if rank != 0:
     store = dist.TCPStore("127.0.0.1", int(port[0]), world, False,
-                          timeout=datetime.timedelta(seconds=60))
+                          timeout=datetime.timedelta(seconds=60 * SLOW))
 dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
 out = {}
 for dtype in ("bool", "int8", "uint8", "int32", "int64"):
@@ -419,9 +423,9 @@ for dtype in ("bool", "int8", "uint8", "int32", "int64"):
         x = data(dtype, 999, rank, op)
         t = torch.from_numpy(x.copy())
         dist.all_reduce(t, getattr(dist.ReduceOp, op))
-        g.all_reduce(x.ctypes.data, 999, c.COLL_DTYPES[dtype], c.COLL_OPS[op], 30)
+        g.all_reduce(x.ctypes.data, 999, c.COLL_DTYPES[dtype], c.COLL_OPS[op], 30 * SLOW)
         y = data(dtype, 999, rank, op)
-        g.reduce(y.ctypes.data, 999, c.COLL_DTYPES[dtype], c.COLL_OPS[op], 0, 30)
+        g.reduce(y.ctypes.data, 999, c.COLL_DTYPES[dtype], c.COLL_OPS[op], 0, 30 * SLOW)
         out[dtype, op] = (t.numpy(), x, y)
 dist.destroy_process_group()
 result = out
@@ -448,11 +452,11 @@ for n in SIZES:
     for root in ROOTS:
         mine = blob(n, rank, ("gather", root))
         gathered = np.full(world * n, 7, np.uint8) if rank == root else None
-        g.gather(gathered.ctypes.data if rank == root else 0, mine.ctypes.data, n, root, 60)
+        g.gather(gathered.ctypes.data if rank == root else 0, mine.ctypes.data, n, root, 60 * SLOW)
         whole = (np.concatenate([blob(n, q, ("scatter", root)) for q in range(world)])
                  if rank == root else None)
         part = np.full(n, 7, np.uint8)
-        g.scatter(part.ctypes.data, whole.ctypes.data if rank == root else 0, n, root, 60)
+        g.scatter(part.ctypes.data, whole.ctypes.data if rank == root else 0, n, root, 60 * SLOW)
         out[n, root] = (None if gathered is None else digest(gathered), digest(part))
 result = out
 '''
@@ -622,13 +626,13 @@ if rank == world - 1:
 src = np.zeros(sum(send), np.uint8)
 dst = np.zeros(sum(recv), np.uint8)
 try:
-    g.all_to_all(dst.ctypes.data, src.ctypes.data, send, recv, 30)
+    g.all_to_all(dst.ctypes.data, src.ctypes.data, send, recv, 30 * SLOW)
     err = None
 except ValueError as e:
     err = str(e)
 ok = np.ones(8 * world, np.uint8)
 back = np.zeros(8 * world, np.uint8)
-g.all_to_all(back.ctypes.data, ok.ctypes.data, [8] * world, [8] * world, 30)
+g.all_to_all(back.ctypes.data, ok.ctypes.data, [8] * world, [8] * world, 30 * SLOW)
 result = err, int(back.sum())
 ''')
     for r, (err, after) in enumerate(res):
@@ -648,8 +652,8 @@ calls = {
                              0 if rank == 0 else 1, 30),
     "op": lambda: g.reduce(x.ctypes.data, 64, c.COLL_DTYPES["int32"],
                            c.COLL_OPS["BAND" if rank == 0 else "BOR"], 0, 30),
-    "kind": lambda: (g.gather(x.ctypes.data if rank == 0 else 0, x.ctypes.data, 16, 0, 30)
-                     if rank == 0 else g.scatter(x.ctypes.data, 0, 16, 0, 30)),
+    "kind": lambda: (g.gather(x.ctypes.data if rank == 0 else 0, x.ctypes.data, 16, 0, 30 * SLOW)
+                     if rank == 0 else g.scatter(x.ctypes.data, 0, 16, 0, 30 * SLOW)),
 }
 for name, fn in calls.items():
     try:
@@ -676,15 +680,15 @@ out = []
 if rank == 0:
     for i, n in enumerate(SIZES):
         m = blob(n, 0, i)
-        g.send(m.ctypes.data, n, 1, i % 3, 60)
+        g.send(m.ctypes.data, n, 1, i % 3, 60 * SLOW)
     buf = np.zeros(16, np.uint8)
-    out.append(g.recv(buf.ctypes.data, 16, 1, 5, 60))
+    out.append(g.recv(buf.ctypes.data, 16, 1, 5, 60 * SLOW))
 elif rank == 1:
     for i, n in enumerate(SIZES):
         m = np.full(n, 7, np.uint8)
-        src = g.recv(m.ctypes.data, n, 0, i % 3, 60)
+        src = g.recv(m.ctypes.data, n, 0, i % 3, 60 * SLOW)
         out.append((src, digest(m)))
-    g.send(blob(16, 1).ctypes.data, 16, 0, 5, 60)
+    g.send(blob(16, 1).ctypes.data, 16, 0, 5, 60 * SLOW)
 result = out
 '''
 
@@ -733,12 +737,12 @@ if rank == 0:
     got = {}
     for _ in range(3 * (world - 1)):
         m = np.zeros(1000, np.uint8)
-        src = g.recv(m.ctypes.data, 1000, -1, 9, 60)
+        src = g.recv(m.ctypes.data, 1000, -1, 9, 60 * SLOW)
         got.setdefault(src, []).append(digest(m))
     result = got
 else:
     for k in range(3):
-        g.send(blob(1000, rank, k).ctypes.data, 1000, 0, 9, 60)
+        g.send(blob(1000, rank, k).ctypes.data, 1000, 0, 9, 60 * SLOW)
 ''')
     assert res[0] == {q: [digest(blob(1000, q, k)) for k in range(3)] for q in range(1, W)}
 
@@ -754,13 +758,13 @@ mine = blob(BIG, rank, "exchange")
 errs = []
 def sender():
     try:
-        g.send(mine.ctypes.data, BIG, peer, 1, 60)
+        g.send(mine.ctypes.data, BIG, peer, 1, 60 * SLOW)
     except BaseException as e:
         errs.append(repr(e))
 t = threading.Thread(target=sender)
 t.start()
 got = np.zeros(BIG, np.uint8)
-src = g.recv(got.ctypes.data, BIG, peer, 1, 60)
+src = g.recv(got.ctypes.data, BIG, peer, 1, 60 * SLOW)
 t.join()
 result = errs, src, digest(got)
 '''.replace("BIG", str(n)))
@@ -777,16 +781,16 @@ def test_recv_takes_the_oldest_message_with_its_tag_past_others(pair):
     res = pair.run(r'''
 if rank == 0:
     for n, tag in SENDS:
-        g.send(blob(n, 0, tag).ctypes.data, n, 1, tag, 60)
+        g.send(blob(n, 0, tag).ctypes.data, n, 1, tag, 60 * SLOW)
     result = None
 else:
     def recv(n, src, tag):
         m = np.zeros(n, np.uint8)
-        got = g.recv(m.ctypes.data, n, src, tag, 60)
+        got = g.recv(m.ctypes.data, n, src, tag, 60 * SLOW)
         return got, digest(m)
     out = [recv(100, 0, 2), recv(BIG3, -1, 1), recv(50, 0, 11)]
     try:
-        g.recv(np.zeros(99, np.uint8).ctypes.data, 99, 0, 3, 60)
+        g.recv(np.zeros(99, np.uint8).ctypes.data, 99, 0, 3, 60 * SLOW)
         err = None
     except ValueError as e:
         err = str(e)
@@ -829,7 +833,7 @@ def test_a_dead_peer_during_recv_is_named_within_a_second():
 import time
 t0 = time.monotonic()
 try:
-    g.recv(np.zeros(8, np.uint8).ctypes.data, 8, 0, 0, 60)
+    g.recv(np.zeros(8, np.uint8).ctypes.data, 8, 0, 0, 60 * SLOW)
     result = None
 except RuntimeError as e:
     result = str(e), time.monotonic() - t0
@@ -845,7 +849,7 @@ except RuntimeError as e:
     for r, x in zip((1, 2), res):
         msg, _ = x["value"]
         assert "rank 0" in msg and str(rk.pids[0]) in msg, msg
-    assert took < 1.0, f"the ranks noticed rank 0's death after {took:.2f}s"
+    assert took < scaled(1.0), f"the ranks noticed rank 0's death after {took:.2f}s"
     kids, fds = _gone(rk)
     assert not kids and not fds, f"left behind: processes {kids}, memfds {fds}"
 
@@ -871,12 +875,12 @@ def test_ctrl_c_during_recv_raises_there_and_breaks_the_group():
     try:
         rk.send(r'''
 try:
-    g.recv(np.zeros(8, np.uint8).ctypes.data, 8, 0, 0, 60)
+    g.recv(np.zeros(8, np.uint8).ctypes.data, 8, 0, 0, 60 * SLOW)
     result = None
 except KeyboardInterrupt:
     result = "interrupted"
 ''', ranks=[1])
-        deadline = time.monotonic() + 30   # until rank 1 sleeps in its recv
+        deadline = time.monotonic() + scaled(30)   # until rank 1 sleeps in its recv
         while "futex" not in open(f"/proc/{rk.pids[1]}/wchan").read():
             assert time.monotonic() < deadline, "rank 1 never waited in recv"
             time.sleep(0.01)

@@ -386,6 +386,8 @@ SPAWN_PROGRAM = '''
 import sys
 import torch
 import torch.multiprocessing as mp
+import os
+SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
 
 
 def square(x):                      # defined in the script: must pickle for spawn
@@ -416,8 +418,8 @@ if __name__ == '__main__':
     p = ctx.Process(target=child, args=(inbox, outbox, ready))
     p.start()
     inbox.put(t)
-    report = outbox.get(timeout=60)
-    assert ready.wait(60)
+    report = outbox.get(timeout=60 * SLOW)
+    assert ready.wait(60 * SLOW)
     p.join()
     report["exitcode"] = p.exitcode
     report["parent_sees"] = t.tolist()
@@ -477,6 +479,8 @@ def test_a_spawn_childs_classes_come_back_to_the_parent(tmp_path):
         import torch
         from torch.utils.data import DataLoader, Dataset
         import torch.multiprocessing as mp
+        import os
+        SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
 
         Pair = collections.namedtuple("Pair", "x y")
 
@@ -502,7 +506,7 @@ def test_a_spawn_childs_classes_come_back_to_the_parent(tmp_path):
             q = ctx.Queue()
             p = ctx.Process(target=child, args=(q,))
             p.start()
-            got = q.get(timeout=60)
+            got = q.get(timeout=60 * SLOW)
             p.join()
             out = [(type(got[0]).__name__, got[0].x, got[0].y.v)]
             dl = DataLoader(Items(), batch_size=3, num_workers=2, multiprocessing_context="spawn",
@@ -521,6 +525,8 @@ def test_fork_and_forkserver_children_are_served(tmp_path):
     script = write(tmp_path / "methods.py", '''
         import torch
         import torch.multiprocessing as mp
+        import os
+        SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
 
         def child(q, t):
             import mpcore
@@ -536,7 +542,7 @@ def test_fork_and_forkserver_children_are_served(tmp_path):
                 t = torch.zeros(2).share_memory_()
                 p = ctx.Process(target=child, args=(q, t))
                 p.start()
-                out[method] = q.get(timeout=60)
+                out[method] = q.get(timeout=60 * SLOW)
                 p.join()
                 out[method] += (p.exitcode, t.tolist())
             print("REPORT", repr(out))
@@ -602,6 +608,8 @@ def test_stats_lines_under_launcher(tmp_path):
     script = write(tmp_path / "q.py", '''
         import torch
         import torch.multiprocessing as mp
+        import os
+        SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
 
         def child(q):
             q.put(torch.arange(4.0))
@@ -610,7 +618,7 @@ def test_stats_lines_under_launcher(tmp_path):
             q = mp.Queue()
             p = mp.Process(target=child, args=(q,))
             p.start()
-            print(q.get(timeout=60).tolist())
+            print(q.get(timeout=60 * SLOW).tolist())
             p.join()
     ''')
     proc = launched(script, cwd=tmp_path, env=clean_env(MPCORE_STATS=str(stats)))

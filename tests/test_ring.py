@@ -20,6 +20,7 @@ import traceback
 
 import pytest
 
+from conftest import scaled
 from mpcore import _core as core
 
 Ring = core.Ring
@@ -103,7 +104,7 @@ def wait_until_asleep(pid, timeout=10.0):
     thing a single-threaded child can sleep in).  This polls /proc, the only
     way to observe another process's state; it waits for the event, not for
     a guessed time."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while time.monotonic() < deadline:
         try:
             with open(f"/proc/{pid}/syscall") as f:
@@ -121,7 +122,7 @@ def wait_until_asleep(pid, timeout=10.0):
 def read_exactly(fd, n, timeout=10.0):
     """Reads n bytes from a pipe, failing if they do not come in time."""
     data = b""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while len(data) < n:
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([fd], [], [], left)[0]:
@@ -233,7 +234,7 @@ def test_empty_and_full():
     t0 = time.monotonic()
     with pytest.raises(queue.Empty):
         r.get(timeout=0.05)
-    assert 0.05 <= time.monotonic() - t0 < 2
+    assert 0.05 <= time.monotonic() - t0 < scaled(2)
     with pytest.raises(queue.Empty):
         r.get(timeout=0)
     while True:
@@ -247,7 +248,7 @@ def test_empty_and_full():
     t0 = time.monotonic()
     with pytest.raises(queue.Full):
         r.put([], b"x" * 40, timeout=0.05)
-    assert 0.05 <= time.monotonic() - t0 < 2
+    assert 0.05 <= time.monotonic() - t0 < scaled(2)
     with pytest.raises(ValueError):
         r.put([], b"", timeout=-1)
     with pytest.raises(ValueError):
@@ -335,7 +336,7 @@ def test_close_wakes_waiters():
     r.close()
     full.close()
     for t in threads:
-        t.join(10)
+        t.join(scaled(10))
         assert not t.is_alive()
     assert results == {"get": "ring is closed", "put": "ring is closed"}
 
@@ -382,7 +383,7 @@ def test_tasks_and_join():
     ready.wait()
     assert r.get() == ([], b"x")
     r.task_done()
-    t.join(10)
+    t.join(scaled(10))
     assert out == [True]
     with pytest.raises(ValueError, match="too many"):
         r.task_done()
@@ -452,7 +453,7 @@ def test_signal_during_timed_wait_keeps_deadline():
         stop.set()
         t.join()
         signal.signal(signal.SIGUSR1, old)
-    assert 0.3 <= elapsed < 3
+    assert 0.3 <= elapsed < scaled(3)
     assert len(hits) >= 2
 
 
@@ -542,7 +543,7 @@ def test_killed_waiter_leaves_ring_usable(children):
         assert children.wait(pids[1]) == 0
         # And the ring works as before, here and in a new process.
         r.put([(1, 2, 3)], b"again")
-        assert r.get(timeout=5) == ([(1, 2, 3)], b"again")
+        assert r.get(timeout=scaled(5)) == ([(1, 2, 3)], b"again")
         pid = children.spawn(_blocked_getter, r, ready_w, outs[0][1])
         assert read_exactly(ready_r, 1) == b"r"
         r.put([], b"third")
@@ -620,7 +621,7 @@ def test_ctrl_c_interrupts_blocked_wait(children, op):
         t0 = time.monotonic()
         os.kill(pid, signal.SIGINT)
         assert read_exactly(out_r, 1, timeout=10) == b"K"
-        assert time.monotonic() - t0 < 2
+        assert time.monotonic() - t0 < scaled(2)
         assert children.wait(pid) == 0
     finally:
         for fd in (ready_r, ready_w, out_r, out_w):

@@ -20,7 +20,7 @@ import time
 import pytest
 
 from _ranks import left_behind
-from conftest import Scenario, exited
+from conftest import Scenario, exited, scaled
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -98,16 +98,17 @@ class Job:
 
     def wait(self, timeout=90):
         try:
-            return self.p.wait(timeout)
+            return self.p.wait(scaled(timeout))
         except subprocess.TimeoutExpired:
             os.killpg(self.p.pid, signal.SIGKILL)
             self.p.wait()
-            pytest.fail(f"the launcher did not finish within {timeout}s\n{self.out}\n{self.err}")
+            pytest.fail(f"the launcher did not finish within {scaled(timeout):g}s\n{self.out}\n"
+                        f"{self.err}")
 
     def wait_for(self, pattern, count=1, timeout=60):
         """Waits until `pattern` has appeared `count` times in stdout (or the
         launcher has ended); returns the matches."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + scaled(timeout)
         while True:
             found = re.findall(pattern, self.out, re.M)
             if len(found) >= count:
@@ -348,7 +349,7 @@ def test_signals_forwarded_and_grace(tmp_path, scenario, kind):
     start = time.monotonic()
     assert job.wait() == -signal.SIGTERM
     assert sorted(job.wait_for(r"^SIGTERM (\d)$", 2)) == ["0", "1"]
-    assert time.monotonic() - start < 20  # a 1 s grace, not torchrun's 30 s
+    assert time.monotonic() - start < scaled(20)  # a 1 s grace, not torchrun's 30 s
     # rank 1 ignores SIGTERM: SIGKILL after the grace; rank 0 ended by itself
     killed = re.findall(r"Unable to shutdown process (\d+) via 15, forcefully exiting via 9",
                         job.err)
