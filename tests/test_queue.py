@@ -18,7 +18,7 @@ import traceback
 import pytest
 
 import mpcore
-from conftest import reap, run_in_session, run_program, run_scenario
+from conftest import reap, run_in_session, run_program, run_scenario, scaled
 
 MODULE = __name__
 METHODS = ["fork", "spawn"]
@@ -54,7 +54,7 @@ def start(ctx, procs, fn_name, result_q, *args):
 
 def join_all(procs):
     for p in procs:
-        p.join(60)
+        p.join(scaled(60))
     assert [p.exitcode for p in procs] == [0] * len(procs)
 
 
@@ -85,7 +85,7 @@ def test_put_get_roundtrip_in_order():
     for obj in OBJECTS:
         q.put(obj)
     assert q.qsize() == len(OBJECTS) and not q.empty() and not q.full()
-    got = [q.get(timeout=10) for _ in OBJECTS]
+    got = [q.get(timeout=scaled(10)) for _ in OBJECTS]
     bad = [(a, b) for a, b in zip(OBJECTS, got) if not _same(a, b)]
     assert not bad, bad
     assert q.empty() and q.qsize() == 0
@@ -111,7 +111,7 @@ def test_get_on_empty_queue_raises_empty():
     q.put("y", block=False)
     assert q.get(block=False) == "y"
     q.put("z", timeout=1)
-    assert q.get(timeout=1) == "z"
+    assert q.get(timeout=scaled(1)) == "z"
 
 
 def test_maxsize():
@@ -154,7 +154,7 @@ def test_unbounded_queue_holds_more_than_its_ring():
         pytest.fail(f"put #{i} of an unbounded queue raised queue.Full "
                     f"({i * len(item)} bytes queued, no consumer)")
     assert q.qsize() == n
-    assert all(q.get(timeout=10) == item for _ in range(n))
+    assert all(q.get(timeout=scaled(10)) == item for _ in range(n))
 
 
 def test_close_and_join_thread():
@@ -195,7 +195,7 @@ def test_joinable_queue_task_done_and_join():
         q.task_done()
     for i in range(3):
         q.put(i)
-    assert [q.get(timeout=10) for _ in range(3)] == [0, 1, 2]
+    assert [q.get(timeout=scaled(10)) for _ in range(3)] == [0, 1, 2]
     for _ in range(3):
         q.task_done()
     q.join()
@@ -219,9 +219,9 @@ def test_messages_larger_than_the_ring():
     q.put(lst)
     q.put("small")
     assert q.qsize() == 3
-    assert q.get(timeout=30) == big
-    assert q.get(timeout=30) == lst
-    assert q.get(timeout=30) == "small"
+    assert q.get(timeout=scaled(30)) == big
+    assert q.get(timeout=scaled(30)) == lst
+    assert q.get(timeout=scaled(30)) == "small"
 
 
 def test_many_threads_share_a_queue():
@@ -236,14 +236,14 @@ def test_many_threads_share_a_queue():
 
     def consume():
         for _ in range(n * nthreads):
-            out.append(q.get(timeout=60))
+            out.append(q.get(timeout=scaled(60)))
 
     threads = [threading.Thread(target=produce, args=(k,)) for k in range(nthreads)]
     threads.append(threading.Thread(target=consume))
     for t in threads:
         t.start()
     for t in threads:
-        t.join(120)
+        t.join(scaled(120))
     assert not any(t.is_alive() for t in threads)
     assert sorted(out) == [(k, i) for k in range(nthreads) for i in range(n)]
     for k in range(nthreads):
@@ -260,7 +260,7 @@ def _producer(q, k, n):
 def _consumer(q, results, nsentinels):
     got, seen = [], 0
     while seen < nsentinels:
-        item = q.get(timeout=120)
+        item = q.get(timeout=scaled(120))
         if item is None:
             seen += 1
         else:
@@ -286,11 +286,11 @@ def scenario_many_producers_consumers(method):
             consumers.append(c)
             c.start()
         for p in procs[:nprod]:
-            p.join(120)
+            p.join(scaled(120))
             assert p.exitcode == 0
         for _ in range(ncons):
             q.put(None)
-        lists = [results.get(timeout=120) for _ in range(ncons)]
+        lists = [results.get(timeout=scaled(120)) for _ in range(ncons)]
         join_all(procs)
     finally:
         reap(procs)
@@ -313,7 +313,7 @@ def _child_uses_queues(q, jq, sq, small, out):
     report = {}
     # Work from the joinable queue, results to q.
     while True:
-        item = jq.get(timeout=60)
+        item = jq.get(timeout=scaled(60))
         if item is None:
             jq.task_done()
             break
@@ -358,9 +358,9 @@ def scenario_queues_in_children(method):
         # ...and the child put each result before calling task_done().
         assert q.qsize() == 10
         assert [q.get_nowait() for _ in range(10)] == [("done", i * 2) for i in range(10)]
-        report = out.get(timeout=90)
+        report = out.get(timeout=scaled(90))
         assert sq.get() == Point(7, 8)
-        p.join(60)
+        p.join(scaled(60))
         assert p.exitcode == 0
     finally:
         reap([p])
@@ -368,7 +368,7 @@ def scenario_queues_in_children(method):
                       "closed_put": "ValueError", "closed_get": "ValueError"}
     assert small.full() and [small.get(), small.get()] == [1, 2]
     q.put("still open here")
-    assert q.get(timeout=10) == "still open here"
+    assert q.get(timeout=scaled(10)) == "still open here"
 
 
 @pytest.mark.timeout(180)
@@ -397,16 +397,16 @@ def scenario_blocking_and_large(method):
         p = ctx.Process(target=_bounded_producer, args=(q, 50))
         procs.append(p)
         p.start()
-        got = [q.get(timeout=60) for _ in range(50)]
+        got = [q.get(timeout=scaled(60)) for _ in range(50)]
         # A sender of messages larger than the ring, which exits before
         # they are read.
         s = ctx.Process(target=_big_sender, args=(big,))
         procs.append(s)
         s.start()
-        s.join(90)
+        s.join(scaled(90))
         assert s.exitcode == 0
-        first = big.get(timeout=60)
-        second = big.get(timeout=60)
+        first = big.get(timeout=scaled(60))
+        second = big.get(timeout=scaled(60))
         join_all(procs)
     finally:
         reap(procs)
@@ -425,7 +425,7 @@ def test_blocking_producer_and_large_messages(method, leak_check):
 def _nested_child(q_in, q_out):
     import torch
     torch.set_num_threads(1)
-    msg = q_in.get(timeout=60)
+    msg = q_in.get(timeout=scaled(60))
     t, arr = msg["tensors"][0], msg["arrays"][0]
     info = {"types": [type(x).__name__ for x in (t, msg["tensors"][1], arr,
                                                    msg["nested"]["deep"][0])],
@@ -455,8 +455,8 @@ def scenario_nested(method):
     try:
         p.start()
         q_in.put(msg)
-        info = q_out.get(timeout=90)
-        p.join(60)
+        info = q_out.get(timeout=scaled(90))
+        p.join(scaled(60))
         assert p.exitcode == 0
     finally:
         reap([p])
@@ -495,7 +495,7 @@ def test_failed_put_takes_no_ticket_with_it():
     with pytest.raises(mpcore.HandleError):
         _core.attach(handle)
     q.put("still works")
-    assert q.get(timeout=10) == "still works"
+    assert q.get(timeout=scaled(10)) == "still works"
 
 
 # --- put_many / get_many (NOTE [ Batches ]) ---------------------------------
@@ -509,7 +509,7 @@ def test_put_many_get_many_keep_order_and_max_count():
     assert q.qsize() == len(objs)
     first = q.get_many(max_messages_to_get=3)
     assert len(first) == 3
-    rest = q.get_many(timeout=10)
+    rest = q.get_many(timeout=scaled(10))
     got = first + rest
     assert len(got) == len(objs) and q.empty()
     for a, b in zip(objs, got):
@@ -538,7 +538,7 @@ def test_get_many_on_empty_queue_raises_empty():
     assert time.monotonic() - t0 >= 0.1
     # It returns what is there once one message is; it never waits for more.
     q.put(1)
-    assert q.get_many(timeout=10, max_messages_to_get=5) == [1]
+    assert q.get_many(timeout=scaled(10), max_messages_to_get=5) == [1]
 
 
 def test_put_many_is_all_or_nothing_on_a_bounded_queue():
@@ -563,7 +563,7 @@ def test_put_many_is_all_or_nothing_on_a_bounded_queue():
     jq.task_done()
     assert not jq._ring.join(0.05)        # one task still unfinished
     jq.task_done()
-    assert jq._ring.join(10)
+    assert jq._ring.join(scaled(10))
 
 
 def test_put_many_on_an_unbounded_queue_never_blocks():
@@ -573,13 +573,13 @@ def test_put_many_on_an_unbounded_queue_never_blocks():
     q.put("last")
     got = []
     while len(got) < 12:
-        got += q.get_many(timeout=10)
+        got += q.get_many(timeout=scaled(10))
     assert got == ["first"] + [b"x" * 1000] * 10 + ["last"]
     big = [b"y" * 100_000] * 3           # each larger than the ring: spilled
     q.put_many(big)
     got = []
     while len(got) < 3:
-        got += q.get_many(timeout=10)
+        got += q.get_many(timeout=scaled(10))
     assert got == big
 
 
@@ -629,11 +629,11 @@ def test_batches_between_processes(leak_check):
         p.start()
         got = []
         while not got or not isinstance(got[-1], dict):
-            got += q.get_many(timeout=30, max_messages_to_get=16)
+            got += q.get_many(timeout=scaled(30), max_messages_to_get=16)
         assert got[-1] == {"done": 50}
         assert [float(x[0]) for x in got[:-1]] == [float(i) for i in range(50)]
         assert all(x.is_shared() for x in got[:-1])
-        p.join(30)
+        p.join(scaled(30))
         assert p.exitcode == 0
     finally:
         reap([p])
@@ -659,7 +659,7 @@ def test_bare_tensors_of_every_dtype_and_view_round_trip():
                 _core_drop_journaled([ref])
         q.put(t)
     for t in sent:
-        r = q.get(timeout=10)
+        r = q.get(timeout=scaled(10))
         assert type(r) is torch.Tensor and r.dtype == t.dtype
         assert r.shape == t.shape and r.stride() == t.stride()
         assert r.storage_offset() == t.storage_offset() and torch.equal(r, t)
@@ -671,7 +671,7 @@ def test_bare_tensors_of_every_dtype_and_view_round_trip():
     for t in (p, g):
         assert _tensormsg.message(t) is None
         q.put(t)
-        r = q.get(timeout=10)
+        r = q.get(timeout=scaled(10))
         assert type(r) is type(t) and r.requires_grad and torch.equal(r, t)
 
 
@@ -680,6 +680,8 @@ def test_tensor_record_is_read_by_a_process_that_never_imported_torch():
     # The getter's first import of torch happens inside get(), and serves it.
     r = run_program("""
         import sys, mpcore
+        import os
+        SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
         def put_one(q):
             import torch
             q.put(torch.arange(3.0))
@@ -688,8 +690,8 @@ def test_tensor_record_is_read_by_a_process_that_never_imported_torch():
             p = mpcore.get_context("fork").Process(target=put_one, args=(q,))
             p.start()
             assert "torch" not in sys.modules
-            print(q.get(timeout=30).tolist())
-            p.join(30)
+            print(q.get(timeout=30 * SLOW).tolist())
+            p.join(30 * SLOW)
             assert p.exitcode == 0
     """, timeout=90)
     assert r.returncode == 0, r.stderr
@@ -707,7 +709,7 @@ def test_received_tensor_is_shared_and_freed_when_dropped():
     q = mpcore.Queue()
     t = torch.full((1000,), 7.0)
     q.put(t)
-    r = q.get(timeout=10)
+    r = q.get(timeout=scaled(10))
     r[0] = 1.0
     assert t[0] == 1.0                    # one memory
     handle = mpcore._shm.find(t.data_ptr(), 4000)[0].handle
@@ -761,7 +763,7 @@ def test_tensor_record_is_read_before_torch_is_served(monkeypatch):
     t = torch.arange(5)
     q.put(t)
     monkeypatch.setattr(_queue, "_receive_record", None)
-    r = q.get(timeout=10)
+    r = q.get(timeout=scaled(10))
     assert torch.equal(r, t) and r.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
 
 
@@ -797,8 +799,8 @@ def test_tensor_records_from_another_process_keep_views_and_identity(leak_check)
     p = ctx.Process(target=_record_sender, args=(q,))
     try:
         p.start()
-        got = [q.get(timeout=30) for _ in range(9)]
-        p.join(30)
+        got = [q.get(timeout=scaled(30)) for _ in range(9)]
+        p.join(scaled(30))
         assert p.exitcode == 0
     finally:
         reap([p])
@@ -844,7 +846,7 @@ def test_storage_entries_go_with_their_block():
     del view
     assert k_held not in _torch._storages
     assert k_kept in _torch._storages         # the one still alive is kept
-    got = [q.get(timeout=10) for _ in range(2)]
+    got = [q.get(timeout=scaled(10)) for _ in range(2)]
     assert got[0].untyped_storage().data_ptr() == kept.untyped_storage().data_ptr()
     kept[0] = 5.0                             # one memory: a storage that comes back is the original
     assert got[0][0] == 5.0
@@ -883,7 +885,9 @@ def test_storage_over_checks_its_bytes():
 
 # The head of the programs below: their anonymous memory, in MB.
 RSS_PROGRAM = """
+import os
 import mpcore, torch
+SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
 
 def rss_anon_mb():
     with open("/proc/self/status") as f:
@@ -907,7 +911,7 @@ if __name__ == "__main__":
 FRESH_LARGE_PRODUCER = RSS_PROGRAM + """
 def consume(q, n):
     for i in range(n):
-        assert float(q.get(timeout=60)[-1]) == float(i)
+        assert float(q.get(timeout=60 * SLOW)[-1]) == float(i)
 
 if __name__ == "__main__":
     n = 150
@@ -918,7 +922,7 @@ if __name__ == "__main__":
         q.put(torch.full((4 << 20,), float(i)))   # 16 MB, made in the loop
         if i == 20:
             first = rss_anon_mb()
-    p.join(60)
+    p.join(60 * SLOW)
     assert p.exitcode == 0, p.exitcode
     print("RSS", first, rss_anon_mb())
 """
@@ -937,6 +941,8 @@ def _fresh_program(tmp_path, code, timeout):
 
 INHERITED_LARGE_PUT = """
 import mpcore, torch
+import os
+SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
 
 def put_inherited(q, x):
     q.put(x)   # a large move, this process's first torch call
@@ -947,8 +953,8 @@ if __name__ == "__main__":
     q = mpcore.Queue()
     p = mpcore.get_context("fork").Process(target=put_inherited, args=(q, x))
     p.start()
-    y = q.get(timeout=60)
-    p.join(60)
+    y = q.get(timeout=60 * SLOW)
+    p.join(60 * SLOW)
     print("GOT", float(y[0]), float(y[-1]), y.numel(), p.exitcode)
 """
 
