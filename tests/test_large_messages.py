@@ -16,7 +16,7 @@ import pytest
 
 import mpcore
 from mpcore import _core, _zygote
-from conftest import memory_amounts, program_result, reap, run_in_memcg, run_scenario
+from conftest import memory_amounts, program_result, reap, run_in_memcg, run_scenario, scaled
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 MODULE = __name__
@@ -72,7 +72,7 @@ def test_ring_takes_payloads_of_any_size_and_frees_their_blocks():
                 bytearray(os.urandom(600_000))]
     for p in payloads:
         r.put([], p)
-        refs, got = r.get(True, 30)
+        refs, got = r.get(True, scaled(30))
         assert refs == [] and bytes(got) == p
         # Inline payloads come as bytes, larger ones as the Block they
         # travelled in, exactly their length, freed with the object.
@@ -86,9 +86,10 @@ def test_ring_takes_payloads_of_any_size_and_frees_their_blocks():
     r.put([], payloads[4], task=True)
     assert r.count() == 3
     assert keeper_live_blocks() == base + 2  # the two spilled payloads
-    assert [bytes(r.get(True, 30)[1]) for _ in range(3)] == [payloads[3], b"small", payloads[4]]
+    got = [bytes(r.get(True, scaled(30))[1]) for _ in range(3)]
+    assert got == [payloads[3], b"small", payloads[4]]
     r.task_done()
-    assert r.join(5) is True
+    assert r.join(scaled(5)) is True
     assert keeper_live_blocks() == base
 
 
@@ -104,7 +105,7 @@ def test_large_payloads_arrive_exactly_from_any_alignment(n):
     for off in (0, 1, 63, 127):
         want = memoryview(src)[off:off + n]
         r.put([], want)
-        refs, got = r.get(True, 30)
+        refs, got = r.get(True, scaled(30))
         assert refs == [] and len(memoryview(got)) == n
         assert memoryview(got).cast("B") == want, f"offset {off}: the bytes differ"
         del got
@@ -120,7 +121,7 @@ def test_spilled_message_keeps_its_refs():
     refs = [data.ticket(True) for _ in range(3)]
     payload = os.urandom(100_000)
     r.put(refs, payload)
-    got_refs, got = r.get(True, 30)
+    got_refs, got = r.get(True, scaled(30))
     assert bytes(got) == payload and [tuple(x) for x in got_refs] == [tuple(x) for x in refs]
     del got
     for ref in got_refs:  # redeem them: the same block, held once
@@ -171,7 +172,7 @@ def test_a_failed_put_leaves_no_block():
     with pytest.raises(ValueError, match="closed"):
         r.put([], os.urandom(1 << 20))
     assert keeper_live_blocks() == base
-    assert r.get(True, 5) == ([], b"first")
+    assert r.get(True, scaled(5)) == ([], b"first")
 
 
 def test_refs_that_can_never_fit_are_refused_clearly():
@@ -272,7 +273,7 @@ def scenario_queues(method):
             back = [q_out.get() for _ in msgs]
             if joinable:
                 q_in.join()
-            p.join(60)
+            p.join(scaled(60))
             assert p.exitcode == 0, (name, p.exitcode)
         finally:
             reap([p])
@@ -295,6 +296,7 @@ def test_queue_messages_larger_than_the_ring_cross_processes(method, leak_check,
 
 DEATH_PROGRAM = r'''
 import gc, json, os, signal, sys, time
+SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
 sys.path.insert(0, sys.argv[2])
 import mpcore
 from test_large_messages import keeper_live_blocks, settle
@@ -330,10 +332,10 @@ if __name__ == "__main__":
         else:
             p = ctx.Process(target=sender, args=(q, started))
         p.start()
-        started.wait(60)
+        started.wait(60 * SLOW)
         time.sleep(0.01 * rnd)              # a different point of the transfer each round
         os.kill(p.pid, signal.SIGKILL)
-        p.join(60)
+        p.join(60 * SLOW)
         rounds.append(p.exitcode)
         settle()
         del q, p, started
@@ -359,6 +361,7 @@ def test_a_death_around_a_spilled_message_leaks_nothing(how, scenario, leak_chec
 
 SHORTAGE_CHILD = r'''
 import json, os, sys
+SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
 import mpcore
 
 mpcore._core.connect()          # the keeper starts now, outside the cgroup
@@ -377,7 +380,7 @@ except BaseException as e:
     res["outcome"], res["msg"] = type(e).__name__, str(e)
 res["count"] = q.qsize()
 q.put("after")                  # a shortage is no lasting state
-res["next"] = q.get(timeout=10)
+res["next"] = q.get(timeout=10 * SLOW)
 print("RESULT " + json.dumps(res), flush=True)
 '''
 
@@ -399,6 +402,7 @@ def test_no_shared_memory_for_a_spill_is_a_memory_error(scenario, leak_check):
 
 ZYGOTE_PROGRAM = r'''
 import hashlib, json, os, sys, warnings
+SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
 import mpcore
 
 
@@ -415,8 +419,8 @@ if __name__ == "__main__":
     q = ctx.Queue()
     p = ctx.Process(target=child, args=(data, q))
     p.start()
-    got = q.get(timeout=120)
-    p.join(60)
+    got = q.get(timeout=120 * SLOW)
+    p.join(60 * SLOW)
     got.update(exitcode=p.exitcode, want_len=len(data),
                want_sha=hashlib.sha256(data).hexdigest())
     print("RESULT " + json.dumps(got), flush=True)

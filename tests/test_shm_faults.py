@@ -25,6 +25,7 @@ from conftest import TESTS_ON_PATH, exited, memory_amounts, program_result as re
 
 FDS_PROGRAM = r'''
 import json, os, resource, sys
+SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
 resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
 import torch
 torch.set_num_threads(1)
@@ -48,7 +49,7 @@ def producer(q, done, n):
         q.put(t)
         held.append(t)        # the sender keeps its tensors too
     q.put(("producer", nfds(), resource.getrlimit(resource.RLIMIT_NOFILE)[0]))
-    done.wait(120)
+    done.wait(120 * SLOW)
 
 
 if __name__ == "__main__":
@@ -58,10 +59,10 @@ if __name__ == "__main__":
     p.start()
     got, max_fds = [], nfds()
     for i in range(N):
-        got.append(q.get(timeout=60))
+        got.append(q.get(timeout=60 * SLOW))
         if i % 100 == 0:
             max_fds = max(max_fds, nfds())
-    prod = q.get(timeout=60)
+    prod = q.get(timeout=60 * SLOW)
     max_fds = max(max_fds, nfds())
     bad = [i for i, t in enumerate(got)
            if tuple(t.shape) != (size(i),) or not bool((t == float(i)).all())]
@@ -71,7 +72,7 @@ if __name__ == "__main__":
            "limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
            "keeper_fds": nfds(mpcore._core.keeper_pid())}
     done.set()
-    p.join(60)
+    p.join(60 * SLOW)
     res["exitcode"] = p.exitcode
     print("RESULT " + json.dumps(res), flush=True)
 '''
@@ -189,6 +190,7 @@ def test_a_limit_lowered_just_after_a_reservation_is_seen(leak_check, scenario):
 
 KILL_PROGRAM = TESTS_ON_PATH + r'''
 import gc, json, os, signal, sys
+SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
 import torch
 torch.set_num_threads(1)
 import mpcore
@@ -303,12 +305,12 @@ if __name__ == "__main__":
             cons = ctx.Process(target=consumer, args=(q, ce), daemon=True)
         prod.start()
         cons.start()
-        progressed = pe.wait(60) and ce.wait(60)
+        progressed = pe.wait(60 * SLOW) and ce.wait(60 * SLOW)
         killed_in = None
         if HOW != "in-message":       # those two kill themselves
             killed_in = [kill_in_a_system_call(prod.pid), kill_in_a_system_call(cons.pid)]
-        prod.join(60)
-        cons.join(60)
+        prod.join(60 * SLOW)
+        cons.join(60 * SLOW)
         report["rounds"].append({"progressed": progressed, "killed_in": killed_in,
                                  "exitcodes": [prod.exitcode, cons.exitcode],
                                  "keeper_during": len(memfd_inodes(keeper))})
@@ -363,6 +365,8 @@ SENDER_PROGRAM = r'''
 import json, sys
 import numpy as np
 import torch
+import os
+SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
 torch.set_num_threads(1)
 import mpcore
 
@@ -380,9 +384,9 @@ if __name__ == "__main__":
     q = ctx.Queue()
     p = ctx.Process(target=sender, args=(q,))
     p.start()
-    p.join(120)
+    p.join(120 * SLOW)
     res = {"sender_exitcode": p.exitcode}
-    m = q.get(timeout=60)                 # the sender is gone by now
+    m = q.get(timeout=60 * SLOW)                 # the sender is gone by now
     res["big"] = bool(torch.equal(m["big"], torch.arange(2 << 20, dtype=torch.float64) * 3 + 1))
     res["small"] = m["small"].tolist()
     res["view"] = m["view"].tolist()
@@ -415,13 +419,14 @@ def test_sender_exits_right_after_put(leak_check, scenario, method):
 
 KEEPER_PROGRAM = r'''
 import json, os, signal, sys
+SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
 import torch
 torch.set_num_threads(1)
 import mpcore
 
 
 def child(q, out):
-    t = q.get(timeout=60)
+    t = q.get(timeout=60 * SLOW)
     out.put(float(t.sum()))
 
 
@@ -438,7 +443,7 @@ if __name__ == "__main__":
             os.close(ready_r)
             os.close(life_w)
             del t
-            held = q.get(timeout=60)
+            held = q.get(timeout=60 * SLOW)
             os.write(ready_w, b"x")
             os.read(life_r, 1)         # EOF: the main process was killed
             ok = float(held.sum()) == 1000.0 and held.is_shared()
@@ -455,8 +460,8 @@ if __name__ == "__main__":
     p = ctx.Process(target=child, args=(q, out))
     p.start()
     q.put(t)
-    assert out.get(timeout=60) == 1000.0
-    p.join(60)
+    assert out.get(timeout=60 * SLOW) == 1000.0
+    p.join(60 * SLOW)
     assert p.exitcode == 0
     keep = [t, mpcore.empty((1 << 20,), "uint8"), mpcore.empty((10,), torch.int64)]
     print("KEEPER %d" % mpcore._core.keeper_pid(), flush=True)
@@ -492,6 +497,7 @@ def test_keeper_exits_with_program(leak_check, scenario, how):
 
 FORGET_PROGRAM = TESTS_ON_PATH + r'''
 import gc, json, os
+SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
 import torch
 torch.set_num_threads(1)
 import mpcore
@@ -500,7 +506,7 @@ from conftest import memfd_inodes
 
 def producer(q, more):
     q.put(torch.full((1 << 18,), 1.0))     # 1 MB: a segment of its own
-    more.wait(60)
+    more.wait(60 * SLOW)
     q.put(torch.full((1 << 18,), 2.0))
 
 
@@ -511,7 +517,7 @@ if __name__ == "__main__":
     before = set(memfd_inodes(os.getpid(), maps=True))
     p = ctx.Process(target=producer, args=(q, more))
     p.start()
-    t = q.get(timeout=60)
+    t = q.get(timeout=60 * SLOW)
     theirs = set(memfd_inodes(os.getpid(), maps=True)) - before
     # The producer lives on, so the keeper never calls its segment orphan:
     # only forget_idle's mark can drop the mapping when the hold goes.
@@ -522,11 +528,11 @@ if __name__ == "__main__":
     gc.collect()
     after_release = sorted(theirs & set(memfd_inodes(os.getpid(), maps=True)))
     more.set()
-    t2 = q.get(timeout=60)                 # a live producer still reaches us
+    t2 = q.get(timeout=60 * SLOW)                 # a live producer still reaches us
     res = {"theirs": len(theirs), "held": len(held), "after_release": after_release,
            "values": [value, float(t2[7])], "alive": p.is_alive()}
     del t2
-    p.join(60)
+    p.join(60 * SLOW)
     res["exitcode"] = p.exitcode
     print("RESULT " + json.dumps(res), flush=True)
 '''

@@ -18,7 +18,7 @@ from multiprocessing.reduction import ForkingPickler
 from torch import nn
 
 import mpcore
-from conftest import mpcore_ranges, reap, result, run_scenario
+from conftest import mpcore_ranges, reap, result, run_scenario, scaled
 
 MODULE = __name__
 METHODS = ["fork", "spawn"]
@@ -141,7 +141,7 @@ def test_non_leaf_tensor_requiring_grad_is_refused():
     assert q.empty()
     # Leaves and detached tensors are fine.
     q.put((x, y.detach()))
-    a, b = q.get(timeout=10)
+    a, b = q.get(timeout=scaled(10))
     assert a.requires_grad and a.is_leaf and a.tolist() == [1, 1, 1]
     assert not b.requires_grad and b.tolist() == [2, 2, 2]
     assert q.empty()
@@ -175,7 +175,7 @@ def scenario_child_changes_seen(method):
     try:
         start(ctx, procs, "_child_changes", q, t, u, m)
         seen = result(q, procs)
-        procs[0].join(60)
+        procs[0].join(scaled(60))
         assert procs[0].exitcode == 0
     finally:
         reap(procs)
@@ -203,8 +203,8 @@ def test_child_changes_seen_by_parent(method, leak_check, scenario_runner):
 # --- views and storage identity across a queue ---------------------------
 
 def _child_views(q_in):
-    a, b = q_in.get(timeout=60)
-    c = q_in.get(timeout=60)
+    a, b = q_in.get(timeout=scaled(60))
+    c = q_in.get(timeout=scaled(60))
     sa, sb, sc = a.untyped_storage(), b.untyped_storage(), c.untyped_storage()
     info = {
         "same_ab": sa.data_ptr() == sb.data_ptr() and sa._cdata == sb._cdata,
@@ -232,7 +232,7 @@ def scenario_views(method, kind="mpcore"):
             assert t.is_shared() and in_mpcore_memory(t)
         q_in.put(t)
         info, back = result(q_out, procs)
-        procs[0].join(60)
+        procs[0].join(scaled(60))
         assert procs[0].exitcode == 0
     finally:
         reap(procs)
@@ -281,9 +281,9 @@ def _sender_exits_first(method, q):
     p = ctx.Process(target=_child_send_and_exit, args=(q,))
     try:
         p.start()
-        p.join(90)
+        p.join(scaled(90))
         assert p.exitcode == 0
-        msg = q.get(timeout=60)
+        msg = q.get(timeout=scaled(60))
     finally:
         reap([p])
     assert msg["x"].tolist() == [[0, 1.5, 3], [4.5, 6, 7.5]]
@@ -358,7 +358,7 @@ def scenario_hogwild(method):
             start(ctx, procs, "_child_train", q, model, lock, STEPS)
         reports = [result(q, procs) for _ in range(nchildren)]
         for p in procs:
-            p.join(60)
+            p.join(scaled(60))
             assert p.exitcode == 0
     finally:
         reap(procs)
@@ -385,7 +385,7 @@ def test_hogwild_training_updates_parent(method, leak_check, scenario_runner):
 # --- Parameters, requires_grad, identity within one pickle ---------------
 
 def _child_params(q_in):
-    model, opt, frozen, leaf, plain = q_in.get(timeout=60)
+    model, opt, frozen, leaf, plain = q_in.get(timeout=scaled(60))
     w = model[0].weight
     info = {
         "w_type": type(w).__name__, "w_rg": w.requires_grad,
@@ -418,7 +418,7 @@ def scenario_params(method):
         start(ctx, procs, "_child_params", q_out, q_in)
         q_in.put((model, opt, frozen, leaf, plain))
         info = result(q_out, procs)
-        procs[0].join(60)
+        procs[0].join(scaled(60))
         assert procs[0].exitcode == 0
     finally:
         reap(procs)
@@ -469,7 +469,7 @@ def _describe(t):
 
 
 def _child_dtypes(q_in):
-    cases = q_in.get(timeout=60)
+    cases = q_in.get(timeout=scaled(60))
     seen = {k: _describe(t) for k, t in cases.items()}
     for t in cases.values():
         _mutate(t)
@@ -489,7 +489,7 @@ def scenario_dtypes(method):
         start(ctx, procs, "_child_dtypes", q_out, q_in)
         q_in.put(cases)
         seen = result(q_out, procs)
-        procs[0].join(60)
+        procs[0].join(scaled(60))
         assert procs[0].exitcode == 0
     finally:
         reap(procs)
@@ -511,7 +511,7 @@ def test_dtypes_and_layouts(method, leak_check, scenario_runner):
 # --- a tensor made in a child comes to the parent ------------------------
 
 def _child_makes(q_in):
-    a = q_in.get(timeout=60)            # a tensor of the parent's
+    a = q_in.get(timeout=scaled(60))            # a tensor of the parent's
     made = torch.full((4,), 2.5)        # a tensor of the child's
     return made, made[2:], a[1]
 
@@ -525,7 +525,7 @@ def scenario_child_makes(method):
         start(ctx, procs, "_child_makes", q_out, q_in)
         q_in.put(a)
         made, tail, row = result(q_out, procs)
-        procs[0].join(60)
+        procs[0].join(scaled(60))
         assert procs[0].exitcode == 0
     finally:
         reap(procs)
@@ -550,7 +550,7 @@ def _child_sends_and_waits(q, ack, back):
     child_setup()
     t = torch.arange(5, dtype=torch.float32)
     q.put(t)
-    if not ack.wait(60):
+    if not ack.wait(scaled(60)):
         raise AssertionError("no ack from the parent")
     back.put(t.tolist())
 
@@ -566,12 +566,12 @@ def scenario_fresh_parent(method):
     p = ctx.Process(target=_child_sends_and_waits, args=(q, ack, back))
     try:
         p.start()
-        t = q.get(timeout=90)
+        t = q.get(timeout=scaled(90))
         assert t.tolist() == [0, 1, 2, 3, 4]
         t[0] = 42
         ack.set()
-        assert back.get(timeout=90) == [42, 1, 2, 3, 4]
-        p.join(60)
+        assert back.get(timeout=scaled(90)) == [42, 1, 2, 3, 4]
+        p.join(scaled(60))
         assert p.exitcode == 0
     finally:
         ack.set()
