@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import mpcore
-from conftest import mpcore_ranges, reap, result, run_scenario
+from conftest import mpcore_ranges, reap, result, run_scenario, scaled
 
 MODULE = __name__
 METHODS = ["fork", "spawn"]
@@ -123,7 +123,7 @@ def test_queue_copies_large_arrays_once_and_small_ones_inline():
     assert not in_mpcore_memory(big)        # the sender's array stays as it was
     q.put(small)
     assert mpcore.stats()["shm_blocks_allocated"] == blocks + 1
-    rb, rs = q.get(timeout=10), q.get(timeout=10)
+    rb, rs = q.get(timeout=scaled(10)), q.get(timeout=scaled(10))
     assert np.array_equal(rb, big) and np.array_equal(rs, small)
     assert in_mpcore_memory(rb) and not in_mpcore_memory(rs)
     # The received copy is the receiver's: writing it leaves the sender's.
@@ -132,7 +132,7 @@ def test_queue_copies_large_arrays_once_and_small_ones_inline():
     # A shared array travels by handle: the same memory.
     s = mpcore.zeros((4, 1000), "int32")
     q.put(s)
-    r = q.get(timeout=10)
+    r = q.get(timeout=scaled(10))
     assert address(r) == address(s)
     r[2, 5] = 7
     assert s[2, 5] == 7
@@ -150,7 +150,7 @@ def test_queue_large_array_layouts(make):
     assert a.nbytes >= THRESHOLD
     q = mpcore.Queue()
     q.put(a)
-    r = q.get(timeout=10)
+    r = q.get(timeout=scaled(10))
     assert r.dtype == a.dtype and r.shape == a.shape and np.array_equal(r, a)
 
 
@@ -161,11 +161,11 @@ def test_queue_large_object_array_is_pickled():
     assert a.nbytes >= THRESHOLD
     q = mpcore.Queue()
     q.put(a)
-    r = q.get(timeout=10)
+    r = q.get(timeout=scaled(10))
     assert r.dtype == object and r.shape == a.shape and list(r) == list(a)
     small = np.array([1, "two", None], dtype=object)
     q.put(small)
-    assert list(q.get(timeout=10)) == [1, "two", None]
+    assert list(q.get(timeout=scaled(10))) == [1, "two", None]
 
 
 # --- across processes -----------------------------------------------------
@@ -173,7 +173,7 @@ def test_queue_large_object_array_is_pickled():
 def _child_writes(arg_shared, q_in, q_out):
     report = {"arg": arg_shared.tolist()}
     arg_shared += 1                         # through Process args
-    s, big, small = q_in.get(timeout=60)    # through a Queue
+    s, big, small = q_in.get(timeout=scaled(60))    # through a Queue
     report["shared_is_shared"] = mpcore.share_memory_(s) is s
     report["big_is_shared"] = mpcore.share_memory_(big) is big
     report["big_sum"] = float(big.sum())
@@ -199,7 +199,7 @@ def scenario_children_see_writes(method):
         p.start()
         q_in.put((s, big, small))
         report, mine, tail = result(q_out, [p])
-        p.join(60)
+        p.join(scaled(60))
         assert p.exitcode == 0
     finally:
         reap([p])
@@ -233,9 +233,9 @@ def scenario_sender_exits_first(method):
     p = ctx.Process(target=_child_sends_and_exits, args=(q,))
     try:
         p.start()
-        p.join(90)
+        p.join(scaled(90))
         assert p.exitcode == 0
-        msg = q.get(timeout=60)
+        msg = q.get(timeout=scaled(60))
     finally:
         reap([p])
     assert np.array_equal(msg["shared"], np.arange(1000.0))

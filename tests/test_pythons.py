@@ -17,13 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import program_result, require, run_in_session
+from conftest import program_result, require, run_in_session, scaled
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
 SMOKE = r'''
 import json
 import sys
+import os
+SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
 
 import numpy as np
 
@@ -38,7 +40,7 @@ def fill(a, value, q):
 
 def echo(qin, qout):
     while True:
-        item = qin.get(timeout=60)
+        item = qin.get(timeout=60 * SLOW)
         if item is None:
             break
         qout.put((item[0] * 2, item[1] + 1))
@@ -62,8 +64,8 @@ def main():
     for i in range(5):
         qin.put((i, big))
     qin.put(None)
-    got = [qout.get(timeout=60) for _ in range(5)]
-    p.join(60)
+    got = [qout.get(timeout=60 * SLOW) for _ in range(5)]
+    p.join(60 * SLOW)
     out["queue"] = [g[0] for g in got]
     out["queue_array_ok"] = all(np.array_equal(g[1], big + 1) for g in got)
     out["queue_exit"] = p.exitcode
@@ -75,8 +77,8 @@ def main():
             q = ctx.Queue()
             c = ctx.Process(target=fill, args=(a, 3.0, q))
             c.start()
-            reply = q.get(timeout=120)
-            c.join(60)
+            reply = q.get(timeout=120 * SLOW)
+            c.join(60 * SLOW)
             out[f"shared_{method}_{make.__name__}"] = [reply[1], float(a.sum()), c.exitcode]
     # A DataLoader with 2 workers yielding numpy batches.
     loader = DataLoader(Squares(), batch_size=4, num_workers=2)
@@ -97,7 +99,7 @@ def _interpreter(version):
     roots = []
     try:
         roots.append(subprocess.run(["pyenv", "root"], capture_output=True, text=True,
-                                    timeout=30).stdout.strip())
+                                    timeout=scaled(30)).stdout.strip())
     except (OSError, subprocess.SubprocessError):
         pass
     roots.append(os.path.expanduser("~/.pyenv"))
@@ -108,8 +110,9 @@ def _interpreter(version):
     return shutil.which(f"python{version}")
 
 
-def _run(cmd, **kw):
-    r = subprocess.run(cmd, capture_output=True, text=True, **kw)
+def _run(cmd, timeout, **kw):
+    """Runs cmd (bounded by `timeout`, a quiet machine's seconds: scaled)."""
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=scaled(timeout), **kw)
     assert r.returncode == 0, (f"{' '.join(cmd)} failed, rc {r.returncode}\n"
                                f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-5000:]}")
     return r

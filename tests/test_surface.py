@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from conftest import NO_TORCH_PRELUDE, run_in_session
+from conftest import NO_TORCH_PRELUDE, run_in_session, scaled
 
 import mpcore as mp
 
@@ -160,7 +160,7 @@ def test_pool_workers_are_mpcores(method):
         assert sorted(x for x, _ in pool.imap_unordered(_worker_kind, range(4))) == [0, 1, 4, 9]
         with pytest.raises(ValueError, match="negative -1"):
             pool.apply(_worker_kind, (-1,))
-        assert pool.apply_async(_worker_kind, (5,)).get(30)[0] == 25
+        assert pool.apply_async(_worker_kind, (5,)).get(scaled(30))[0] == 25
         workers = [p.pid for p in pool._pool]
     finally:
         pool.terminate()
@@ -256,7 +256,7 @@ def test_event_set_by_child():
     assert not e.is_set()
     p = mp.Process(target=_set, args=(e,))
     p.start()
-    assert e.wait(60)
+    assert e.wait(scaled(60))
     p.join()
     assert p.exitcode == 0
 
@@ -266,7 +266,7 @@ def _locks_in_child(lock, rlock, sem, out):
         with rlock:
             with rlock:            # re-entrant
                 pass
-    assert sem.acquire(timeout=60)
+    assert sem.acquire(timeout=scaled(60))
     out.put("locked")
 
 
@@ -293,13 +293,13 @@ def test_condition_notified_by_child():
     with cond:
         p = mp.Process(target=_notify, args=(cond, flag))
         p.start()
-        assert cond.wait_for(lambda: flag.value == 1, timeout=60)
+        assert cond.wait_for(lambda: flag.value == 1, timeout=scaled(60))
     p.join()
     assert p.exitcode == 0
 
 
 def _at_barrier(b, q):
-    q.put(b.wait(timeout=60))
+    q.put(b.wait(timeout=scaled(60)))
 
 
 def test_barrier():
@@ -307,8 +307,8 @@ def test_barrier():
     ps = [mp.Process(target=_at_barrier, args=(b, q)) for _ in range(2)]
     for p in ps:
         p.start()
-    mine = b.wait(timeout=60)
-    theirs = [q.get(timeout=60) for _ in ps]
+    mine = b.wait(timeout=scaled(60))
+    theirs = [q.get(timeout=scaled(60)) for _ in ps]
     for p in ps:
         p.join()
     assert sorted(theirs + [mine]) == [0, 1, 2]
@@ -341,7 +341,7 @@ def test_queues_with_child():
     jq.put("work")
     p = mp.Process(target=_queues_child, args=(q, sq, jq))
     p.start()
-    assert q.get(timeout=60)[0] == "queue"
+    assert q.get(timeout=scaled(60))[0] == "queue"
     assert sq.get() == "simple"
     jq.join()                       # returns once the child did task_done()
     p.join()
@@ -350,7 +350,7 @@ def test_queues_with_child():
 
 
 def _wait_then_exit(e):
-    e.wait(60)
+    e.wait(scaled(60))
 
 
 def test_current_process_and_active_children():
@@ -386,7 +386,7 @@ def test_fork_context_process():
     assert isinstance(q, mp.Queue)
     p = ctx.Process(target=_report_method, args=(q,))
     p.start()
-    assert q.get(timeout=60) == "fork"
+    assert q.get(timeout=scaled(60)) == "fork"
     p.join()
     assert p.exitcode == 0
 
@@ -395,6 +395,7 @@ def test_fork_context_process():
 
 CONTEXTS = '''
 import os, sys
+SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
 import mpcore
 
 def child(q, method):
@@ -409,7 +410,7 @@ if __name__ == "__main__":
         q = ctx.Queue()
         p = ctx.Process(target=child, args=(q, method))
         p.start()
-        got = q.get(timeout=60)
+        got = q.get(timeout=60 * SLOW)
         p.join()
         out[method] = got + (p.exitcode, type(q).__module__, ctx.get_start_method())
     print("REPORT", repr((os.getpid(), out)))
@@ -432,6 +433,8 @@ def test_set_start_method_is_followed(tmp_path):
     r = run_fresh('''
         import sys
         import mpcore as mp
+        import os
+        SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
 
         def child(q):
             q.put(sys.modules["__main__"].__name__)
@@ -441,7 +444,7 @@ def test_set_start_method_is_followed(tmp_path):
             q = mp.Queue()
             p = mp.Process(target=child, args=(q,))
             p.start()
-            name = q.get(timeout=60)
+            name = q.get(timeout=60 * SLOW)
             p.join()
             print("REPORT", repr((mp.get_start_method(), name, p.exitcode)))
     ''', tmp_path)
@@ -516,6 +519,8 @@ NO_TORCH = NO_TORCH_PRELUDE + '''
 
 try:
     import torch
+    import os
+    SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
 except ImportError:
     pass
 else:
@@ -533,7 +538,7 @@ if __name__ == "__main__":
     a[:] = 1.5
     p = mpcore.Process(target=child, args=(q, a))
     p.start()
-    got = q.get(timeout=60)
+    got = q.get(timeout=60 * SLOW)
     p.join()
     sq = mpcore.SimpleQueue()
     sq.put({"k": [1, 2]})
