@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from conftest import fresh_env, require
+from conftest import fresh_env, require, scaled
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -39,6 +39,7 @@ def _have_gloo():
 
 WORKER = r'''
 import ast, contextlib, datetime, json, os, sys, threading, time, traceback, warnings, zlib
+SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
@@ -50,7 +51,7 @@ torch.set_num_threads(1)
 if os.environ.get("FAKE_HOSTS"):        # every rank on a machine of its own, as far as mpcore sees
     from mpcore import _dist
     _dist._host_id = lambda: f"host-{RANK}"
-md.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+md.init_process_group("gloo", timeout=datetime.timedelta(seconds=60 * SLOW))
 R = dist.ReduceOp
 
 DT = ["float32", "float64", "float16", "bfloat16", "complex64", "complex128", "int8", "int16",
@@ -787,7 +788,7 @@ def job_work(stage):
         return {"wait": ok, "done": w.is_completed(), "exc": w.exception() is None,
                 "sum": t.tolist(), "fut": [x.tolist() for x in val],
                 "later_done": later.is_completed(), "b": b.tolist(),
-                "unwaited_ran": ran.wait(30) and idle.is_completed(),
+                "unwaited_ran": ran.wait(30 * SLOW) and idle.is_completed(),
                 "isinstance": isinstance(w, dist.Work)}
     if stage == "early":     # only rank 0 runs this first: its wait(timeout) times out
         t = torch.ones(3)
@@ -1024,11 +1025,12 @@ class Pool:
 
     def line(self, r, timeout):
         f = self.procs[r].stdout
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + scaled(timeout)
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([f], [], [], left)[0]:
-                raise AssertionError(f"rank {r} gave no answer in {timeout} s\n{self.stderr(r)}")
+                raise AssertionError(f"rank {r} gave no answer in {scaled(timeout):g} s\n"
+                                     f"{self.stderr(r)}")
             line = f.readline()
             if not line:
                 raise AssertionError(f"rank {r} exited (rc {self.procs[r].poll()})\n"
@@ -1066,7 +1068,7 @@ class Pool:
         rcs = []
         for p in self.procs:
             try:
-                rcs.append(p.wait(30))
+                rcs.append(p.wait(scaled(30)))
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 rcs.append(p.wait())
@@ -1273,7 +1275,7 @@ def test_destroy_frees_the_region(pool):
 def test_timeout_names_the_missing_ranks(pool):
     res = pool.run("timeout")[0]
     msg, took = res
-    assert msg.startswith("TimeoutError") and took < 0.5 + 1.0, res
+    assert msg.startswith("TimeoutError") and took < 0.5 + scaled(1.0), res
     assert all(str(q) in msg for q in range(1, pool.world)), res
 
 
@@ -1286,7 +1288,7 @@ def test_the_group_is_its_own_backend(pool2):
         assert r["pg_timeout_warnings"] == [], r
     for name in ("barrier", "all_reduce", "async"):
         assert res[0][name].startswith("TimeoutError") and "1" in res[0][name], res[0]
-        assert res[0][name + "_s"] < 10, res[0]   # the default is 60 s
+        assert res[0][name + "_s"] < scaled(10), res[0]   # the default is 60 s
 
 
 def test_monitored_barrier(pool):
@@ -1360,7 +1362,7 @@ def test_ranks_on_several_machines_get_gloo_inside(pool_hosts):
     assert [r["backend_is_group"] for r in res] == [True, True], res
     assert [r["pg_timeout_warnings"] for r in res] == [[], []], res
     for name in ("barrier", "all_reduce", "async"):
-        assert res[0][name] != "no error" and res[0][name + "_s"] < 10, res[0]
+        assert res[0][name] != "no error" and res[0][name + "_s"] < scaled(10), res[0]
 
 
 def test_work_surface(pool2):
@@ -1406,7 +1408,7 @@ def test_dead_rank_on_a_subgroup(tmp_path):
         assert sorted(out["errors"]) == sorted(keys), out
         for k in keys:   # rank 1 of the subgroup: named by its global rank, 2, there too
             assert f"rank 2 (pid {pid}) exited" in out["errors"][k], (r, k, out)
-            assert out["at"][k] - killed < 1.0, (r, k, out["at"][k] - killed)
+            assert out["at"][k] - killed < scaled(1.0), (r, k, out["at"][k] - killed)
     assert rcs[:2] == [0, 0] and rcs[2] == -signal.SIGKILL
     for p in pool.procs:
         assert p.poll() is not None

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from conftest import program_result, run_program, wait_keeper_gone
+from conftest import program_result, run_program, scaled, wait_keeper_gone
 
 import torch_kinds as K
 
@@ -116,7 +116,7 @@ def test_parameter_keeps_the_fast_path():
     before = mpcore.stats().get("storages_shared", 0)
     q = mpcore.Queue()
     q.put(p)
-    r = q.get(timeout=30)
+    r = q.get(timeout=scaled(30))
     assert mpcore.stats().get("storages_shared", 0) == before + 1
     assert type(r) is torch.nn.Parameter and r.requires_grad
     assert r.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
@@ -134,6 +134,6 @@ def test_torch_drops_the_conjugate_bit_and_so_do_we():
         c = K.make("conj")
     q = mpcore.Queue()
     q.put(c)
-    r = q.get(timeout=30)
+    r = q.get(timeout=scaled(30))
     assert not r.is_conj()
     assert torch.equal(r, c.conj())

@@ -8,6 +8,7 @@ Process ("mpcore": mpcore's; "torch": torch.multiprocessing's, whatever
 serves it) and returns, for each kind, what the child received.
 """
 import json
+import os
 import sys
 import warnings
 
@@ -83,6 +84,11 @@ def describe(t):
     return d
 
 
+# The tests' time scale (tests/conftest.py: NOTE [ Waits scale with how slow
+# the machine is ]), read here without conftest: programs import this module.
+SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))
+
+
 def _child_setup():
     # A forked child of a process whose OpenMP pool has run can hang in its
     # first parallel torch op (torch's limitation, not mpcore's).
@@ -91,7 +97,7 @@ def _child_setup():
 
 def _via_queue(q_in, q_out, n):
     _child_setup()
-    q_out.put([describe(q_in.get(timeout=60)) for _ in range(n)])
+    q_out.put([describe(q_in.get(timeout=60 * SLOW)) for _ in range(n)])
 
 
 def _via_args(q_out, *tensors):
@@ -112,7 +118,7 @@ def _result(q, proc, timeout=300):
     """The child's report; fails at once if it died without one."""
     import queue
     import time
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + timeout * SLOW
     while True:
         try:
             return q.get(timeout=0.5)
@@ -141,7 +147,7 @@ def scenario(method, lib):
     finally:
         for p in procs:
             if p.pid is not None:
-                p.join(60)
+                p.join(60 * SLOW)
                 if p.is_alive():
                     p.kill()
                     p.join()
