@@ -1329,8 +1329,16 @@ def run_uncompiled(*objs):
 
 
 def _mark_uncompiled(eval_frame, objs):
-    from torch._dynamo.types import FrameAction, FrameExecStrategy
-    plain = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+    from . import _torchapi
+    set_strategy = _torchapi.find("torch._dynamo.eval_frame.set_code_exec_strategy")
+    if set_strategy is not None:
+        plain = _torchapi.get("torch._dynamo.types.FrameExecStrategy")(
+            *(_torchapi.get("torch._dynamo.types.FrameAction").SKIP,) * 2)
+        mark = lambda code: set_strategy(code, plain)  # noqa: E731
+    else:
+        mark = _torchapi.find("torch._dynamo.eval_frame.skip_code")   # torch before 2.7's way
+        if mark is None:
+            return
     for obj in objs:
         for f in vars(obj).values() if isinstance(obj, type) else (obj,):
             if isinstance(f, (staticmethod, classmethod)):
@@ -1339,7 +1347,7 @@ def _mark_uncompiled(eval_frame, objs):
             for g in fs:
                 code = getattr(g, "__code__", None)
                 if code is not None:
-                    eval_frame.set_code_exec_strategy(code, plain)
+                    mark(code)
 
 
 def _set_pg_timeout(timeout, group=None):

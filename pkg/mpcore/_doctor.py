@@ -36,7 +36,9 @@ USAGE = """usage: mpcore doctor [--json] [--workers N]
 
 Reports what a multi-process job needs from this machine: the memory cgroup,
 /dev/shm, RLIMIT_NOFILE, start methods and the zygote, torch/numpy and the ABI
-mpcore was built for, NCCL, GPUs, and the torch entry points `mpcore run` serves.
+mpcore was built for, NCCL, GPUs, the torch entry points `mpcore run` serves,
+and whether torch is inside mpcore's window and which parts mpcore serves on
+it (--json: the whole table of torch changes).
 Each problem found gets one line that says what to do about it.
 
   --json       print one JSON object with the same facts (and "problems")
@@ -462,6 +464,56 @@ def _torch_module(name):
 # hooks patch is what is listed, so the two cannot drift apart.
 
 
+# --- the torch window and what is served on it -----------------------------------
+
+# NOTE [ What doctor says of the torch ]
+# Every feature of mpcore's table of torch changes (_torchapi.py) is checked
+# on the installed torch, every row of the table too (importing the modules
+# they live in, which a program that needs them imports anyway), and doctor
+# lists which features are served and, for each one that is not, what torch
+# lacks and what stays torch's.  A feature not served is no problem: mpcore
+# falls back to torch's own way by design.  A torch outside the window is
+# one: mpcore then serves nothing of it.  --json carries the whole table.
+
+def torch_api():
+    from . import _torchapi
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # the fallback warning: reported below instead
+        _torchapi.check_all()
+    return _torchapi.report()
+
+
+def torch_api_problems(t):
+    if t["torch"] is None or t["in_window"] or t["window_lifted"]:
+        return []
+    return [f"torch {t['torch']} is outside mpcore's window (torch {t['window'][0]} to "
+            f"{t['window'][1]}): mpcore serves nothing of it; install a torch in the window "
+            f"(`pip install 'torch>={t['window'][0]},<={t['window'][1]}'`)"]
+
+
+def _text_torch_api(t):
+    lo, hi = t["window"]
+    if t["torch"] is None:
+        yield f"torch is not installed (mpcore's window: torch {lo} to {hi})"
+        return
+    where = "inside" if t["in_window"] else "OUTSIDE"
+    yield (f"torch {t['torch']}: {where} mpcore's window (torch {lo} to {hi})"
+           + ("; MPCORE_TORCH_ANY=1 lifts it" if t["window_lifted"] else ""))
+    served = [f["feature"] for f in t["features"] if f["served"]]
+    if served:
+        yield f"served: {', '.join(served)}"
+    for f in t["features"]:
+        if not f["served"]:
+            yield f"not served: {f['feature']} ({f['why']}): {f['otherwise']}"
+    changed = sum(r["status"] in ("replaced", "added") for r in t["table"])
+    yield (f"{len(t['table'])} rows in mpcore's table of torch changes, {changed} replaced or "
+           f"added here (`mpcore doctor --json` lists them)")
+
+
 # --- NCCL and GPUs --------------------------------------------------------------
 
 def _nccl_version_string(code):
@@ -557,7 +609,8 @@ def collect(workers):
     for name, check in (("zygote", zygote), ("start_methods", start_methods),
                         ("memory", memory), ("dev_shm", dev_shm),
                         ("nofile", lambda: nofile(workers)), ("versions", versions),
-                        ("entry_points", entry_points), ("nccl", nccl), ("gpus", gpus)):
+                        ("entry_points", entry_points), ("torch_api", torch_api),
+                        ("nccl", nccl), ("gpus", gpus)):
         try:
             report[name] = check()
         except Exception as e:
@@ -566,7 +619,8 @@ def collect(workers):
     ok = lambda *names: not any(n in unchecked for n in names)  # noqa: E731
     problems = []
     for name, find in (("memory", memory_problems), ("nofile", nofile_problems),
-                       ("zygote", zygote_problems), ("versions", version_problems)):
+                       ("zygote", zygote_problems), ("versions", version_problems),
+                       ("torch_api", torch_api_problems)):
         if ok(name):
             problems += find(report[name])
     if ok("gpus", "nccl", "dev_shm", "versions"):
@@ -690,7 +744,8 @@ _TEXT = (("memory", "memory cgroup", _text_memory), ("dev_shm", "/dev/shm", _tex
          ("start_methods", "start methods", _text_start_methods),
          ("zygote", "zygote", _text_zygote), ("versions", "versions", _text_versions),
          ("nccl", "NCCL", _text_nccl), ("gpus", "GPUs", _text_gpus),
-         ("entry_points", "torch entry points served under `mpcore run`", _text_entry_points))
+         ("entry_points", "torch entry points served under `mpcore run`", _text_entry_points),
+         ("torch_api", "the torch window and what mpcore serves on it", _text_torch_api))
 
 
 def render(r):

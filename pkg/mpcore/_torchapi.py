@@ -78,8 +78,11 @@ FEATURES = {
         "torch's Python layers", "those calls take torch's layers to mpcore's backend"),
     "functional collective fast paths": (
         "funcol's all_reduce, all_gather_single and reduce_scatter_single on mpcore groups "
-        "skip the dispatcher's Python layers",
+        "skip the dispatcher's Python layers, and wait_tensor of their complete results",
         "functional collectives take torch's dispatcher to mpcore's backend"),
+    "profiler events": (
+        "collectives on mpcore groups leave events in torch's profiler, named as gloo's",
+        "collectives on mpcore groups leave no events of their own in torch's profiler"),
     "torchrun launch": (
         "`mpcore run --nproc-per-node`: torchrun's launcher with ranks forked from the zygote",
         "`mpcore run --nproc-per-node` cannot launch"),
@@ -96,7 +99,7 @@ TM_NAMES = ("Process", "Queue", "SimpleQueue", "JoinableQueue", "Pool", "get_con
              "spawn", "start_processes", "ProcessContext", "ProcessException",
              "ProcessRaisedException", "ProcessExitedException")
 _FASTPATH = ("send", "recv", "broadcast", "gather", "scatter", "all_to_all_single")
-_FUNCOL = ("all_reduce", "all_gather_single", "reduce_scatter_single")
+_FUNCOL = ("all_reduce", "all_gather_single", "reduce_scatter_single", "wait_tensor")
 _C10D = "torch.distributed.distributed_c10d"
 _FC = "torch.distributed._functional_collectives"
 
@@ -175,16 +178,24 @@ def _rows():
         (f"{_C10D}.monitored_barrier", "replace", "callable", "distributed backend", False),
         ("torch.distributed.monitored_barrier", "replace", "callable", "distributed backend",
          False),
-        ("torch._dynamo.types.FrameExecStrategy", "read", "callable", "distributed backend",
-         True),
+        # NOTE [ The backend runs uncompiled ] in _backend.py: set_code_exec_strategy
+        # where torch has it (2.7 on), else skip_code
         ("torch._dynamo.eval_frame.set_code_exec_strategy", "read", "callable",
          "distributed backend", True),
+        ("torch._dynamo.types.FrameExecStrategy", "read", "callable", "distributed backend",
+         True),
+        ("torch._dynamo.types.FrameAction", "read", "attrs:SKIP", "distributed backend", True),
+        ("torch._dynamo.eval_frame.skip_code", "read", "callable", "distributed backend", True),
         # DDP (parallel.py)
         ("torch.nn.parallel.DistributedDataParallel", "replace", "class", "DDP", False),
         ("torch.nn.parallel.distributed.DistributedDataParallel", "replace", "class", "DDP",
          False),
         # collective fast paths (_fastpath.py)
         ("torch._C._has_torch_function", "read", "callable", "collective fast paths", False),
+        ("torch._C._autograd._profiler_enabled", "read", "callable", "collective fast paths",
+         False),
+        ("torch._C._dispatch_tls_is_dispatch_key_included", "read", "callable",
+         "collective fast paths", False),
         (f"{_C10D}._resolve_process_group", "read", "callable", "collective fast paths", False),
     )
     for n in _FASTPATH:
@@ -197,7 +208,14 @@ def _rows():
         (f"{_FC}._are_we_tracing", "read", "callable", "functional collective fast paths",
          False),
         (f"{_FC}.DeviceMesh", "read", "attrs:_dim_group_names", "functional collective fast paths",
-         True),
+         False),
+        (f"{_FC}.AsyncCollectiveTensor", "read", "attrs:elem,completed,trigger_wait",
+         "functional collective fast paths", False),
+        # profiler events (_backend.py, NOTE [ Collectives in the profiler ])
+        ("torch._C._autograd._record_function_with_args_enter", "read", "callable",
+         "profiler events", False),
+        ("torch.ops.profiler._call_end_callbacks_on_jit_fut", "read", "exists",
+         "profiler events", False),
         # torchrun launch (_torchrun.py)
         ("torch.distributed.run.get_args_parser", "read", "callable", "torchrun launch", False),
         ("torch.distributed.run.config_from_args", "read", "callable", "torchrun launch", False),
@@ -304,6 +322,8 @@ def _resolve(target):
     name = parts[0]
     try:
         obj = sys.modules.get(name) or __import__(name)
+    except ModuleNotFoundError:
+        raise Missing(f"{name} is not installed") from None
     except Exception as e:
         raise Missing(f"{name} cannot be imported ({type(e).__name__}: {e})") from None
     for part in parts[1:]:
@@ -422,14 +442,22 @@ def fall_back(feature, why):
         if row.feature == feature and row.kind != "read" and row.status in ("unchecked",
                                                                             "checked"):
             row.status, row.why = "kept torch's", f"{feature} is not served"
-    _warn(f"mpcore: torch {torch_version()} {why}; {FEATURES[feature][1]} (`mpcore doctor` "
-          f"tells what mpcore serves on this torch)")
+    _warn(f"mpcore: {because(why)}; {FEATURES[feature][1]} (`mpcore doctor` tells what "
+          f"mpcore serves on this torch)")
+
+
+def because(why):
+    """A row's why as a clause: "torch 2.8.0 lacks X", "torchdata is not
+    installed"."""
+    if why is None or not why.startswith(("lacks", "is outside")):
+        return why
+    return f"torch {torch_version()} {why}"
 
 
 def report_feature(feature):
     """Why a feature is not served ("torch 2.8.0 lacks X"), or None."""
     served, why = _served.get(feature, (True, None))
-    return None if served else f"torch {torch_version()} {why}"
+    return None if served else because(why)
 
 
 def get(target, feature=None):
@@ -539,8 +567,8 @@ def report():
     feats = []
     for name, (what, otherwise) in FEATURES.items():
         served, why = _served.get(name, (None, None))
-        feats.append({"feature": name, "serves": what, "served": served, "why": why,
-                      "otherwise": otherwise})
+        feats.append({"feature": name, "serves": what, "served": served,
+                      "why": because(why), "otherwise": otherwise})
     return {"torch": v, "window": list(WINDOW), "in_window": None if v is None else in_window(v),
             "window_lifted": os.environ.get(_ANY_ENV) == "1",
             "features": feats, "table": [r.as_dict() for r in TABLE.values()]}
