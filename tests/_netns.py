@@ -22,6 +22,8 @@ import subprocess
 import tempfile
 import time
 
+from conftest import scaled
+
 BASE_ADDR = "10.77.0"
 
 
@@ -43,7 +45,7 @@ def missing():
 
 
 def _ip(*args, check=True):
-    r = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
+    r = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=scaled(20))
     if check and r.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)} failed: {r.stderr.strip()}")
     return r
@@ -114,7 +116,7 @@ class Nodes:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + scaled(10)
         while self.pids() and time.monotonic() < deadline:
             time.sleep(0.05)  # the kernel's reaping of what was killed: nothing to wait on
         for ns in list(self._made):

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from conftest import require
+from conftest import require, scaled
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -22,6 +22,7 @@ def test_children_forked_while_threads_hold_core_locks_do_not_hang(scenario):
     # the child (NOTE [ Reset after fork ] in core.c).
     r = scenario.run(r"""
         import os, sys, threading, time
+        SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
         import mpcore
         from mpcore import _core
 
@@ -48,7 +49,7 @@ def test_children_forked_while_threads_hold_core_locks_do_not_hang(scenario):
         for t in threads:
             t.start()
         for e in ready:
-            e.wait(60)
+            e.wait(60 * SLOW)
         hung = []
         for i in range(60):
             pid = os.fork()
@@ -60,7 +61,7 @@ def test_children_forked_while_threads_hold_core_locks_do_not_hang(scenario):
                 b = _core.alloc((1 << 20) + 4096 * i)
                 del b
                 os._exit(0)
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 30 * SLOW
             while True:
                 done, status = os.waitpid(pid, os.WNOHANG)
                 if done:
@@ -68,7 +69,7 @@ def test_children_forked_while_threads_hold_core_locks_do_not_hang(scenario):
                         hung.append((i, "exit status %d" % status))
                     break
                 if time.monotonic() > deadline:
-                    hung.append((i, "still running after 30 s"))
+                    hung.append((i, "still running after %g s" % (30 * SLOW)))
                     os.kill(pid, 9)
                     os.waitpid(pid, 0)
                     break
@@ -155,7 +156,7 @@ def test_missing_proc_meminfo_is_an_os_error_not_a_bad_handle():
             "    print('NO ERROR')\n")
     r = subprocess.run(["unshare", "--mount", "sh", "-c",
                         'mount -t tmpfs none /proc && exec "$0" -c "$1"', sys.executable, code],
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=scaled(60))
     require("mount:" not in r.stderr and "unshare:" not in r.stderr,
             f"a private mount namespace (unshare said: {r.stderr.strip()})")
     assert "OSERROR True True" in r.stdout, r.stdout + r.stderr
@@ -212,7 +213,7 @@ def test_a_new_segment_whose_books_cannot_be_allocated_is_retired(scenario, tmp_
     so = tmp_path / "failcalloc.so"
     src.write_text(_FAIL_CALLOC)
     subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(so), str(src), "-ldl"],
-                   check=True, timeout=60)
+                   check=True, timeout=scaled(60))
     env = dict(scenario.env(), LD_PRELOAD=str(so))
     r = run_program(r"""
         import ctypes, os

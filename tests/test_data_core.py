@@ -10,7 +10,7 @@ import pytest
 from mpcore import Queue, _core, _queue
 from mpcore.data import _collate, _worker
 
-from conftest import NO_TORCH_PRELUDE, run_in_session
+from conftest import NO_TORCH_PRELUDE, run_in_session, scaled
 
 HEADER = _worker.HEADER
 
@@ -63,7 +63,7 @@ def test_results_are_handed_out_in_task_order():
         send(ring, task, task % 3, body=bytes([task]))
     out = []
     for _ in range(6):
-        worker, kind, task, refs, payload = pool.next(1.0)
+        worker, kind, task, refs, payload = pool.next(scaled(1.0))
         pool.delivered(worker)
         out.append((worker, task, payload))
     assert out == [(t % 3, t, bytes([t])) for t in range(6)]
@@ -77,7 +77,7 @@ def test_out_of_order_hands_results_out_as_they_come():
         pool.dispatch()
     for task in (3, 0, 2, 1):
         send(ring, task, task % 2)
-    assert [pool.next(1.0)[2] for _ in range(4)] == [3, 0, 2, 1]
+    assert [pool.next(scaled(1.0))[2] for _ in range(4)] == [3, 0, 2, 1]
     assert pool.next(0) is None
 
 
@@ -92,13 +92,13 @@ def test_an_ended_worker_gets_no_more_tasks_and_its_tasks_are_skipped():
     for _ in range(4):
         pool.dispatch()  # tasks 0, 2 -> worker 0; 1, 3 -> worker 1
     send(ring, 0, 0, kind=_worker.END)
-    worker, kind, task, refs, payload = pool.next(1.0)
+    worker, kind, task, refs, payload = pool.next(scaled(1.0))
     assert (worker, kind, task) == (0, _worker.END, 0)
     assert not pool.active(0)
     assert pool.dispatch() == (1, 4)
     for task in (1, 3, 4):
         send(ring, task, 1)
-    assert [pool.next(1.0)[2] for _ in range(3)] == [1, 3, 4]  # 2 is never coming
+    assert [pool.next(scaled(1.0))[2] for _ in range(3)] == [1, 3, 4]  # 2 is never coming
     assert pool.next(0) is None
 
 
@@ -115,7 +115,7 @@ def test_a_result_for_no_task_is_an_error():
     pool.dispatch()
     send(ring, 7, 0)
     with pytest.raises(ValueError, match="task 7"):
-        pool.next(1.0)
+        pool.next(scaled(1.0))
 
 
 def test_reset_drops_kept_results_and_their_blocks():
@@ -375,11 +375,11 @@ def test_a_watched_worker_that_dies_wakes_the_wait_at_once(grandchild):
 
         t = threading.Thread(target=kill)
         t.start()
-        worker, kind, task, refs, payload = pool.next(10.0)
+        worker, kind, task, refs, payload = pool.next(scaled(10.0))
         woke = time.monotonic()
         t.join()
         assert (worker, kind, refs, payload) == (1, _worker.DIED, None, None)
-        assert woke - killed[0] < 1.0
+        assert woke - killed[0] < scaled(1.0)
         with pytest.raises(OSError, match="already being watched"):
             pool.watch(1, pid)
         pool.unwatch()

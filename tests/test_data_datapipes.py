@@ -21,7 +21,7 @@ from torch.utils.data.datapipes.iter import IterableWrapper
 from torch.utils.data.datapipes.map import SequenceWrapper
 
 import mpcore.data as md
-from conftest import NO_TORCH_PRELUDE, run_in_session
+from conftest import NO_TORCH_PRELUDE, run_in_session, scaled
 
 pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create")]
 
@@ -239,7 +239,7 @@ print(sorted(m[12:] for m in sys.modules if m.startswith("mpcore.data.")))
 @pytest.mark.parametrize("name", [m for m in MODULES if m != "__init__"])
 def test_each_module_imports_alone(name):
     r = subprocess.run([sys.executable, "-c", ALONE.format(path=DATA_DIR, name=name)],
-                       capture_output=True, text=True, timeout=100)
+                       capture_output=True, text=True, timeout=scaled(100))
     assert r.returncode == 0, r.stderr
     loaded = set(ast.literal_eval(r.stdout.strip().splitlines()[-1]))
     assert name in loaded and loaded - {name} <= _closure(name), loaded
@@ -293,7 +293,7 @@ def test_ranks_share_the_seed_and_split_the_data(tmp_path):
     outs = []
     try:
         for p in procs:
-            out, err = p.communicate(timeout=150)
+            out, err = p.communicate(timeout=scaled(150))
             assert p.returncode == 0, err[-3000:]
             outs.append(json.loads([l for l in out.splitlines()
                                     if l.startswith("RESULT ")][0][len("RESULT "):]))

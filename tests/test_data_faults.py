@@ -30,7 +30,7 @@ import time
 
 import pytest
 
-from conftest import (TESTS_ON_PATH, fresh_env, make_memcg, memory_amounts,
+from conftest import (TESTS_ON_PATH, fresh_env, make_memcg, memory_amounts, scaled,
                       program_result as result, remove_memcg)
 
 
@@ -52,9 +52,10 @@ def run(scenario, *args, timeout=60):
     path = _script(scenario, PROGRAM)
     try:
         return subprocess.run([sys.executable, path, *map(str, args)], capture_output=True,
-                              text=True, timeout=timeout, env=_env(scenario))
+                              text=True, timeout=scaled(timeout), env=_env(scenario))
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"the program did not finish within {timeout}s (a hang); still running: "
+        pytest.fail(f"the program did not finish within {scaled(timeout):g}s (a hang); still "
+                    f"running: "
                     f"{scenario.describe(scenario.live())}\nstdout:\n{e.stdout}\n"
                     f"stderr:\n{e.stderr}")
 
@@ -498,7 +499,7 @@ def test_worker_hang_times_out_and_del_ends_workers(leak_check, scenario, tmp_pa
     assert res["err"] == "DataLoader timed out after 1 seconds", res["err"]
     # timeout=1 bounds the wait for a batch: it is raised about a second
     # after the worker stopped producing, not much later.
-    assert res["t_raise"] - fault["t"] < 3.0, res
+    assert res["t_raise"] - fault["t"] < scaled(3.0), res
     # Torch's rule: a timeout leaves the iterator as it is; deleting it
     # ends the workers, the hung one included.
     no_workers_left(res, "kids_after_del", res["pids"])
@@ -512,19 +513,20 @@ def test_worker_hang_times_out_and_del_ends_workers(leak_check, scenario, tmp_pa
 
 def _read_lines(fd, n, timeout):
     """n lines from a non-blocking fd, waiting on select within timeout."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     buf = b""
     while buf.count(b"\n") < n:
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([fd], [], [], left)[0]:
-            pytest.fail(f"only {len(buf.split())} of {n} workers blocked within {timeout}s")
+            pytest.fail(f"only {len(buf.split())} of {n} workers blocked within "
+                        f"{scaled(timeout):g}s")
         buf += os.read(fd, 4096)
     return [int(x) for x in buf.split()]
 
 
 def _wait_exited(pids, timeout):
     """Waits on pidfds for every pid to exit; returns those still running."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     left = []
     for pid in pids:
         try:
@@ -559,9 +561,10 @@ def test_main_killed_mid_epoch_workers_exit(leak_check, scenario, tmp_path, meth
         blocked = _read_lines(rfd, len(workers), 30)
         assert sorted(blocked) == sorted(workers), (blocked, workers)
         os.kill(p.pid, signal.SIGKILL)
-        assert p.wait(30) == -signal.SIGKILL
+        assert p.wait(scaled(30)) == -signal.SIGKILL
         left = _wait_exited(workers, 5.0)
-        assert not left, (f"workers still running 5s after the main process was killed: "
+        assert not left, (f"workers still running {scaled(5.0):g}s after the main process was "
+                          f"killed: "
                           f"{scenario.describe(left)}")
     finally:
         os.close(rfd)
@@ -620,7 +623,7 @@ def test_shared_memory_shortage_in_worker_is_a_memory_error(leak_check, scenario
         assert ready[:1] == ["READY"], (ready, p.stderr.read() if p.poll() is not None else "")
         with open(os.path.join(cg, "cgroup.procs"), "w") as f:
             f.write(str(p.pid))
-        out, err = p.communicate("GO\n", timeout=45)
+        out, err = p.communicate("GO\n", timeout=scaled(45))
     finally:
         if p is not None and p.poll() is None:
             p.kill()

@@ -23,7 +23,7 @@ import torch.utils.data as tud
 
 import mpcore._core as _core
 import mpcore.data as md
-from conftest import mpcore_memfds
+from conftest import mpcore_memfds, scaled
 
 TorchDL = tud.DataLoader
 MpDL = md.DataLoader
@@ -843,7 +843,7 @@ def test_in_order_false_gives_the_same_batches():
 
 @pytest.mark.timeout(60)
 def test_timeout_not_reached():
-    check_same(SeqDataset(9), batch_size=2, num_workers=2, timeout=10)
+    check_same(SeqDataset(9), batch_size=2, num_workers=2, timeout=scaled(10))
 
 
 @pytest.mark.timeout(60)

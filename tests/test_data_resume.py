@@ -23,7 +23,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import NO_TORCH_PRELUDE, Scenario, fresh_env, require, run_program
+from conftest import NO_TORCH_PRELUDE, Scenario, fresh_env, require, run_program, scaled
 import _resume_data as rd
 
 pytestmark = pytest.mark.timeout(240)
@@ -67,7 +67,7 @@ def resumed(tmp_path_factory):
         env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__),
                                              env.get("PYTHONPATH", "")])
         r = subprocess.run([sys.executable, rd.__file__, str(d / "jobs.json"), str(d / "out.json")],
-                           capture_output=True, text=True, timeout=180, env=env)
+                           capture_output=True, text=True, timeout=scaled(180), env=env)
         assert r.returncode == 0, r.stderr[-3000:]
         sc.check_clean()
     finally:

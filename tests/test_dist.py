@@ -24,7 +24,7 @@ import textwrap
 
 import pytest
 
-from conftest import article, fresh_env, require, run_in_session
+from conftest import article, fresh_env, require, run_in_session, scaled
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("leak_check")]
 
@@ -355,7 +355,7 @@ def test_every_op_and_dtype_against_numpy(world, tmp_path, scenario):
     env = child_env(**scenario.env())
     try:
         r = subprocess.run([sys.executable, path, str(world), str(outdir)], capture_output=True,
-                           text=True, timeout=130, env=env)
+                           text=True, timeout=scaled(130), env=env)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"the program did not finish; still running: "
                     f"{scenario.describe(scenario.live())}\n{e.stdout}\n{e.stderr}")
@@ -614,7 +614,7 @@ def run_async(world, tmp_path, scenario):
     outdir = tmp_path / "out"
     outdir.mkdir()
     r = subprocess.run([sys.executable, path, str(world), str(outdir)], capture_output=True,
-                       text=True, timeout=100, env=child_env(**scenario.env()))
+                       text=True, timeout=scaled(100), env=child_env(**scenario.env()))
     reps = {}
     for rank in range(world):
         f = outdir / f"rank{rank}.json"
@@ -703,6 +703,7 @@ def test_async_input_not_kept_by_caller(world, case, async_reports, tmp_path, sc
 
 DDP_PROGRAM = r'''
 import copy, gc, os, socket, sys, threading, traceback, weakref
+SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
 import torch
 from torch import nn
 
@@ -785,7 +786,7 @@ def worker(rank, mode, W, out):
                 hooks.group.drain()
             gc.collect()
             for _ in range(nbufs):
-                if not freed.acquire(timeout=10):
+                if not freed.acquire(timeout=10 * SLOW):
                     break
             res["configs"][name] = {
                 "params": params,

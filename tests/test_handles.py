@@ -31,12 +31,13 @@ from conftest import Scenario
 
 PROGRAM = r'''
 import gc, json, os, pickle, random, select, signal, sys, time, traceback
+SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
 import numpy as np
 import torch
 # Children are forked after torch has computed: torch's own thread pool
 # does not survive fork, so keep torch single-threaded.
 torch.set_num_threads(1)
-CHILD_TIMEOUT = 60
+CHILD_TIMEOUT = 60 * SLOW
 import mpcore
 from mpcore import _queue, _shm, _torch as T
 from multiprocessing.reduction import ForkingPickler
@@ -353,7 +354,7 @@ if __name__ == "__main__":
         cases = build(small, big, view, arr, zarr, "receiver")
         p = mpcore.get_context("spawn").Process(target=receiver, args=(cases,))
         p.start()
-        p.join(300)
+        p.join(300 * SLOW)
         assert p.exitcode == 0, p.exitcode
     # The genuine objects are intact after all that.
     assert (small == torch.arange(16.0)).all()

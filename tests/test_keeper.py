@@ -12,6 +12,7 @@ def test_child_allocates_first_parent_receives(method, leak_check):
     # child allocates before the parent ever does.
     r = run_program(f"""
         import os
+        SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
         import torch, mpcore
         def child(q, done):
             q.put(torch.arange(6.))
@@ -22,7 +23,7 @@ def test_child_allocates_first_parent_receives(method, leak_check):
             done = ctx.Event()
             p = ctx.Process(target=child, args=(q, done))
             p.start()
-            t = q.get(timeout=60)
+            t = q.get(timeout=60 * SLOW)
             done.set()
             p.join()
             print(t.tolist(), t.is_shared(), p.exitcode)
@@ -35,6 +36,7 @@ def test_child_allocates_first_parent_receives(method, leak_check):
 def test_one_keeper_for_the_whole_program(leak_check):
     r = run_program("""
         import os, mpcore
+        SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
         def child(q):
             q.put((os.environ["MPCORE_KEEPER"], mpcore.zeros(4, "int64")))
         if __name__ == "__main__":
@@ -43,7 +45,7 @@ def test_one_keeper_for_the_whole_program(leak_check):
             procs = [mpcore.get_context(m).Process(target=child, args=(q,))
                      for m in ("fork", "spawn", "fork")]
             for p in procs: p.start()
-            got = [q.get(timeout=60) for _ in procs]
+            got = [q.get(timeout=60 * SLOW) for _ in procs]
             for p in procs: p.join()
             print(all(n == name for n, _ in got), [a.tolist() for _, a in got])
         """)

@@ -7,9 +7,10 @@ import time
 
 import pytest
 
+from conftest import scaled
 from mpcore import _dist
 
-WAIT_S = 10
+WAIT_S = scaled(10)
 
 
 def _call(lane, fn, *args, small=True):

@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from _ranks import left_behind
-from conftest import Scenario, require, shm_gained
+from conftest import Scenario, require, scaled, shm_gained
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -102,7 +102,7 @@ def _run(tmp_path, launcher):
         env.update(sc.env())
         try:
             r = subprocess.run(cmd + ["prog.py", str(d)], cwd=d, env=env, capture_output=True,
-                               text=True, timeout=REF_TIMEOUT_S if tries > 1 else 200)
+                               text=True, timeout=scaled(REF_TIMEOUT_S if tries > 1 else 200))
         except subprocess.TimeoutExpired:
             _end_hung_run(sc)
             if attempt == tries:

@@ -20,7 +20,7 @@ import time
 import pytest
 
 import _netns
-from conftest import TESTS, fresh_env, require, session_members, wait_session_gone
+from conftest import TESTS, fresh_env, require, scaled, session_members, wait_session_gone
 
 WORLD, PER_NODE = 4, 2
 KILLED = 3          # a rank that is not its node's leader
@@ -61,7 +61,7 @@ def _run_job(out, killed, checks=True):
             env.update(RANK=str(r), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(r % PER_NODE),
                        LOCAL_WORLD_SIZE=str(PER_NODE), MASTER_ADDR=nodes.addr(0),
                        MASTER_PORT="29500", GLOO_SOCKET_IFNAME=nodes.ifname(k),
-                       MPCORE_TEST_DEADLINE=str(JOB_TIMEOUT))
+                       MPCORE_TEST_DEADLINE=str(scaled(JOB_TIMEOUT)))
             if not checks:
                 env["MPCORE_TEST_NO_CHECKS"] = "1"
             logs.append(os.path.join(out, f"log{r}"))
@@ -69,7 +69,7 @@ def _run_job(out, killed, checks=True):
                 procs.append(subprocess.Popen(nodes.command(k, [sys.executable, PROGRAM, out]),
                                               env=env, stdout=log, stderr=subprocess.STDOUT,
                                               start_new_session=True))
-        deadline = time.monotonic() + JOB_TIMEOUT
+        deadline = time.monotonic() + scaled(JOB_TIMEOUT)
         _netns.wait_files(out, [f"rank{r}.json" for r in range(WORLD)] +
                     [f"loop{r}" for r in range(WORLD)], procs, deadline, logs)
         j.results = {r: _read(out, f"rank{r}.json") for r in range(WORLD)}
@@ -157,7 +157,7 @@ def _assert_failed_in_time(job, killed):
         f = job.fails[r]
         assert f"rank {killed} " in f["error"] and "exited" in f["error"], (r, f)
         assert f["iterations"] >= 20
-        assert f["t"] - job.t_kill < 2.0, (r, f["t"] - job.t_kill, f["error"])
+        assert f["t"] - job.t_kill < scaled(2.0), (r, f["t"] - job.t_kill, f["error"])
     assert [job.codes[r] for r in survivors] == [0] * len(survivors), job.logs
     assert job.codes[killed] == -signal.SIGKILL
 

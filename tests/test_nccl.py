@@ -11,7 +11,7 @@ import torch
 
 from mpcore import _core, _nccl
 
-from conftest import require
+from conftest import require, scaled
 
 
 def wheel():
@@ -21,7 +21,8 @@ def wheel():
 
 
 def run_fresh(code):
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=scaled(60))
     return r
 
 

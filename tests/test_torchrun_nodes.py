@@ -20,7 +20,7 @@ import time
 import pytest
 
 import _netns
-from conftest import fresh_env, require, session_members, wait_session_gone
+from conftest import fresh_env, require, scaled, session_members, wait_session_gone
 
 NODES, PER_NODE = 2, 2
 WORLD = NODES * PER_NODE
@@ -87,7 +87,7 @@ def job(tmp_path_factory):
             with open(logs[-1], "w") as log:
                 procs.append(subprocess.Popen(nodes.command(k, argv), env=env, stdout=log,
                                               stderr=subprocess.STDOUT, start_new_session=True))
-        deadline = time.monotonic() + JOB_TIMEOUT
+        deadline = time.monotonic() + scaled(JOB_TIMEOUT)
         _netns.wait_files(out, [f"rank{r}.json" for r in range(WORLD)] +
                     [f"loop{r}" for r in range(WORLD)], procs, deadline, logs)
         j.ranks = {}
