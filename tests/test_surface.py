@@ -186,12 +186,12 @@ def test_process_pool_executor_on_an_mpcore_context(method):
         assert [x for x, _ in got] == [x * x for x in range(6)]
         assert {z for _, z in got} == {method != "fork"}
         with pytest.raises(ValueError, match="negative -2"):
-            ex.submit(_worker_kind, -2).result(60)
+            ex.submit(_worker_kind, -2).result(scaled(60))
         workers = list(ex._processes)
     ex = ProcessPoolExecutor(1, mp_context=mp.get_context(method))
     try:
         with pytest.raises(BrokenProcessPool):
-            ex.submit(_die_in_task, 0).result(60)
+            ex.submit(_die_in_task, 0).result(scaled(60))
         workers += list(ex._processes or ())
     finally:
         ex.shutdown(wait=True)
