@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.deps-stamp
 
-.PHONY: demo test test-package install bench clean
+.PHONY: demo test test-package test-window install bench clean
 
 $(STAMP):
 	$(PYTHON) -m venv $(VENV)
@@ -89,6 +89,28 @@ test-package:
 	cd $(PKG)/run && ../venv/bin/mpcore doctor > doctor.txt || { cat doctor.txt; exit 1; }
 	cd $(PKG)/run && ../venv/bin/mpcore run $(CURDIR)/examples/shared_tensor.py
 	cd $(PKG)/run && $(PKG_PY) -m pytest -q -p no:cacheprovider $(addprefix $(CURDIR)/,$(PACKAGE_SMOKE))
+
+# The torch window's two ends (NOTE [ The torch window ] in pkg/mpcore/_torchapi.py):
+# an environment each under .venv-window/, built from nothing the first time
+# (torch 2.6.0 is a CUDA build of about 3.7 GB; it runs on the CPU), mpcore
+# installed there from this tree, and the smoke subset (tests/smoke) run in it.
+WINDOW_TORCHES := 2.6.0 2.14.1
+WINDOW_VENVS := .venv-window
+
+test-window:
+	@set -e; for v in $(WINDOW_TORCHES); do \
+	  d=$(WINDOW_VENVS)/torch-$$v; \
+	  if [ ! -f $$d/.deps-stamp ]; then \
+	    rm -rf $$d; $(PYTHON) -m venv $$d; \
+	    $$d/bin/python -m pip install -q --upgrade pip; \
+	    $$d/bin/python -m pip install -q torch==$$v "numpy>=1.24" pytest pytest-timeout \
+	      "setuptools>=77" wheel; \
+	    touch $$d/.deps-stamp; \
+	  fi; \
+	  $$d/bin/python -m pip install -q --no-build-isolation --no-deps --force-reinstall .; \
+	  echo "== the smoke subset on torch $$v"; \
+	  $$d/bin/python -m pytest -q -p no:cacheprovider tests/smoke; \
+	done
 
 # faster-fifo is a comparison in the bench's dict row only, never a dependency of mpcore.
 bench: install

@@ -196,6 +196,11 @@ def _rows():
          False),
         ("torch._C._dispatch_tls_is_dispatch_key_included", "read", "callable",
          "collective fast paths", False),
+        ("torch._C.DispatchKey", "read", "attrs:Python", "collective fast paths", False),
+        ("torch._C._autograd._profiler_enabled", "read", "callable", "collective fast paths",
+         False),
+        ("torch._C._dispatch_tls_is_dispatch_key_included", "read", "callable",
+         "collective fast paths", False),
         (f"{_C10D}._resolve_process_group", "read", "callable", "collective fast paths", False),
     )
     for n in _FASTPATH:
@@ -207,8 +212,7 @@ def _rows():
     yield from (
         (f"{_FC}._are_we_tracing", "read", "callable", "functional collective fast paths",
          False),
-        (f"{_FC}.DeviceMesh", "read", "attrs:_dim_group_names", "functional collective fast paths",
-         False),
+        (f"{_FC}.DeviceMesh", "read", "class", "functional collective fast paths", False),
         (f"{_FC}.AsyncCollectiveTensor", "read", "attrs:elem,completed,trigger_wait",
          "functional collective fast paths", False),
         # profiler events (_backend.py, NOTE [ Collectives in the profiler ])
@@ -442,6 +446,8 @@ def fall_back(feature, why):
         if row.feature == feature and row.kind != "read" and row.status in ("unchecked",
                                                                             "checked"):
             row.status, row.why = "kept torch's", f"{feature} is not served"
+    if why.endswith("is not installed"):
+        return    # a library torch's feature needs (torchdata) is absent: nothing falls back
     _warn(f"mpcore: {because(why)}; {FEATURES[feature][1]} (`mpcore doctor` tells what "
           f"mpcore serves on this torch)")
 
