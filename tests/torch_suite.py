@@ -314,8 +314,12 @@ def _mode_command(mode, mpcore):
     return [*mpcore, "run", HERE]
 
 
-def _worker_env(file, timeout):
+def _worker_env(mode, file, timeout):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if mode == "plain":
+        # plain python: nothing of mpcore's switches (MPCORE_RUN would make
+        # every python process start mpcore, as `mpcore run` does)
+        env = {k: v for k, v in env.items() if not k.startswith("MPCORE_")}
     if file:
         env[WORKER_ENV] = "file"
     else:
@@ -354,7 +358,7 @@ def run_mode(mode, names, args, log):
             proc = subprocess.Popen(argv + chunk, stdin=subprocess.DEVNULL, stdout=lf,
                                     stderr=subprocess.STDOUT, pass_fds=(w,),
                                     start_new_session=True, cwd=args.cwd,
-                                    env=_worker_env(args.file, args.timeout))
+                                    env=_worker_env(mode, args.file, args.timeout))
         os.close(w)
         current, buf, killed, ran_any = None, b"", False, False
         # Bounded from the worker's start to its first test, and each test
@@ -438,7 +442,7 @@ def list_tests(args):
     proc = subprocess.Popen(argv + ["--list"], stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             pass_fds=(w,), start_new_session=True, cwd=args.cwd,
-                            env=_worker_env(args.file, args.timeout))
+                            env=_worker_env("plain", args.file, args.timeout))
     os.close(w)
     try:
         out, _ = proc.communicate(timeout=args.timeout)
