@@ -31,9 +31,10 @@ import datetime
 import torch.distributed as _td
 from torch.distributed import distributed_c10d as _c10d
 
-from . import _backend, _dist
+from . import _backend, _dist, _torchapi
 
 ReduceOp = _td.ReduceOp
+_get_default_group = _torchapi.get("torch.distributed.distributed_c10d._get_default_group")
 
 _backend.register()
 
@@ -95,7 +96,7 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
     monitored_barrier (a barrier whose timeout names the ranks that did not
     come); every other group gets torch's function.  It is the one torch
     function install() replaces."""
-    pg = _c10d._get_default_group() if group is None else group
+    pg = _get_default_group() if group is None else group
     if not isinstance(pg, _backend.ProcessGroupMpcore):
         return _torch_monitored_barrier(group, timeout, wait_all_ranks)
     if isinstance(timeout, (int, float)):
@@ -141,7 +142,7 @@ def shm_group(group=None):
     when None), or None."""
     if not _td.is_initialized():
         return None
-    pg = _c10d._get_default_group() if group is None else group
+    pg = _get_default_group() if group is None else group
     return getattr(pg, "shm", None) if isinstance(pg, _backend.ProcessGroupMpcore) else None
 
 
