@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("leak_check")]
 MPCORE = os.path.join(os.path.dirname(sys.executable), "mpcore")
 MIB = 1 << 20
 SECTIONS = ("memory", "dev_shm", "nofile", "start_methods", "zygote", "versions", "nccl",
-            "gpus", "entry_points", "unchecked", "problems")
+            "gpus", "entry_points", "torch_api", "unchecked", "problems")
 
 
 def doctor(*args, env=None, nofile=None):
@@ -165,6 +165,33 @@ def test_entry_points_are_what_mpcore_run_patches(report):
     assert "torchdata.stateful_dataloader.StatefulDataLoader" in served, sorted(served)
 
 
+def test_torch_api_says_the_window_what_is_served_and_the_table(report):
+    # NOTE [ What doctor says of the torch ]
+    r, rep = report
+    t = rep["torch_api"]
+    from mpcore import _torchapi
+    assert t["torch"] == metadata.version("torch") and t["in_window"] is True
+    assert t["window"] == list(_torchapi.WINDOW)
+    features = {f["feature"]: f for f in t["features"]}
+    assert set(features) == set(_torchapi.FEATURES)
+    for f in features.values():
+        assert f["served"] in (True, False), f
+        assert f["served"] or f["why"], f       # a feature not served says why
+    assert features["tensor handles"]["served"] and features["torch.multiprocessing"]["served"]
+    rows = {row["target"]: row for row in t["table"]}
+    assert set(rows) == set(_torchapi.TABLE)
+    for row in rows.values():
+        assert row["status"] in ("ok", "replaced", "added", "checked", "kept torch's", "missing",
+                                 "wrong shape"), row
+        assert row["status"] not in ("missing", "wrong shape") or row["why"], row
+    assert rows["torch.multiprocessing.Process"]["status"] == "replaced"
+    assert rows["torch.utils.data.DataLoader"]["status"] == "replaced"
+    assert not [p for p in rep["problems"] if "window" in p]
+    text = doctor()
+    assert "the torch window and what mpcore serves on it" in text.stdout
+    assert f"torch {t['torch']}: inside mpcore's window" in text.stdout
+
+
 def test_text_reports_every_section_and_one_line_per_problem(provoked):
     r = provoked
     assert r.returncode == 1, (r.returncode, r.stdout[-3000:], r.stderr[-3000:])
@@ -258,6 +285,13 @@ def test_problem_lines_say_what_to_do():
     assert "`ulimit -n 4096` (the hard limit)" in line, line
     assert _doctor.nofile_problems(dict(n, soft=n["needed"], hard=n["needed"])) == []
     assert _doctor.nofile_problems(dict(n, soft=None, hard=None)) == []  # unlimited
+    t = {"torch": "2.5.1", "in_window": False, "window_lifted": False, "window": ["2.6", "2.14.1"]}
+    (line,) = _doctor.torch_api_problems(t)
+    assert "torch 2.5.1 is outside mpcore's window (torch 2.6 to 2.14.1)" in line, line
+    assert "`pip install 'torch>=2.6,<=2.14.1'`" in line, line
+    assert _doctor.torch_api_problems(dict(t, in_window=True)) == []
+    assert _doctor.torch_api_problems(dict(t, window_lifted=True)) == []
+    assert _doctor.torch_api_problems(dict(t, torch=None)) == []
 
 
 def _cgroup_tree(root, files):
