@@ -110,7 +110,10 @@ import collections
 import datetime
 import functools
 import hashlib
+import os
+import queue
 import sys
+import threading
 import weakref
 
 import torch
@@ -213,12 +216,26 @@ def _buffer_of(t):
 class Work(_dist.Work, dist.Work):
     """torch's Work for a call of the group (NOTE [ The backend is a
     ProcessGroup ]): wait(timeout), is_completed, exception, get_future,
-    result; _source_rank for a receive from any rank."""
+    result; _source_rank for a receive (None for any other call, of which
+    torch's Work refuses it, as here); the profiler's events of the call
+    that made it, which end before a waiter wakes (NOTE [ Collectives in
+    the profiler ])."""
+
+    _events = None
 
     def __init__(self, tensors):
         dist.Work.__init__(self)
         _dist.Work.__init__(self, tensors)
-        self._source = -1
+        self._source = None
+        if _recording:
+            self._events = getattr(_inside, "events", None)
+
+    def _end(self, exc=None):
+        events = self._events
+        if events is not None:
+            self._events = None
+            events.end()
+        return _dist.Work._end(self, exc)
 
     def wait(self, timeout=_NO_TIMEOUT):
         s = _dist._seconds(timeout)
@@ -233,6 +250,9 @@ class Work(_dist.Work, dist.Work):
 
     def _source_rank(self):
         self.wait()
+        if self._source is None:
+            raise RuntimeError("sourceRank() may only be called on work objects that "
+                               "correspond to a recv or recv-from-any call.")
         return self._source
 
     def source_rank(self):
@@ -801,7 +821,8 @@ class ProcessGroupMpcore(dist.ProcessGroup):
             core.all_gather(flat.data_ptr(), src.data_ptr(), _nbytes(src), timeout)
             for i, t in enumerate(outs):
                 t.copy_(flat[i])
-        return self._run(opts.asyncOp, output_lists, run, keep=(src, flat))
+        # the Work's result is the outputs' list, as gloo's
+        return self._run(opts.asyncOp, outs, run, keep=(src, flat))
 
     def _allgather_base(self, output, input, opts=None):
         opts = opts if opts is not None else _AllgatherOptions()
@@ -952,7 +973,8 @@ class ProcessGroupMpcore(dist.ProcessGroup):
             inp = inputs[0]
             outs = _plain_list(output_lists, inp, self._world if self._rank == root else 0)
             if outs is not None and inp.is_cpu and inp.is_contiguous():
-                return self._run(opts.asyncOp, output_lists, shm.core.gather,
+                # the Work's result is the root's outputs' list, as gloo's
+                return self._run(opts.asyncOp, outs or [], shm.core.gather,
                                  [o.data_ptr() for o in outs] if outs else 0, inp.data_ptr(),
                                  _nbytes(inp), root, keep=(inp, outs))
         if self._gloo is not None:
@@ -980,7 +1002,7 @@ class ProcessGroupMpcore(dist.ProcessGroup):
             core.gather(addrs, src.data_ptr(), _nbytes(src), root, timeout)
             for d in dsts:
                 d.back()
-        return self._run(opts.asyncOp, output_lists, run, keep=(src, dsts))
+        return self._run(opts.asyncOp, list(outs), run, keep=(src, dsts))
 
     def scatter(self, outputs, input_lists, opts=None):
         opts = opts if opts is not None else dist.ScatterOptions()
@@ -1263,6 +1285,8 @@ def _cuda_to_torch_nccl(name, method):
     def call(self, *args):
         if _HAVE_TORCH_NCCL and _on_cuda(args):
             return getattr(self._torch_nccl_pg(), name)(*args)
+        if _profiling():   # NOTE [ Collectives in the profiler ]
+            return _profiled(self, name, method, args, {})
         return method(self, *args)
     return call
 
@@ -1276,6 +1300,206 @@ for _name in ("allreduce", "allreduce_coalesced", "reduce", "broadcast", "allgat
     setattr(ProcessGroupMpcore, _name,
             _cuda_to_torch_nccl(_name, getattr(ProcessGroupMpcore, _name)))
 del _name
+
+
+# --- profiler events (NOTE [ Collectives in the profiler ]) ---------------------------
+
+# NOTE [ Collectives in the profiler ]
+# gloo's Work records an event in torch's profiler for every call, named
+# "gloo:" and the operation, with the call's input tensors (their shapes
+# under record_shapes), begun when the call is made and ended by gloo's
+# thread when the call completes, so that torch marks it asynchronous.
+# torch's own tests look them up by dist.get_backend() + ":" + the name
+# (test_distributed_spawn's call_dist_op and p2p tests: count, shapes,
+# is_async), and trace tools read them.  A Work made in Python records
+# nothing, so the group records them itself while torch's profiler runs
+# on the calling thread, one check per call otherwise: what gloo records,
+# read from gloo's own runs (_EVENTS; tests/test_dispatch_parity.py
+# compares the two), named by the backend torch reports for the group
+# ("gloo" for a program that asked for gloo, "mpcore" for one that named
+# mpcore).  An event is begun by record_function's entry with the inputs;
+# its end is tied to a future (record_function's way for asynchronous
+# calls, which carries the profiler's thread state), and _ender's thread
+# completes that future: an event ended on another thread is asynchronous
+# to torch, as gloo's are.  The end comes before the call is seen done:
+# a call done on return is ended before it returns, and a Work made during
+# the call ends its events when it completes, before its waiters wake, so
+# that a profile closed right after wait() holds the whole event.  Calls a
+# recorded call makes of the group's own methods (the parts of a coalesced
+# call) record nothing of their own, as gloo's one event per call.  A
+# group without a region (NOTE [ What the core cannot serve ]) is gloo's
+# own underneath, and gloo records those.
+# What is not there: the dispatcher's c10d::allreduce_ and the like,
+# which torch's C++ ProcessGroup emits on its way to a gloo Backend, and
+# which dispatch modes (CommDebugMode) count.  dist.* calls reach a group
+# kept in Python by its methods directly, and c10d's ops cannot take one:
+# they refuse a Python ProcessGroup and a ReduceOp made in Python, and
+# their CPU kernels ask the group for a C++ Backend, which cannot be made
+# from Python.  So a dispatch mode sees the functional collectives
+# (_c10d_functional's ops, which reach the group through the dispatcher:
+# NOTE [ Fast paths nobody sees ] in _fastpath.py) but not dist.* calls,
+# as for any group torch keeps in Python.  Nor the flight recorder: gloo
+# records its calls there from C++ (TORCH_FR_BUFFER_SIZE), and torch has
+# no way to record an entry from Python (torchcomms' FlightRecorderHook
+# is a package of its own), so _dump_fr_trace lists none of mpcore's.
+# record_param_comms, which torch's NCCL emits, gloo does not on the CPU.
+
+def _ins(i):
+    return lambda args: [("", args[i])]
+
+
+def _one(i):
+    return lambda args: [("", [args[i]])]
+
+
+# method -> the events gloo records for a call: f(args) -> [(name, input tensors)],
+# the name "" being the method's own (_TITLES)
+_EVENTS = {
+    "allreduce": _ins(0), "allreduce_coalesced": _ins(0), "reduce": _ins(0),
+    "broadcast": _ins(0), "allgather": _ins(1), "_allgather_base": _one(1),
+    "allgather_coalesced": _ins(1), "allgather_into_tensor_coalesced": _ins(1),
+    # one all-reduce per rank's input (gloo reduces each and keeps its own)
+    "reduce_scatter": lambda args: [("all_reduce", [t]) for t in args[1][0]],
+    "_reduce_scatter_base": _one(1), "reduce_scatter_tensor_coalesced": _ins(1),
+    "gather": _ins(1), "scatter": lambda args: [("", args[1][0] if args[1] else [])],
+    "alltoall_base": _one(1), "alltoall": _ins(1), "barrier": lambda args: [("", [])],
+    "send": _ins(0), "recv": _ins(0), "recv_anysource": _ins(0),
+}
+_TITLES = {
+    "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce", "reduce": "reduce",
+    "broadcast": "broadcast", "allgather": "all_gather", "_allgather_base": "all_gather",
+    "allgather_coalesced": "all_gather", "allgather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter": "all_reduce", "_reduce_scatter_base": "all_reduce",
+    "reduce_scatter_tensor_coalesced": "all_reduce", "gather": "gather", "scatter": "scatter",
+    "alltoall_base": "all_to_all", "alltoall": "all_to_all", "barrier": "barrier",
+    "send": "send", "recv": "recv", "recv_anysource": "recvAnySource",
+}
+
+_profiling = _torchapi.get("torch._C._autograd._profiler_enabled")
+_inside = threading.local()   # .on: a recorded call runs on this thread; .events: its _Events
+_recording = 0                # recorded calls running, in every thread
+_recording_lock = threading.Lock()
+_record = None                # (record_function's entry, the end tied to a future), once read
+
+
+class _Events:
+    """The profiler's events of one call, begun now; end() ends them, once."""
+    __slots__ = ("future", "ended", "claim")
+
+    def __init__(self, names):
+        enter, end_on = _record
+        self.future = torch.futures.Future()
+        self.ended = [end_on(enter(name, *tensors), self.future) for name, tensors in names]
+        self.claim = [True]
+
+    def end(self):
+        try:
+            self.claim.pop()     # atomic: the first caller ends them
+        except IndexError:
+            return
+        _ender.put(self.future)
+        for f in self.ended:     # done once the events' ends have run
+            f.wait()
+
+
+class _Ender:
+    """The thread that completes events' futures, so that their ends run
+    on a thread other than the caller's (NOTE [ Collectives in the profiler ])."""
+
+    def __init__(self):
+        self._queue = None
+        self._lock = threading.Lock()
+
+    def put(self, future):
+        q = self._queue
+        if q is None:
+            with self._lock:
+                if self._queue is None:
+                    q = queue.SimpleQueue()
+                    threading.Thread(target=self._loop, args=(q,), name="mpcore-profiler",
+                                     daemon=True).start()
+                    self._queue = q
+                q = self._queue
+        q.put(future)
+
+    @staticmethod
+    def _loop(q):
+        while True:
+            q.get().set_result(None)
+
+    def _after_fork(self):
+        self._queue, self._lock = None, threading.Lock()
+
+
+_ender = _Ender()
+os.register_at_fork(after_in_child=_ender._after_fork)
+
+
+def _backend_name(pg):
+    """The name torch reports for pg's backend (dist.get_backend), its CPU
+    one for a device map."""
+    entry = _c10d._world.pg_map.get(pg)
+    name = str(entry[0]) if entry else "mpcore"
+    for pair in name.split(","):
+        if pair.startswith("cpu:"):
+            return pair[4:]
+    return name
+
+
+def _profiled(self, name, method, args, kwargs):
+    """method(self, *args, **kwargs), recorded in torch's profiler as gloo
+    records the call (NOTE [ Collectives in the profiler ])."""
+    global _record, _recording
+    if getattr(_inside, "on", False):   # a part of a recorded call
+        events, _inside.events = _inside.events, None
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            _inside.events = events
+    if self.shm is None or not _torchapi.serves("profiler events"):
+        return method(self, *args, **kwargs)
+    if _record is None:
+        _record = (_torchapi.get("torch._C._autograd._record_function_with_args_enter"),
+                   _torchapi.get("torch.ops.profiler._call_end_callbacks_on_jit_fut")
+                   ._RecordFunction)
+    prefix = _backend_name(self) + ":"
+    events = _Events([(prefix + (title or _TITLES[name]), tensors)
+                      for title, tensors in _EVENTS[name](args)])
+    with _recording_lock:
+        _recording += 1
+    _inside.on, _inside.events = True, events
+    try:
+        work = method(self, *args, **kwargs)
+    except BaseException:
+        events.end()
+        raise
+    finally:
+        _inside.on, _inside.events = False, None
+        with _recording_lock:
+            _recording -= 1
+    if not (isinstance(work, Work) and work._events is events):
+        events.end()     # done on return, or a Work that does not end them
+    return work
+
+
+def _recorded(name, method):
+    """method, its calls recorded as `name`'s (NOTE [ Collectives in the
+    profiler ]): for the methods torch reaches by other names, and barrier."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        if _profiling():
+            return _profiled(self, name, method, args, kwargs)
+        return method(self, *args, **kwargs)
+    return call
+
+
+for _alias, _name in (("barrier", "barrier"), ("all_gather_single", "_allgather_base"),
+                      ("all_gather_single_coalesced", "allgather_into_tensor_coalesced"),
+                      ("reduce_scatter_single", "_reduce_scatter_base"),
+                      ("reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced"),
+                      ("all_to_all_single", "alltoall_base")):
+    setattr(ProcessGroupMpcore, _alias, _recorded(_name, getattr(ProcessGroupMpcore, _alias)))
+del _alias, _name
 
 
 _NCCL_DTYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3,

@@ -49,12 +49,40 @@ named as a ProcessGroup, a DeviceMesh of one dimension, (mesh, dim) or a
 group name, with an op and dtype the core reduces and, for the last two,
 dimension 0.  The result is made as torch's kernel makes it (a contiguous
 clone, or a new tensor of the gathered or scattered shape) and is
-complete on return: a plain tensor, as funcol returns under tracing, which
-torch's own callers expect (they wait only on an AsyncCollectiveTensor),
-and which funcol.wait_tensor returns at once.  Everything else goes to
-torch's function.  Measured after it, 4 KB all_reduce + wait: 12.6 us on
-one rank; on two (`mpcore bench --only c10d-funcol-allreduce-4k`) 13.6 to
-20 us, 52x to 75x gloo (4.5x before)."""
+complete on return.  It is handed back as torch's eager path hands it,
+an AsyncCollectiveTensor (one already complete: its first use waits on
+nothing), and funcol.wait_tensor, also put in torch's place, returns the
+tensor inside such a complete one at once; what torch's wait_tensor does
+with it, through the subclass's __torch_dispatch__, costs more than the
+collective (about 20 us on one rank).  Everything else goes to torch's
+function.  Measured after it, 4 KB all_reduce + wait: 12.6 us on one rank;
+on two (`mpcore bench --only c10d-funcol-allreduce-4k`) 13.6 to 20 us, 52x
+to 75x gloo (4.5x before; the figures are of the plain tensor it returned
+then, NOTE [ Fast paths nobody sees ] has the ones after).
+
+NOTE [ Fast paths nobody sees ]
+A fast path must not be seen: what observes collectives sees a call on an
+mpcore group as it sees one on gloo's.  So every fast path here steps
+aside, and torch's function serves the call, whenever something may
+observe it:
+- torch.compile or export traces the call (torch.compiler.is_compiling,
+  or funcol's own _are_we_tracing for the functional collectives: dynamo,
+  fake and proxy modes, the Python dispatcher);
+- a TorchDispatchMode is active (CommDebugMode, DebugMode, FakeTensorMode,
+  make_fx's proxy mode): torch includes the Python dispatch key in the
+  thread's key set while one is on its stack, which one call reads;
+- a TorchFunctionMode is active (_has_torch_function, as before);
+- torch's profiler runs on this thread (torch.autograd._profiler_enabled),
+  so that the backend records the call's events (NOTE [ Collectives in the
+  profiler ] in _backend.py).
+Then a functional collective goes through the dispatcher (the modes see
+_c10d_functional's ops, the profiler records them) to the group's method,
+and a dist.* call through torch's Python function to the group's method,
+as for any group torch keeps in Python.  What a dispatch mode sees of a
+dist.* call on gloo but not on mpcore's group (c10d's own ops) is in that
+note.  The checks cost three calls of a few tens of ns each, the first
+being a Python function (is_compiling: torch.compile folds it, so that a
+compiled caller never traces the rest)."""
 
 import torch
 from torch.distributed import distributed_c10d as _c10d
@@ -63,14 +91,30 @@ from . import _backend, _boot, _torchapi
 
 _TORCH = {}   # key (the function's name, "funcol." before a functional one's) -> torch's
 _has_torch_function = _torchapi.get("torch._C._has_torch_function")
+# what observes a call (NOTE [ Fast paths nobody sees ])
+_compiling = bool   # torch.compiler.is_compiling once torch.compiler is imported (_compiler)
+_profiling = _torchapi.get("torch._C._autograd._profiler_enabled")
+_included = _torchapi.get("torch._C._dispatch_tls_is_dispatch_key_included")
+# in the thread's key set while a dispatch mode is on
+_MODES = _torchapi.get("torch._C.DispatchKey").Python
 _Tensor = torch.Tensor
 _PG = _backend.ProcessGroupMpcore
 _FUNCOL = "torch.distributed._functional_collectives"
 
 
+def _region(g):
+    """g when it is an mpcore group with a region; else None."""
+    if type(g) is _PG and g.shm is not None and g._batch is None:
+        return g
+    return None
+
+
 def _group(group):
     """The mpcore group a call names (None: the default group), when it
-    has a region; else None."""
+    has a region and nothing observes the call (NOTE [ Fast paths nobody
+    sees ]); else None."""
+    if _compiling() or _profiling() or _included(_MODES):
+        return None
     g = _c10d._world.default_pg if group is None else group
     if type(g) is _PG and g.shm is not None and g._batch is None:
         return g
@@ -82,8 +126,9 @@ def _plain(t):
 
 
 def send(tensor, dst=None, group=None, tag=0, group_dst=None):
-    g = _c10d._world.default_pg if group is None else group   # _group() and _plain(), inline
-    if (type(g) is _PG and g.shm is not None and g._batch is None and group_dst is None
+    g = _c10d._world.default_pg if group is None else group   # _group(), _plain(), inline
+    if (not (_compiling() or _profiling() or _included(_MODES))
+            and type(g) is _PG and g.shm is not None and g._batch is None and group_dst is None
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
             and not _has_torch_function((tensor,))):
         peer = g._group_ranks.get(dst)
@@ -93,8 +138,9 @@ def send(tensor, dst=None, group=None, tag=0, group_dst=None):
 
 
 def recv(tensor, src=None, group=None, tag=0, group_src=None):
-    g = _c10d._world.default_pg if group is None else group   # _group() and _plain(), inline
-    if (type(g) is _PG and g.shm is not None and g._batch is None and group_src is None
+    g = _c10d._world.default_pg if group is None else group   # _group(), _plain(), inline
+    if (not (_compiling() or _profiling() or _included(_MODES))
+            and type(g) is _PG and g.shm is not None and g._batch is None and group_src is None
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
             and not _has_torch_function((tensor,))):
         peer = g._group_ranks.get(src)
@@ -174,6 +220,7 @@ _FC_OPS = {"sum": _backend._RED.SUM, "avg": _backend._RED.AVG,
            "max": _backend._RED.MAX, "band": _backend._RED.BAND, "bor": _backend._RED.BOR,
            "bxor": _backend._RED.BXOR}
 _fc = None   # the functional collectives' module, once installed
+_ACT = None  # its AsyncCollectiveTensor
 
 
 def _fc_group(group):
@@ -192,13 +239,14 @@ def _fc_group(group):
             group = _c10d._resolve_process_group(name)
         except (RuntimeError, ValueError):
             return None
-    return _group(group)
+    return _region(group)
 
 
 def _fc_input(self, group):
-    """The group a functional collective of `self` is served on; or None."""
-    if (_fc._are_we_tracing() or not _plain(self) or self.requires_grad
-            or _has_torch_function((self,))):
+    """The group a functional collective of `self` is served on; or None
+    (NOTE [ Fast paths nobody sees ])."""
+    if (_fc._are_we_tracing() or _profiling() or _included(_MODES) or not _plain(self)
+            or self.requires_grad or _has_torch_function((self,))):
         return None
     g = _fc_group(group)
     if g is not None and g.shm._queued:
@@ -221,7 +269,7 @@ def all_reduce(self, reduceOp, group, tag=""):
     out = self.clone()
     shm = g.shm
     shm.core.all_reduce(out.data_ptr(), out.numel(), codes[0], codes[1], shm.timeout, None)
-    return out
+    return _complete(out)
 
 
 def all_gather_single(self, gather_dim, group, tag=""):
@@ -231,7 +279,7 @@ def all_gather_single(self, gather_dim, group, tag=""):
     out = self.new_empty((self.shape[0] * g._world,) + self.shape[1:])
     shm = g.shm
     shm.core.all_gather(out.data_ptr(), self.data_ptr(), self.nbytes, shm.timeout)
-    return out
+    return _complete(out)
 
 
 def reduce_scatter_single(self, reduceOp, scatter_dim, group, tag=""):
@@ -243,7 +291,22 @@ def reduce_scatter_single(self, reduceOp, scatter_dim, group, tag=""):
     shm = g.shm
     shm.core.reduce_scatter(out.data_ptr(), self.data_ptr(), out.numel(), codes[0], codes[1],
                             shm.timeout)
-    return out
+    return _complete(out)
+
+
+def _complete(t):
+    """t as funcol hands a result back: an AsyncCollectiveTensor, here one
+    whose collective is complete."""
+    r = _ACT(t)
+    r.completed = True
+    return r
+
+
+def wait_tensor(tensor):
+    if (type(tensor) is _ACT and tensor.completed
+            and not (_fc._are_we_tracing() or _profiling() or _included(_MODES))):
+        return tensor.elem    # what torch's wait_tensor gives for it, the same tensor
+    return _TORCH["funcol.wait_tensor"](tensor)
 
 
 def _put(module, key, fn):
@@ -261,11 +324,13 @@ def _put(module, key, fn):
 
 
 def _install_funcol(fc):
-    global _fc
+    global _fc, _ACT
     if not _torchapi.serves("functional collective fast paths"):
         return    # torch's functions serve every call, through the backend
     _fc = fc
-    for fn in (all_reduce, all_gather_single, reduce_scatter_single):
+    _ACT = _torchapi.get(f"{_FUNCOL}.AsyncCollectiveTensor")
+    # wait_tensor first: a result of the others is waited on by it
+    for fn in (wait_tensor, all_reduce, all_gather_single, reduce_scatter_single):
         _put(fc, "funcol." + fn.__name__, fn)
 
 
@@ -276,4 +341,16 @@ def install():
     for fn in (send, recv, broadcast, gather, scatter, all_to_all_single):
         if _put(_c10d, fn.__name__, fn) is not None:
             _torchapi.replace(f"torch.distributed.{fn.__name__}", fn)
+    # A compiled caller traces through them to torch's function, which it
+    # sees as under gloo (NOTE [ Fast paths nobody sees ]); after a graph
+    # break in torch's, their own frames then run as plain Python, as
+    # torch's module functions do, rather than be compiled anew.
+    _backend.run_uncompiled(send, recv, broadcast, gather, scatter, all_to_all_single)
+    # torch imports torch.compiler after torch.distributed (nothing compiles before)
+    _boot.when_imported("torch.compiler", _compiler)
+
+
+def _compiler(module):
+    global _compiling
+    _compiling = module.is_compiling
     _boot.when_imported(_FUNCOL, _install_funcol)

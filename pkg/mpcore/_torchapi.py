@@ -197,10 +197,6 @@ def _rows():
         ("torch._C._dispatch_tls_is_dispatch_key_included", "read", "callable",
          "collective fast paths", False),
         ("torch._C.DispatchKey", "read", "attrs:Python", "collective fast paths", False),
-        ("torch._C._autograd._profiler_enabled", "read", "callable", "collective fast paths",
-         False),
-        ("torch._C._dispatch_tls_is_dispatch_key_included", "read", "callable",
-         "collective fast paths", False),
         (f"{_C10D}._resolve_process_group", "read", "callable", "collective fast paths", False),
     )
     for n in _FASTPATH:
