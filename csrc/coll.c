@@ -1362,18 +1362,24 @@ static int overlap(const void *a, uint64_t n, const void *b, uint64_t m) {
  * reduce_scatter: the output is this rank's slice of the input, which no
  * peer reads) would change input not read yet, by this rank or by a slower
  * peer.  Such a rank writes into memory of its own, copied into out at the
- * end (after the last barrier, when peers read the input).  Returns where
- * to write: out, or new memory in *tmp for the caller to free (end_apart);
- * NULL, the group broken, without memory for it. */
-static void *write_apart(mpc_coll *c, void *out, uint64_t outn, const void *in, uint64_t inn,
-                         int in_place, void **tmp, const char *what) {
+ * end (after the last barrier, when peers read the input).  Sets *to, where
+ * to write: out, or new memory in *tmp for the caller to free (end_apart).
+ * Returns 0, or the error of the group it broke when there is no memory for
+ * it.  out may be NULL (an empty tensor's data), so the address alone
+ * cannot say which. */
+static int write_apart(mpc_coll *c, void *out, uint64_t outn, const void *in, uint64_t inn,
+                       int in_place, uint8_t **to, void **tmp, const char *what) {
     *tmp = NULL;
+    *to = out;
     if (in_place || !overlap(out, outn, in, inn))
-        return out;
-    if ((*tmp = malloc(outn)) == NULL)
+        return 0;
+    if ((*tmp = malloc(outn)) == NULL) {
         break_group(c, c->rank, "rank %d has no memory for its %s's result", lbl(c, c->rank),
                     what);
-    return *tmp;
+        return broken_error(c);
+    }
+    *to = *tmp;
+    return 0;
 }
 
 /* Ends an all_gather or reduce_scatter that returned r so far: after the
@@ -1397,12 +1403,14 @@ int mpc_coll_all_gather(mpc_coll *c, void *out, const void *in, uint64_t nbytes,
     int r = post_buffer(c, (void *)in, nbytes, 1, in_buf, parity);
     if (r < 0 || (r = begin(c, MPC_COLL_ALL_GATHER, 0, MPC_DT_U8, 0, nbytes, deadline)) < 0)
         return r;
+    if (nbytes == 0) /* every rank asked for none (begin compared): an empty tensor's NULL */
+        return 0;
     int in_place = (const uint8_t *)in == (uint8_t *)out + me * nbytes;
     int mapped = all_mapped(c, parity);
     void *tmp;
-    uint8_t *to = write_apart(c, out, W * nbytes, in, nbytes, in_place, &tmp, "all_gather");
-    if (to == NULL)
-        return broken_error(c);
+    uint8_t *to;
+    if ((r = write_apart(c, out, W * nbytes, in, nbytes, in_place, &to, &tmp, "all_gather")) < 0)
+        return r;
     if (!in_place)
         copy_own(to + me * nbytes, in, nbytes);
     if (mapped) {
@@ -1443,12 +1451,14 @@ int mpc_coll_reduce_scatter(mpc_coll *c, void *out, const void *in, uint64_t cou
         (r = begin(c, MPC_COLL_REDUCE_SCATTER, (uint32_t)op, (uint32_t)dtype, 0, count,
                    deadline)) < 0)
         return r;
+    if (count == 0) /* as all_gather's */
+        return 0;
     const uint8_t *mine = (const uint8_t *)in + (uint64_t)me * count * es;
     void *tmp;
-    uint8_t *to = write_apart(c, out, count * es, in, W * count * es, (uint8_t *)out == mine,
-                              &tmp, "reduce_scatter");
-    if (to == NULL)
-        return broken_error(c);
+    uint8_t *to;
+    if ((r = write_apart(c, out, count * es, in, W * count * es, (uint8_t *)out == mine, &to,
+                         &tmp, "reduce_scatter")) < 0)
+        return r;
     void *srcs[MPC_COLL_MAX_RANKS];
     if (all_mapped(c, parity)) {
         /* NOTE [ Group buffers ]: this rank's slice, reduced from every

@@ -205,12 +205,14 @@ def run_checks(tag, ranks, mp, gl):
                 # coalesced forms, on the backends (gloo's answer: one call each)
                 o = AllgatherOptions()
                 xs = [data(me, n, dtype, s) for s in range(2)]
-                a = [[torch.zeros(n, dtype=dtype) for _ in range(w)] for _ in xs]
+                # output lists indexed [rank][input], as torch's all_gather_coalesced
+                a = [[torch.zeros(n, dtype=dtype) for _ in xs] for _ in range(w)]
                 b = [[torch.zeros(n, dtype=dtype) for _ in range(w)] for _ in xs]
                 backend_of(mp).allgather_coalesced(a, xs, o).wait()
                 for bb, x in zip(b, xs):
                     dist.all_gather(bb, x, group=gl)
-                check(f"{k}/allgather_coalesced", sum(a, []), sum(b, []))
+                check(f"{k}/allgather_coalesced", [t for i in range(len(xs)) for t in
+                                                   (a[r][i] for r in range(w))], sum(b, []))
                 a = [torch.zeros(w * n, dtype=dtype) for _ in xs]
                 b = [torch.zeros(w * n, dtype=dtype) for _ in xs]
                 backend_of(mp).allgather_into_tensor_coalesced(a, xs, o).wait()

@@ -1293,11 +1293,12 @@ def test_the_group_is_its_own_backend(pool2):
 
 
 def test_monitored_barrier(pool):
-    # NOTE [ monitored_barrier ] in distributed.py
+    # NOTE [ monitored_barrier ] in distributed.py, NOTE [ monitored_barrier's
+    # protocol ] in _backend.py: gloo's error, naming the first rank that did not come
     res = pool.run("monitored")
     assert res[1:] == ["all came"] * (pool.world - 1), res
-    assert res[0].startswith("TimeoutError"), res
-    assert all(str(q) in res[0] for q in range(1, pool.world)), res
+    assert res[0].startswith("RuntimeError: [Rank 0]: Rank 1 failed to pass monitoredBarrier "
+                             "in 500 ms"), res
 
 
 @pytest.mark.parametrize("kind", ["world", "new_group"])

@@ -114,6 +114,7 @@ import os
 import queue
 import sys
 import threading
+import time
 import weakref
 
 import torch
@@ -318,6 +319,9 @@ def _nbytes(t):
     return t.numel() * t.element_size()
 
 
+_ALIGN = 16   # bytes: where each piece of a packed all-gather starts
+
+
 
 class _AllOf(dist.Work):
     """The Work of a coalescing block: done when all of its calls are."""
@@ -472,6 +476,8 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         self._torch_nccl = None  # torch's ProcessGroupNCCL, where torch has one
         self._name = ""
         self._desc = ""
+        self._asked = None  # NOTE [ The name the group answers to ]
+        self._monitored = 0  # monitored_barrier calls (NOTE [ monitored_barrier's protocol ])
         self._batch = None  # the point-to-point Works of a coalescing block
         self._split_count = 0  # split_group calls on this group (NOTE [ Splitting a group ])
         # global rank -> this group's rank (_create_extended sets a subgroup's)
@@ -482,13 +488,34 @@ class ProcessGroupMpcore(dist.ProcessGroup):
 
     # -- identity ---------------------------------------------------------------
     def getBackendName(self):
-        return "mpcore"
-
-    def name(self):
+        """NOTE [ The name the group answers to ]
+        torch records the backend a program asked for (dist.get_backend()
+        reads it) and its Python asks the group too, by name() and
+        _get_backend_name(): SyncBatchNorm gathers with a list for a group
+        named "gloo", ShardedTensor takes the CPU for one.  A group asked
+        for as gloo (NOTE [ Which backend a group gets ] in distributed.py)
+        answers "gloo" there, as gloo's group would, so that what a program
+        sees of it never depends on who serves it; one asked for as
+        "mpcore" answers "mpcore".  torch's C++ asks getBackendName(), and
+        where that says "gloo" it takes the group's backend for a
+        ProcessGroupGloo (DDP's logger reads its threads): so this one
+        always answers "mpcore", and mpcore's DDP puts the asked name in
+        its logging data (NOTE [ mpcore's hook is invisible ] in
+        parallel.py)."""
         return "mpcore"
 
     def _get_backend_name(self):
-        return "mpcore"
+        name = self._asked
+        if name is None:
+            rec = _c10d._world.pg_map.get(self)
+            if rec is None:
+                return "mpcore"   # not registered yet: asked again later
+            asked = str(rec[0]).lower()
+            name = self._asked = ("gloo" if asked == "gloo" or "cpu:gloo" in asked.split(",")
+                                  else "mpcore")
+        return name
+
+    name = _get_backend_name
 
     def size(self):
         return self._world
@@ -671,6 +698,8 @@ class ProcessGroupMpcore(dist.ProcessGroup):
             for t in tensors:
                 n.all_reduce(t, _NCCL_DTYPES[t.dtype], OPS[red])
             return _done(tensors)
+        if any(t.layout == torch.sparse_coo for t in tensors):
+            return self._sparse_allreduce(tensors, red, async_op)
         _check_cpu("all_reduce", tensors)
         failed = _checked("all_reduce", red, tensors, async_op)
         if failed is not None:
@@ -694,6 +723,84 @@ class ProcessGroupMpcore(dist.ProcessGroup):
             for d in dense:
                 d.back()
         return self._run(async_op, tensors, run, keep=dense)
+
+    def _sparse_allreduce(self, tensors, red, async_op):
+        """NOTE [ Sparse all-reduce ]
+        gloo sums sparse COO tensors (SUM only) by gathering every rank's
+        indices and values and adding the ranks' tensors in rank order, then
+        coalescing; so does this, with the same torch operations in the same
+        order, so that the result (its values' bits, its indices' order, its
+        coalesced flag) is gloo's.  Three all-gathers: each rank's sizes and
+        nnz (gloo's metadata: at most 4 sparse and 4 dense dimensions), then
+        the indices and the values, each padded to the largest nnz (where
+        gloo gathers exactly each rank's, allgatherv)."""
+        what = "all_reduce of sparse tensors"
+        for t in tensors:
+            if t.layout != torch.sparse_coo or t.device.type != "cpu":
+                raise ValueError(f"mpcore: {what}: every tensor must be a sparse COO tensor on "
+                                 f"the CPU, not {t.layout} on {t.device}")
+            if t.dtype != tensors[0].dtype or t.shape != tensors[0].shape:
+                raise ValueError(f"mpcore: {what}: every tensor must have the first's dtype and "
+                                 f"shape ({tensors[0].dtype}, {tuple(tensors[0].shape)}), not "
+                                 f"({t.dtype}, {tuple(t.shape)})")
+            if t.sparse_dim() > 4 or t.dense_dim() > 4:
+                raise ValueError(f"mpcore: {what}: at most 4 sparse and 4 dense dimensions (as "
+                                 f"gloo), not {t.sparse_dim()} and {t.dense_dim()}")
+        if red != _RED.SUM:
+            raise ValueError(f"mpcore: unsupported reduction operation {_op_name(red)} (allreduce "
+                             f"of sparse tensors only works with ReduceOp.SUM)")
+        core, w, me = self._core(), self._world, self._rank
+
+        def gather(t, timeout):
+            """(world, *t.shape) of every rank's t (contiguous, same shape)."""
+            out = torch.empty((w,) + tuple(t.shape), dtype=t.dtype)
+            core.all_gather(out.data_ptr(), t.data_ptr(), _nbytes(t), timeout)
+            return out
+
+        def sizes(m):
+            # gloo's: the sparse, then the dense sizes, each up to the first not above 0
+            out = []
+            for lo in (0, 4):
+                for v in m[lo:lo + 4]:
+                    if v <= 0:
+                        break
+                    out.append(v)
+            return out
+
+        def run(timeout):
+            with torch.no_grad():
+                inp = tensors[0]
+                for t in tensors[1:]:
+                    inp = inp + t
+                inp = inp.coalesce()
+                sd, shape = inp.sparse_dim(), list(inp.shape)
+                meta = torch.zeros(9, dtype=torch.int64)
+                meta[:sd] = torch.tensor(shape[:sd], dtype=torch.int64)
+                meta[4:4 + len(shape) - sd] = torch.tensor(shape[sd:], dtype=torch.int64)
+                meta[8] = inp._nnz()
+                metas = gather(meta, timeout).tolist()
+                if any(sizes(m) != sizes(metas[me]) for m in metas):
+                    raise RuntimeError("Sparse dimensions do not match")
+                nnz = [m[8] for m in metas]
+                most = max(nnz)
+                idx, val = inp.indices(), inp.values()
+                pidx = torch.zeros((sd, most), dtype=idx.dtype)
+                pidx[:, :idx.shape[1]] = idx
+                pval = torch.zeros((most,) + tuple(val.shape[1:]), dtype=val.dtype)
+                pval[:val.shape[0]] = val
+                idxs, vals = gather(pidx, timeout), gather(pval, timeout)
+                out = None
+                for q in range(w):
+                    one = torch.sparse_coo_tensor(idxs[q][:, :nnz[q]], vals[q][:nnz[q]],
+                                                  inp.shape, check_invariants=False)
+                    if out is None:
+                        out = one
+                    else:
+                        out += one
+                out = out.coalesce()
+                for t in tensors:
+                    t.copy_(out)
+        return self._run(async_op, tensors, run, keep=tuple(tensors))
 
     def _gathered_reduce(self, t, red, timeout):
         """t becomes the reduction over the ranks, for a dtype or op the
@@ -853,9 +960,49 @@ class ProcessGroupMpcore(dist.ProcessGroup):
     all_gather_single = _allgather_base
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
+        """torch's all_gather_coalesced: output_lists[r][i] gets rank r's
+        inputs[i] (indexed by rank, then input, as gloo's).  One all-gather
+        of the inputs' bytes end to end, each piece padded to _ALIGN bytes
+        so that every output reads its own dtype where it lies."""
         opts = opts if opts is not None else _AllgatherOptions()
-        return self._chain([functools.partial(self.allgather, [o], [i])
-                            for o, i in zip(output_lists, inputs)], opts.asyncOp, output_lists)
+        if self._gloo is not None:
+            return self._gloo.allgather_coalesced(output_lists, inputs, opts)
+        w, inputs = self._world, list(inputs)
+        what = "all_gather_coalesced"
+        if not inputs:
+            raise ValueError(f"mpcore: {what} requires a non-empty input tensor list")
+        if len(output_lists) != w:
+            raise ValueError(f"mpcore: {what} needs {w} output lists (one per rank, each with "
+                             f"a tensor per input), not {len(output_lists)}")
+        for r, outs in enumerate(output_lists):
+            if len(outs) != len(inputs):
+                raise ValueError(f"mpcore: {what}: output list {r} has {len(outs)} tensors, "
+                                 f"not one per input ({len(inputs)})")
+            for i, (o, t) in enumerate(zip(outs, inputs)):
+                if o.dtype != t.dtype or o.shape != t.shape:
+                    raise ValueError(f"mpcore: {what}: output {i} of list {r} is ({o.dtype}, "
+                                     f"{tuple(o.shape)}), not input {i}'s ({t.dtype}, "
+                                     f"{tuple(t.shape)})")
+        everything = inputs + [o for outs in output_lists for o in outs]
+        self._no_cuda(what, everything)
+        _check_cpu(what, everything)
+        sizes = [_nbytes(t) for t in inputs]
+        at = [0]
+        for n in sizes:
+            at.append(at[-1] + -(-n // _ALIGN) * _ALIGN)
+        src = torch.zeros(at[-1], dtype=torch.uint8)
+        for t, a, n in zip(inputs, at, sizes):
+            src[a:a + n] = t.reshape(-1).view(torch.uint8)
+        total = at[-1]
+        flat = torch.empty(w * total, dtype=torch.uint8)
+        core = self._core()
+
+        def run(timeout):
+            core.all_gather(flat.data_ptr(), src.data_ptr(), total, timeout)
+            for r, outs in enumerate(output_lists):
+                for o, a, n in zip(outs, at, sizes):
+                    o.copy_(flat[r * total + a:r * total + a + n].view(o.dtype).view(o.shape))
+        return self._run(opts.asyncOp, output_lists, run, keep=(src, flat))
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = opts if opts is not None else _AllgatherOptions()
@@ -1154,11 +1301,83 @@ class ProcessGroupMpcore(dist.ProcessGroup):
         return shm.run(True, [], lambda _t: shm.core.barrier(timeout))
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
-        o = dist.BarrierOptions()
-        if timeout is not None:
-            o.timeout = timeout
-        o.asyncOp = False
-        self.barrier(o).wait()
+        """NOTE [ monitored_barrier's protocol ]
+        gloo's: every other rank tells rank 0 that it came, and waits (up to
+        the group's timeout) for rank 0's answer; rank 0 waits for each rank
+        in turn, rank 1 first, within `timeout` in all (or `timeout` for
+        each with wait_all_ranks), and then answers all.  A rank that does
+        not come in time makes rank 0 raise "[Rank 0]: Rank N failed to pass
+        monitoredBarrier in T ms" (with wait_all_ranks, "Ranks N, M failed
+        ..." once every rank had its time), and every rank that came raise
+        "Rank K successfully reached monitoredBarrier, but received errors
+        while waiting for send/recv from rank 0", with rank 0's message as
+        the original exception: gloo's texts, which torch's tests match.
+        gloo moves the messages by send and recv; here they are keys in the
+        group's store, whose waits time out without breaking anything,
+        where a point-to-point wait that times out breaks the group (NOTE
+        [ Mailboxes ] in coll.c), and rank 0 could not go on waiting for the
+        next rank.  Each call has keys of its own (the group counts its
+        calls, as gloo's tags do); rank 0 deletes each arrival as it sees it,
+        and, once every rank came, the previous call's answer, which each of
+        them has read.  Unlike gloo's, the group stays usable after a
+        failure, and a rank that comes late is told of it at once."""
+        import logging
+        timeout_s = self._timeout_s if timeout is None else _dist._seconds(timeout)
+        ms = int(round(timeout_s * 1000))
+        store, me, w = self._store, self._rank, self._world
+        self._monitored += 1
+        key = f"mpcore/monitored/{self._monitored}/"
+        answer = f"{key}answer"
+        if me != 0:
+            store.set(f"{key}came/{me}", "1")
+            try:
+                store.wait([answer], datetime.timedelta(seconds=self._timeout_s))
+                said = store.get(answer).decode()
+            except Exception as e:
+                said = f"{type(e).__name__}: {e}"
+            else:
+                if said == "ok":
+                    return
+            raise RuntimeError(
+                f"Rank {me} successfully reached monitoredBarrier, but received errors while "
+                f"waiting for send/recv from rank 0. Please check rank 0 logs for faulty rank.\n"
+                f" Original exception: \n{said}")
+        log = logging.getLogger(__name__)
+
+        def fail(msg, detail=""):
+            store.set(answer, msg)
+            log.error(msg)
+            raise RuntimeError(msg + detail)
+
+        start = time.monotonic()
+        passed, failed = [], []
+        for q in range(1, w):
+            left = timeout_s
+            if not wait_all_ranks:
+                left = timeout_s - (time.monotonic() - start)
+                if left <= 0:
+                    fail(f"Rank {me} timed out in monitoredBarrier after {ms} ms.\n"
+                         + (f"Successfully processed ranks: {', '.join(map(str, passed))}"
+                            if passed else "No ranks successfully processed in monitoredBarrier."))
+            came = f"{key}came/{q}"
+            try:
+                # a wait of 0 ms would be no wait at all: at least 1 ms
+                store.wait([came], datetime.timedelta(seconds=max(left, 0.001)))
+            except Exception as e:
+                msg = f"[Rank 0]: Rank {q} failed to pass monitoredBarrier in {ms} ms"
+                if not wait_all_ranks:
+                    fail(msg, f"\n Original exception: \n{e}")
+                log.error(msg)
+                failed.append(q)
+                continue
+            store.delete_key(came)
+            passed.append(q)
+        if failed:
+            fail(f"[Rank 0]: Ranks {', '.join(map(str, failed))} failed to pass monitoredBarrier "
+                 f"in {ms} ms")
+        store.set(answer, "ok")
+        if self._monitored > 1:   # every rank came here, so every rank read the last answer
+            store.delete_key(f"mpcore/monitored/{self._monitored - 1}/answer")
 
     # -- coalescing (torch's _coalescing_manager, batch_isend_irecv) ---------------------------
     def _start_coalescing(self, device):

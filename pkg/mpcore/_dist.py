@@ -41,12 +41,16 @@ def _host_id():
 
 
 def _nbytes(tensors):
-    """The bytes of a tensor, or of the tensors in a (nested) list."""
+    """The bytes of a tensor, or of the tensors in a (nested) list; a
+    sparse tensor, which has no nbytes, counts as none."""
     if isinstance(tensors, (list, tuple)):
         if len(tensors) == 1:
             return _nbytes(tensors[0])
         return sum(_nbytes(t) for t in tensors)
-    return getattr(tensors, "nbytes", 0)
+    try:
+        return getattr(tensors, "nbytes", 0)
+    except RuntimeError:
+        return 0
 
 
 def _seconds(timeout):

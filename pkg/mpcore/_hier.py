@@ -406,12 +406,6 @@ class HierGroup:
                 self._loc("barrier", timeout)
         return self._go(opts.asyncOp, [], run)
 
-    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
-        o = dist.BarrierOptions()
-        if timeout is not None:
-            o.timeout = timeout
-        self.barrier(o).wait()
-
     def _gather_all(self, out, src, timeout):
         """out (world x n bytes, uint8) becomes every rank's src (n bytes)
         in rank order."""
@@ -478,9 +472,10 @@ class HierGroup:
         return self._go(async_op, result, run)
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
+        # gloo's own: output_lists is indexed [rank][input], one flat all-gather
         opts = opts if opts is not None else AllgatherOptions()
-        return self._each([lambda o, a=a, b=b: self._now(self.allgather, [a], [b])
-                           for a, b in zip(output_lists, inputs)], opts.asyncOp, output_lists)
+        return self._flat_op("allgather_coalesced", output_lists, opts.asyncOp, output_lists,
+                             inputs, opts)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = opts if opts is not None else AllgatherOptions()
