@@ -314,7 +314,7 @@ def _mode_command(mode, mpcore):
     return [*mpcore, "run", HERE]
 
 
-def _worker_env(mode, file, timeout):
+def _worker_env(mode, file, timeout, world_size=WORLD_SIZE):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if mode == "plain":
         # plain python: nothing of mpcore's switches (MPCORE_RUN would make
@@ -324,7 +324,7 @@ def _worker_env(mode, file, timeout):
         env[WORKER_ENV] = "file"
     else:
         # as torch's test/distributed/test_distributed_spawn.py is run for gloo
-        env.update(BACKEND="gloo", WORLD_SIZE=str(WORLD_SIZE))
+        env.update(BACKEND="gloo", WORLD_SIZE=str(world_size))
         env[WORKER_ENV] = "distributed_test"
     # torch's harness times a test out (and prints the ranks' stacks) a
     # little before this driver would kill it.
@@ -358,7 +358,7 @@ def run_mode(mode, names, args, log):
             proc = subprocess.Popen(argv + chunk, stdin=subprocess.DEVNULL, stdout=lf,
                                     stderr=subprocess.STDOUT, pass_fds=(w,),
                                     start_new_session=True, cwd=args.cwd,
-                                    env=_worker_env(mode, args.file, args.timeout))
+                                    env=_worker_env(mode, args.file, args.timeout, args.world_size))
         os.close(w)
         current, buf, killed, ran_any = None, b"", False, False
         # Bounded from the worker's start to its first test, and each test
@@ -442,7 +442,7 @@ def list_tests(args):
     proc = subprocess.Popen(argv + ["--list"], stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             pass_fds=(w,), start_new_session=True, cwd=args.cwd,
-                            env=_worker_env("plain", args.file, args.timeout))
+                            env=_worker_env("plain", args.file, args.timeout, args.world_size))
     os.close(w)
     try:
         out, _ = proc.communicate(timeout=args.timeout)
@@ -495,6 +495,9 @@ def main(argv=None):
                     help="keep only tests whose name contains this (repeatable: any)")
     ap.add_argument("--file", help="run the TestCases of this torch test file instead "
                                    "(names are Class.method; default: all of them)")
+    ap.add_argument("--world-size", type=int, default=WORLD_SIZE,
+                    help=f"ranks of DistributedTest (default {WORLD_SIZE}; its subgroup tests "
+                         "need 3 or more, and skip with 2)")
     ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                     help=f"seconds a test may take in one mode (default {DEFAULT_TIMEOUT})")
     ap.add_argument("--modes", default="plain,mpcore",
@@ -516,6 +519,8 @@ def main(argv=None):
     bad = [m for m in modes if m not in ("plain", "mpcore")]
     if bad or not modes:
         ap.error(f"--modes takes plain and/or mpcore, not {args.modes!r}")
+    if args.world_size < 2:
+        ap.error(f"--world-size must be 2 or more, not {args.world_size}")
     if args.timeout <= 0:
         ap.error(f"--timeout must be positive, not {args.timeout}")
     if args.file and not os.path.exists(args.file):
@@ -573,7 +578,7 @@ def main(argv=None):
 
     if args.json:
         json.dump({"source": args.file or "torch.testing._internal.distributed.distributed_test",
-                   "backend": "gloo", "world_size": WORLD_SIZE, "modes": modes,
+                   "backend": "gloo", "world_size": None if args.file else args.world_size, "modes": modes,
                    "seconds": round(time.monotonic() - t0, 1), "tests": rows,
                    "totals": {m: totals[m] for m in modes},
                    "passes_plain_not_mpcore": regressions}, sys.stdout, indent=1)
