@@ -122,6 +122,20 @@ PROFILED = {
 for name, fn in PROFILED.items():
     check("profile/" + name)(lambda fn=fn: events(fn))
 
+@check("profile/ddp")
+def _():
+    """DDP's buckets: torch's reducer on gloo, mpcore's DDP under `mpcore run`."""
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8, bias=False))
+    x = torch.ones(3, 8)
+
+    def steps(n):
+        for _ in range(n):
+            model(x).sum().backward()
+    steps(1)     # the buckets are rebuilt at the next step: its broadcast is recorded too
+    return events(lambda: steps(2))
+
+
 check("profile/kineto/all_reduce")(lambda: events(lambda: dist.all_reduce(mine()), kineto=True))
 check("profile/kineto/funcol/all_reduce")(lambda: events(
     lambda: funcol.wait_tensor(funcol.all_reduce(mine(), "sum", G)), kineto=True))
@@ -265,7 +279,7 @@ PROFILE_CHECKS = (["profile/" + n for n in (
     "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter",
     "all_to_all_single", "all_to_all", "barrier", "all_reduce_coalesced", "send_recv",
     "recv_any_source", "isend_irecv", "batch_isend_irecv", "funcol/all_reduce",
-    "funcol/all_gather_single", "funcol/reduce_scatter_single", "kineto/all_reduce",
+    "funcol/all_gather_single", "funcol/reduce_scatter_single", "ddp", "kineto/all_reduce",
     "kineto/funcol/all_reduce")])
 
 # What of a Work is compared, where gloo's own Work is short of torch's surface: its
