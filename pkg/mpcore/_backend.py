@@ -1885,10 +1885,28 @@ def _split_group(parent_pg=None, split_ranks=None, timeout=None, pg_options=None
 _torch_split_group = None
 
 
+# NOTE [ asyncOp before torch 2.7 ]
+# The group's methods read opts.asyncOp to run a call at once or on the
+# group's thread.  torch 2.6's AllreduceOptions, ReduceOptions,
+# GatherOptions, AllToAllOptions, BarrierOptions and AllreduceCoalescedOptions
+# have no asyncOp: there torch waits on the Work of every call that is not
+# async_op, so every call may be asynchronous to the group.  Where an
+# options class lacks it, asyncOp is added (through the table) as True,
+# which setting leaves so: such calls run as a later torch runs an async_op
+# one, and give the same results.
+_OPTIONS = ("AllreduceOptions", "AllreduceCoalescedOptions", "ReduceOptions",
+            "BroadcastOptions", "AllgatherOptions", "GatherOptions", "ScatterOptions",
+            "ReduceScatterOptions", "AllToAllOptions", "BarrierOptions")
+_ASYNC_OP = property(lambda self: True, lambda self, value: None,
+                     doc="added by mpcore: this torch's options have no asyncOp")
+
+
 def register():
     """Registers the backend with torch.distributed (once)."""
     global _torch_set_pg_timeout, _torch_split_group
-    if "MPCORE" not in dist.Backend._plugins:
+    for name in _OPTIONS:   # NOTE [ asyncOp before torch 2.7 ]
+        _torchapi.replace(f"torch._C._distributed_c10d.{name}.asyncOp", _ASYNC_OP)
+    if "MPCORE" not in _torchapi.get("torch.distributed.Backend._plugins"):
         dist.Backend.register_backend("mpcore", _create_extended, extended_api=True,
                                       devices=["cpu"])
         run_uncompiled(ProcessGroupMpcore, Work, _dist.Work, _Done, _AllOf, _create_extended)

@@ -163,6 +163,11 @@ def _rows():
         ("torch.distributed.Backend._plugins", "read", "exists", "distributed backend", False),
         ("torch._C._distributed_c10d.AllgatherOptions", "read", "class",
          "distributed backend", False),
+        *((f"torch._C._distributed_c10d.{n}.asyncOp", "add", "exists", "distributed backend",
+           False)
+          for n in ("AllreduceOptions", "AllreduceCoalescedOptions", "ReduceOptions",
+                    "BroadcastOptions", "AllgatherOptions", "GatherOptions", "ScatterOptions",
+                    "ReduceScatterOptions", "AllToAllOptions", "BarrierOptions")),
         (f"{_C10D}._world", "read", "attrs:default_pg,pg_map,pg_group_ranks",
          "distributed backend", False),
         (f"{_C10D}._get_default_group", "read", "callable", "distributed backend", False),

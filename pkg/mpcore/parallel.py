@@ -56,6 +56,8 @@ class _Hooks:
         """The group buffer that holds bucket `index` (tensor t), after moving
         the bucket's storage into a new one if it is not in one yet; None
         when there is no memory for it."""
+        if _backend._SWAP is None:
+            return None   # torch cannot move a storage in place: the all-reduce is staged
         s = t.untyped_storage()
         b = self.buffers.get(index)
         if b is not None and b.address == s.data_ptr():
