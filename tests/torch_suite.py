@@ -44,47 +44,30 @@ WORLD_SIZE = 2
 HERE = os.path.abspath(__file__)
 
 # The CI subset: tests of DistributedTest that pass under plain python on the
-# pinned torch with gloo, two ranks, on CPU, chosen to cover each kind of call
-# mpcore serves (collectives on the world and on subgroups, coalesced and
-# async calls, point-to-point, object collectives, barriers, DDP) and the
-# differences from gloo found before, in a few minutes on two cores.
+# pinned torch with gloo and two ranks on CPU (with two ranks torch skips its
+# subgroup tests), one or two for each kind of call mpcore serves, chosen
+# where mpcore differed from gloo before: the profiler's events for
+# collectives and point-to-point calls (the all_reduce, all_gather, gather and
+# send/recv tests profile each call), the coalesced all_gather's [rank][input]
+# outputs, sparse all_reduce, monitored_barrier's errors, the backend's name
+# in DDP's logging data, a pickled DDP module.  About 15 s a test under plain
+# python and half that under mpcore on two quiet cores.
 CI_SUBSET = [
-    # collectives, world and subgroups
     "test_all_reduce_sum",
     "test_all_reduce_sum_async",
-    "test_all_reduce_group_sum",
-    "test_all_reduce_coalesced_sum",
-    "test_sparse_all_reduce_sum",
-    "test_broadcast",
-    "test_broadcast_group",
-    "test_reduce_sum",
     "test_all_gather",
-    "test_all_gather_group",
     "test_all_gather_coalesced_simple",
-    "test_all_gather_into_tensor_ops",
+    "test_sparse_all_reduce_sum",
     "test_gather",
     "test_scatter",
-    "test_all_to_all_single_equal_split",
-    "test_all_to_all",
-    # point-to-point
     "test_send_recv",
-    "test_isend",
-    "test_irecv",
     "test_batch_isend_irecv_gloo",
-    # objects
     "test_all_gather_object_default_pg",
-    "test_broadcast_object_list",
-    "test_scatter_object_list",
-    # barriers and groups
     "test_barrier",
-    "test_barrier_group",
-    "test_monitored_barrier_gloo",
-    "test_new_subgroups",
+    "test_monitored_barrier_gloo_subgroup",
     "test_get_backend",
-    # DDP
-    "test_DistributedDataParallel_requires_grad",
+    "test_DistributedDataParallelCPU",
     "test_ddp_logging_data_cpu",
-    "test_ddp_comm_hook_logging",
 ]
 
 DEFAULT_TIMEOUT = 300
@@ -340,13 +323,31 @@ def _log_tail(path, n=30):
         return ""
 
 
+# Workers running now, and whether the driver was told to stop: a signal
+# to the driver ends every worker's session before the driver exits, so
+# that no rank outlives it (_stop).
+_LIVE = set()
+_STOPPING = []
+
+
+def _stop(signum, frame):
+    _STOPPING.append(signum)
+    for proc in list(_LIVE):
+        for pid in _running(proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    raise SystemExit(128 + signum)
+
+
 def run_mode(mode, names, args, log):
     """{name: result} of running names in mode, each bounded by args.timeout;
     log(line) reports progress."""
     results = {}
     todo = list(names)
     batch = 0
-    while todo:
+    while todo and not _STOPPING:
         batch += 1
         logfile = os.path.join(args.log_dir, f"{mode}-{batch}.log")
         r, w = os.pipe()
@@ -359,6 +360,7 @@ def run_mode(mode, names, args, log):
                                     stderr=subprocess.STDOUT, pass_fds=(w,),
                                     start_new_session=True, cwd=args.cwd,
                                     env=_worker_env(mode, args.file, args.timeout, args.world_size))
+        _LIVE.add(proc)
         os.close(w)
         current, buf, killed, ran_any = None, b"", False, False
         # Bounded from the worker's start to its first test, and each test
@@ -400,6 +402,9 @@ def run_mode(mode, names, args, log):
                             + (f": {rec['error'][:200]}" if rec["outcome"] == "fail" else ""))
                         current = None
                     deadline = time.monotonic() + args.timeout
+        except BaseException:
+            killed = True   # the driver is stopping: so is the worker
+            raise
         finally:
             os.close(r)
             os.close(pidfd)
@@ -409,7 +414,8 @@ def run_mode(mode, names, args, log):
                 except subprocess.TimeoutExpired:
                     killed = True
             _end_session(proc, kill=killed)
-        if not todo:
+            _LIVE.discard(proc)
+        if not todo or _STOPPING:
             continue
         tail = _log_tail(logfile)
         if not ran_any:
@@ -552,6 +558,8 @@ def main(argv=None):
         if not args.quiet:
             print(line, file=sys.stderr, flush=True)
 
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, _stop)
     own_logs = args.log_dir is None
     if own_logs:
         args.log_dir = tempfile.mkdtemp(prefix="torch_suite-")
