@@ -9,9 +9,10 @@ parameters), and the feature of mpcore that needs it.  Code reads such a
 symbol with get() and replaces an attribute with replace(), never directly,
 and only at install time: a hot path keeps what get() returned.  Each call
 records what it did in the row: "ok" (read, of the expected shape),
-"replaced", "added" (torch had no such name), "kept torch's" (not replaced,
-and why), "missing" or "wrong shape" (and why); rows never reached stay
-"unchecked".  `mpcore doctor --json` prints the table.
+"replaced", "added" (torch had no such name), "checked" (a replacement
+whose target checks, not made in this process), "kept torch's" (not
+replaced, and why), "missing" or "wrong shape" (and why); rows never
+reached stay "unchecked".  `mpcore doctor --json` prints the table.
 
 NOTE [ A feature torch cannot carry falls back ]
 A feature is served only when every row it reads or replaces checks on the
@@ -55,7 +56,8 @@ FEATURES = {
         "arrive as one storage per byte range",
         "tensors are pickled by torch's own reductions"),
     "in-place moves": (
-        "share_memory_() and sending a tensor move its storage into mpcore memory in place",
+        "share_memory_() and sending a tensor move its storage into mpcore memory in place "
+        "(and the backend moves storages reduced again and again into group buffers)",
         "share_memory_() and sending tensors not yet in mpcore memory are torch's own "
         "(tensors made in mpcore memory still travel as handles)"),
     "torch.multiprocessing": (
