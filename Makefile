@@ -48,21 +48,11 @@ test: install
 PKG := build/package
 PKG_TOOLS := $(PKG)/tools/bin
 PKG_PY := $(CURDIR)/$(PKG)/venv/bin/python
-# Quick tests of what the package serves: Queue, spawn, DataLoader with
-# workers, the article's programs, collectives and DDP under `mpcore run`, the
-# launcher's console script and mpcore.pth, the core's x86 clones.
-PACKAGE_SMOKE := \
-  tests/test_queue.py::test_put_get_roundtrip_in_order \
-  tests/test_queue.py::test_queues_passed_to_children \
-  tests/test_queue.py::test_bare_tensors_of_every_dtype_and_view_round_trip \
-  tests/test_spawn.py::test_success \
-  tests/test_spawn.py::test_exception_single \
-  tests/test_spawn.py::test_import_does_not_import_torch \
-  tests/test_data_core.py::test_loader_without_torch_gives_numpy_batches \
-  tests/test_data_core.py::test_mpcore_run_serves_torch_dataloader \
-  tests/test_article.py::test_shared_tensor_under_launcher \
-  tests/test_article.py::test_hogwild_under_launcher \
-  tests/test_dist.py::test_mpcore_run_serves_torch_distributed_and_ddp \
+# What the package serves, as in the torch window's check (tests/smoke: the
+# article's programs, spawn, Queue, DataLoaders with workers, collectives, DDP,
+# doctor), plus what only an install can break: the console script, mpcore.pth
+# reaching a program's subprocesses, and the core's x86 clones.
+PACKAGE_SMOKE := tests/smoke \
   tests/test_launcher.py::test_console_script_and_python_dash_m_agree \
   tests/test_launcher.py::test_subprocess_of_a_launched_program_is_served \
   tests/test_cross_compile.py::test_x86_build_keeps_its_clones
@@ -79,8 +69,11 @@ test-package:
 	  grep -q "^mpcore-[^/]*/$$f$$" $(PKG)/sdist.txt || { echo "the sdist lacks $$f"; exit 1; }; done
 	$(PKG_TOOLS)/python -m build -q --wheel --outdir $(PKG)/dist $(PKG)/dist/mpcore-*.tar.gz
 	PATH="$(CURDIR)/$(PKG_TOOLS):$$PATH" $(PKG_TOOLS)/auditwheel repair -w $(PKG)/wheelhouse $(PKG)/dist/mpcore-*.whl
-	$(PYTHON) -m venv $(PKG)/venv
-	$(PKG_PY) -m pip install -q $(PKG)/wheelhouse/mpcore-*-manylinux_*.whl $(TORCH) pytest pytest-timeout
+	@# The tools' pip installs into the fresh environment (no pip of its own, no .pyc
+	@# compiled ahead: both cost minutes here and neither is what is tested).
+	$(PYTHON) -m venv --without-pip $(PKG)/venv
+	$(PKG_TOOLS)/pip --python $(PKG_PY) install -q --no-compile \
+	  $(PKG)/wheelhouse/mpcore-*-manylinux_*.whl $(TORCH) pytest pytest-timeout
 	cd $(PKG)/run && $(PKG_PY) -c 'import importlib.metadata as m, os, sys, mpcore; \
 	  assert "torch" not in sys.modules, "import mpcore imported torch"; \
 	  assert mpcore.__file__.startswith(sys.prefix + os.sep), mpcore.__file__; \
