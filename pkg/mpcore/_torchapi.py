@@ -201,9 +201,8 @@ def _rows():
         ("torch._C._has_torch_function", "read", "callable", "collective fast paths", False),
         ("torch._C._autograd._profiler_enabled", "read", "callable", "collective fast paths",
          False),
-        ("torch._C._dispatch_tls_is_dispatch_key_included", "read", "callable",
-         "collective fast paths", False),
-        ("torch._C.DispatchKey", "read", "attrs:Python", "collective fast paths", False),
+        ("torch._C._len_torch_dispatch_stack", "read", "callable", "collective fast paths",
+         False),
         (f"{_C10D}._resolve_process_group", "read", "callable", "collective fast paths", False),
     )
     for n in _FASTPATH:
@@ -213,8 +212,6 @@ def _rows():
     for n in _FUNCOL:
         yield (f"{_FC}.{n}", "replace", "same params", "functional collective fast paths", False)
     yield from (
-        (f"{_FC}._are_we_tracing", "read", "callable", "functional collective fast paths",
-         False),
         (f"{_FC}.DeviceMesh", "read", "class", "functional collective fast paths", False),
         (f"{_FC}.AsyncCollectiveTensor", "read", "attrs:elem,completed,trigger_wait",
          "functional collective fast paths", False),
