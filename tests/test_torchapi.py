@@ -23,7 +23,10 @@ WARNING = re.compile(r"RuntimeWarning: mpcore: ")
 
 
 def env():
+    # run_program adds these to this process's environment: MPCORE_TORCH_WARNED
+    # is emptied, since this process may have given the one warning already
     e = {k: v for k, v in fresh_env().items() if not k.startswith("MPCORE_")}
+    e["MPCORE_TORCH_WARNED"] = ""
     return e
 
 
