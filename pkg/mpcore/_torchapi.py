@@ -508,6 +508,8 @@ def replace(target, new, feature=None, wraps=False):
         row.status, row.why = "missing", str(e)
         return None
     if row.kind == "add":
+        if row.status == "added":
+            return None   # added already (a second install)
         if hasattr(owner, name):
             row.status, row.why = "kept torch's", f"torch has {target}"
             return None
