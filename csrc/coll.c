@@ -684,8 +684,9 @@ static int barrier(mpc_coll *c, const char *what, int64_t deadline) {
                     if (atomic_load(&h->ranks[q].bar) < target)
                         n += (size_t)snprintf(missing + n, sizeof missing - n, "%s%d",
                                               n ? ", " : "", lbl(c, q));
-                break_group(c, c->rank, "%s timed out waiting for ranks %s", what, missing);
-                return mpc_fail(ETIMEDOUT, "%s timed out waiting for ranks %s", what,
+                /* " timeout ": torch's tests of gloo match " (Timed out|closed|timeout) " */
+                break_group(c, c->rank, "%s hit its timeout waiting for ranks %s", what, missing);
+                return mpc_fail(ETIMEDOUT, "%s hit its timeout waiting for ranks %s", what,
                                 missing);
             }
         }
@@ -1824,9 +1825,9 @@ static int p2p_wait(mpc_coll *c, uint32_t g, const char *what, int peer, int64_t
             snprintf(whom, sizeof whom, "rank %d", lbl(c, peer));
         else
             snprintf(whom, sizeof whom, "any rank");
-        break_group(c, c->rank, "rank %d's %s timed out waiting for %s", lbl(c, c->rank), what,
-                    whom);
-        return mpc_fail(ETIMEDOUT, "%s timed out waiting for %s", what, whom);
+        break_group(c, c->rank, "rank %d's %s hit its timeout waiting for %s", lbl(c, c->rank),
+                    what, whom);
+        return mpc_fail(ETIMEDOUT, "%s hit its timeout waiting for %s", what, whom);
     }
     return 0;
 }

@@ -12,9 +12,10 @@ reference), with the "mpcore" backend asked for by name, and asking for
     asked for and no hook it did not register; it pickles (torch.save) and
     loads as torch's DDP; its built-in FP16 hook;
   - the names the group answers to (name(), _get_backend_name());
-  - monitored_barrier, last (gloo's group is broken after it fails): rank 1
-    stays away while rank 0 checks gloo's error texts, which torch's tests
-    match; rank 1 waits on the job's store until rank 0 is done.
+  - monitored_barrier, and a barrier and a recv past their group's timeout,
+    last (gloo's group is broken after they fail): rank 1 stays away while
+    rank 0 checks the error texts against what torch's tests match of gloo;
+    rank 1 waits on the job's store until rank 0 is done.
 A second program (MONITORED) runs on 3 ranks under `mpcore run` only: rank
 1 stays away, and rank 2, which came, gets the error torch's
 test_monitored_barrier_gloo expects of it.
@@ -358,6 +359,23 @@ def _():
     return said
 
 
+@check("timeout/rank_1_stays_away")
+def _():
+    # a barrier and a recv that rank 1 never answers, each on a group of its own
+    # with a 1 s timeout (either group is broken after it, gloo's as mpcore's)
+    g1 = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=1))
+    g2 = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=1))
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=datetime.timedelta(seconds=120))
+    if RANK != 0:
+        store.wait(["parity/timeout-done"])
+        return None
+    said = [error(lambda: dist.barrier(group=g1)),
+            error(lambda: dist.recv(torch.empty(3), 1, group=g2))]
+    store.set("parity/timeout-done", "1")
+    return said
+
+
 finish()
 '''
 
@@ -512,6 +530,15 @@ def test_monitored_barrier_texts_match_torchs_tests(runs, mode):
     assert "No ranks successfully processed in monitoredBarrier" in zero["message"], zero
     assert re.search("Ranks 1 failed to pass monitoredBarrier", every["message"]), every
     assert "in 500 ms" in every["message"], every
+
+
+@pytest.mark.parametrize("mode", ["gloo", "mpcore", "run-gloo"])
+def test_timeout_texts_match_torchs_tests(runs, mode):
+    """A barrier and a recv past their group's timeout raise what torch's
+    _test_barrier_timeout (test_barrier_timeout_*) matches of gloo."""
+    for e in runs.get(mode, 2).value("timeout/rank_1_stays_away")[0]:
+        assert e is not None and re.search(" (Timed out|closed|timeout) ", e["message"]), \
+            (mode, e)
 
 
 def test_monitored_barrier_tells_the_ranks_that_came(monitored):

@@ -777,13 +777,13 @@ class ProcessGroupMpcore(dist.ProcessGroup):
                 meta = torch.zeros(9, dtype=torch.int64)
                 meta[:sd] = torch.tensor(shape[:sd], dtype=torch.int64)
                 meta[4:4 + len(shape) - sd] = torch.tensor(shape[sd:], dtype=torch.int64)
-                meta[8] = inp._nnz()
+                idx, val = inp.indices(), inp.values()
+                meta[8] = idx.shape[1]   # nnz
                 metas = gather(meta, timeout).tolist()
                 if any(sizes(m) != sizes(metas[me]) for m in metas):
                     raise RuntimeError("Sparse dimensions do not match")
                 nnz = [m[8] for m in metas]
                 most = max(nnz)
-                idx, val = inp.indices(), inp.values()
                 pidx = torch.zeros((sd, most), dtype=idx.dtype)
                 pidx[:, :idx.shape[1]] = idx
                 pval = torch.zeros((most,) + tuple(val.shape[1:]), dtype=val.dtype)
