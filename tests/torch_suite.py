@@ -13,6 +13,10 @@ harness (MultiProcessTestCase), once under plain python and once under
 outcome in both modes, the totals, and every test that passes plain but not
 under mpcore; it exits 1 if there is any such test.
 
+torch's test harness (torch.testing._internal.common_utils) imports
+expecttest, a test dependency torch's wheel does not pull in: without it
+every test fails at its worker's start, naming the missing module.
+
 This file is a script, not a pytest module: tests/test_torch_suite.py runs it.
 
 NOTE [ How the suite is driven ]
