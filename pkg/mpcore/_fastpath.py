@@ -68,7 +68,9 @@ observe it:
 - torch.compile or export traces the call: torch.compiler.is_compiling,
   which torch.compile takes for True, so that a compiled caller goes
   straight on to torch's function and never traces the rest (where the
-  graphs and graph breaks would differ from gloo's);
+  graphs and graph breaks would differ from gloo's).  Nothing traces
+  before torch._dynamo is imported (which neither torch.distributed nor
+  DTensor does), so until then the check is bool(), 5 ns;
 - a TorchDispatchMode is on the thread's stack: the program's
   (CommDebugMode, DebugMode) or torch's own while it traces (FakeTensorMode,
   make_fx's proxy mode), which torch._C._len_torch_dispatch_stack counts
@@ -96,7 +98,7 @@ from . import _backend, _boot, _torchapi
 _TORCH = {}   # key (the function's name, "funcol." before a functional one's) -> torch's
 _has_torch_function = _torchapi.get("torch._C._has_torch_function")
 # what observes a call (NOTE [ Fast paths nobody sees ])
-_compiling = bool   # torch.compiler.is_compiling once torch.compiler is imported (_compiler)
+_compiling = bool   # torch.compiler.is_compiling once torch._dynamo is imported (_compiler)
 _profiling = _torchapi.get("torch._C._autograd._profiler_enabled")
 _modes = _torchapi.get("torch._C._len_torch_dispatch_stack")   # the program's and torch's
 _Tensor = torch.Tensor
@@ -348,11 +350,12 @@ def install():
     # break in torch's, their own frames then run as plain Python, as
     # torch's module functions do, rather than be compiled anew.
     _backend.run_uncompiled(send, recv, broadcast, gather, scatter, all_to_all_single)
-    # torch imports torch.compiler after torch.distributed (nothing compiles before)
-    _boot.when_imported("torch.compiler", _compiler)
-
-
-def _compiler(module):
-    global _compiling
-    _compiling = module.is_compiling
+    _boot.when_imported("torch._dynamo", _compiler)
     _boot.when_imported(_FUNCOL, _install_funcol)
+
+
+def _compiler(dynamo):
+    """Once torch._dynamo is imported, a call may be traced
+    (NOTE [ Fast paths nobody sees ])."""
+    global _compiling
+    _compiling = torch.compiler.is_compiling
