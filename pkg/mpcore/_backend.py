@@ -1682,8 +1682,12 @@ def _profiled(self, name, method, args, kwargs):
                    _torchapi.get("torch.ops.profiler._call_end_callbacks_on_jit_fut")
                    ._RecordFunction)
     prefix = _backend_name(self) + ":"
-    events = _Events([(prefix + (title or _TITLES[name]), tensors)
-                      for title, tensors in _EVENTS[name](args)])
+    try:
+        names = [(prefix + (title or _TITLES[name]), list(tensors))
+                 for title, tensors in _EVENTS[name](args)]
+    except (IndexError, TypeError):   # arguments of another shape: the event, without inputs
+        names = [(prefix + _TITLES[name], [])]
+    events = _Events(names)
     with _recording_lock:
         _recording += 1
     _inside.on, _inside.events = True, events
