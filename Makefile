@@ -14,6 +14,8 @@ $(STAMP):
 	$(PY) -m pip install -q $(TORCH) "numpy>=1.24" pytest pytest-timeout matplotlib setuptools wheel nvidia-nccl-cu13
 	# torchdata for the test that moves loader state between it and mpcore; --no-deps keeps the pinned torch.
 	$(PY) -m pip install -q --no-deps torchdata==0.11.0
+	# expecttest: torch's own test harness (tests/torch_suite.py drives its DistributedTest) imports it.
+	$(PY) -m pip install -q expecttest==0.3.0
 	# Lightning for the test that runs its DDP strategy under `mpcore run`; --no-deps as above.
 	$(PY) -m pip install -q --no-deps lightning==2.6.6 lightning-utilities==0.15.3 \
 	  torchmetrics==1.9.0 tqdm==4.70.1 pyyaml==6.0.4
