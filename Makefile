@@ -89,21 +89,22 @@ test-package:
 # an environment each under .venv-window/, built from nothing the first time
 # (torch 2.6.0 is a CUDA build of about 3.7 GB; it runs on the CPU), mpcore
 # installed there from this tree, and the smoke subset (tests/smoke) run in it.
+# --no-compile: compiling torch's thousands of modules ahead costs minutes here.
 WINDOW_TORCHES := 2.6.0 2.14.1
 WINDOW_VENVS := .venv-window
 
 test-window:
 	@set -e; for v in $(WINDOW_TORCHES); do \
-	  d=$(WINDOW_VENVS)/torch-$$v; \
+	  d=$(WINDOW_VENVS)/torch-$$v; t=$$(date +%s); \
 	  if [ ! -f $$d/.deps-stamp ]; then \
 	    rm -rf $$d; $(PYTHON) -m venv $$d; \
 	    $$d/bin/python -m pip install -q --upgrade pip; \
-	    $$d/bin/python -m pip install -q torch==$$v "numpy>=1.24" pytest pytest-timeout \
-	      "setuptools>=77" wheel; \
+	    $$d/bin/python -m pip install -q --no-compile torch==$$v "numpy>=1.24" pytest \
+	      pytest-timeout "setuptools>=77" wheel; \
 	    touch $$d/.deps-stamp; \
 	  fi; \
 	  $$d/bin/python -m pip install -q --no-build-isolation --no-deps --force-reinstall .; \
-	  echo "== the smoke subset on torch $$v"; \
+	  echo "== the smoke subset on torch $$v (its environment took $$(( $$(date +%s) - t )) s)"; \
 	  $$d/bin/python -m pytest -q -p no:cacheprovider tests/smoke; \
 	done
 
