@@ -519,14 +519,15 @@ NO_TORCH = NO_TORCH_PRELUDE + '''
 
 try:
     import torch
-    import os
-    SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
 except ImportError:
     pass
 else:
     raise SystemExit("the blocker did not block torch")
 
+import os
 import mpcore
+
+SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
 
 def child(q, a):
     a *= 2
