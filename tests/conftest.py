@@ -62,9 +62,9 @@ class _TimeScale:
     A test bounds each wait for an event (a line from a child, a process's
     exit, a queue's item) so that a hang fails instead of blocking the
     suite; the bound only matters when the event never comes.  On a busy
-    machine (other programs on the same cores: a load of 10 to 15 on two
-    cores is common here) everything takes several times longer, and a
-    bound picked on a quiet machine ends tests that were on their way.  So
+    machine (other programs on the same cores: a shared machine of two
+    cores at a load of 10 to 15) everything takes several times longer, and
+    a bound picked on a quiet machine ends tests that were on their way.  So
     every such bound, every deadline, every "it took less than" check and
     every timeout given to mpcore only so that it does not fire before
     slow peers arrive goes through scaled(): the quiet machine's seconds
@@ -80,10 +80,10 @@ class _TimeScale:
     numbers the tests name) and at most _SCALE_CAP (so that a hang still
     fails within minutes).  TEST_TIME_SCALE in the environment fixes it;
     the programs the tests start inherit it there, so that their waits
-    (scaled(), or the factor read from that variable) agree with the
-    test's.  What a test waits for in order to see that something does
-    NOT happen (an Empty after a short get) may take longer under a larger
-    factor, never less: scaling keeps such checks as strict as they were."""
+    (scaled(), or SLOW read from that variable) agree with the test's.
+    What is itself under test stays as it is: a timeout whose firing a
+    test checks (a 0.05 s get that must raise Empty, a group timeout of
+    0.5 s), and the lower bound of an "it took at least" check."""
 
     def __init__(self):
         given = os.environ.get(TIME_SCALE_VAR)
@@ -115,7 +115,8 @@ class _TimeScale:
     def describe(self):
         if self.fixed:
             return f"{self.factor:g} (fixed by {TIME_SCALE_VAR})"
-        return (f"{self.factor:g} (load {self.load:.2f} per CPU; a busy loop ran "
+        load = self.load if self.load is not None else _load_slowdown()
+        return (f"{self.factor:g} (load {load:.2f} per CPU; a busy loop ran "
                 f"{self.start:.2f}x slower than its CPU time at the session's start)")
 
 
