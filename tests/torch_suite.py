@@ -238,19 +238,10 @@ def worker_main(fd, file, names):
 # --- the driver: runs workers, kills what is left, compares ------------------
 
 def _session_members(sid):
-    """[(pid, state)] of the processes of session sid."""
-    out = []
-    for p in os.listdir("/proc"):
-        if not p.isdigit():
-            continue
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid:
-            out.append((int(p), fields[0]))
-    return out
+    """[(pid, state)] of the processes of session sid (conftest's, read when
+    the driver first needs it: the workers never import pytest)."""
+    from conftest import session_members
+    return session_members(sid)
 
 
 def _running(sid):
