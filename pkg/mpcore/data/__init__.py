@@ -9,6 +9,10 @@ otherwise, with numpy batches).  DataLoader.state_dict() and
 load_state_dict() resume loading mid-epoch, in torchdata
 StatefulDataLoader's format; StatefulDataLoader is DataLoader under
 torchdata's name and signature.
+
+SharedList, SharedDict and share_dataset() keep a dataset's items in one
+block of shared memory that every worker maps instead of copying
+(DataLoader(..., share_dataset=True) converts the dataset it is given).
 """
 from ._compat import (
     BatchSampler, Dataset, IterableDataset, RandomSampler, Sampler, SequentialSampler,
@@ -16,9 +20,11 @@ from ._compat import (
     get_worker_info,
 )
 from ._loader import DataLoader, StatefulDataLoader
+from ._shared import SharedDict, SharedList, broadcast_shared, share_dataset
 
 __all__ = [
     "DataLoader", "StatefulDataLoader", "Dataset", "IterableDataset", "Sampler", "SequentialSampler",
     "RandomSampler", "SubsetRandomSampler", "WeightedRandomSampler", "BatchSampler",
     "default_collate", "default_convert", "get_worker_info",
+    "SharedList", "SharedDict", "share_dataset", "broadcast_shared",
 ]

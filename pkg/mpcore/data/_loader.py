@@ -53,7 +53,7 @@ from multiprocessing import context as _mpctx
 from typing import TypeVar
 
 from .. import _context, _core, _queue, _shm
-from . import _collate, _compat, _state, _worker
+from . import _collate, _compat, _shared, _state, _worker
 from ._single import SingleIter
 
 torch = _compat.torch
@@ -77,7 +77,17 @@ class DataLoader(_Base[_T_co]):
     Takes torch's arguments with torch's meaning.  With num_workers > 0,
     batches made by default_collate arrive as views of shared memory that
     their worker filled (no copy, no file descriptor per tensor), and
-    stats() says whether loading keeps up with the loop."""
+    stats() says whether loading keeps up with the loop.
+
+    share_dataset=True (mpcore's only keyword) first converts the dataset's
+    large list and dict attributes, in place, into SharedList and
+    SharedDict (share_dataset() in _shared.py), so that its workers map one
+    copy instead of each copying it."""
+
+    def __init__(self, dataset, *args, share_dataset=False, **kwargs):
+        if share_dataset:
+            _shared.share_dataset(dataset)
+        super().__init__(dataset, *args, **kwargs)
 
     @property
     def multiprocessing_context(self):
@@ -231,7 +241,7 @@ class StatefulDataLoader(DataLoader):
                  num_workers=0, collate_fn=None, pin_memory=False, drop_last=False, timeout=0,
                  worker_init_fn=None, multiprocessing_context=None, generator=None, *,
                  prefetch_factor=None, persistent_workers=False, pin_memory_device="",
-                 in_order=True, snapshot_every_n_steps=1):
+                 in_order=True, snapshot_every_n_steps=1, share_dataset=False):
         td = _torchdata_samplers()
         if (td is not None and shuffle and sampler is None and batch_sampler is None
                 and not isinstance(dataset, _compat.IterableDataset)):
@@ -240,7 +250,8 @@ class StatefulDataLoader(DataLoader):
                          collate_fn, pin_memory, drop_last, timeout, worker_init_fn,
                          multiprocessing_context, generator, prefetch_factor=prefetch_factor,
                          persistent_workers=persistent_workers,
-                         pin_memory_device=pin_memory_device, in_order=in_order)
+                         pin_memory_device=pin_memory_device, in_order=in_order,
+                         share_dataset=share_dataset)
         if td is not None and batch_sampler is None and type(self.batch_sampler) is \
                 _compat.BatchSampler:
             # past torch's guard on the attribute, as construction is

@@ -1,0 +1,466 @@
+"""SharedList, SharedDict and share_dataset (NOTE [ Shared datasets ] in
+mpcore/data/_shared.py): the container's promises in this process, and
+loading, faults, shortage and ranks in fresh programs whose whole process
+tree is checked afterwards (nothing left running, no memfd open, nothing
+gained in /dev/shm)."""
+import copy
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import mpcore
+from mpcore.data import DataLoader, SharedDict, SharedList, share_dataset
+from conftest import (TESTS_ON_PATH, fresh_env, memory_amounts, program_result, run_in_memcg,
+                      scaled)
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _items(n):
+    """Nested items: dicts, lists, tuples, strings, numpy arrays and
+    tensors (a view of one storage among them)."""
+    out = []
+    for i in range(n):
+        base = torch.arange(6, dtype=torch.float32) + i
+        out.append({
+            "path": f"/data/{i:05d}.jpg", "label": i % 7, "w": i / 3,
+            "boxes": [[i, i + 1, i + 2, i + 3], (i, "x")],
+            "mask": np.arange(i % 4 + 1, dtype=np.int16) * i,
+            "fortran": np.asfortranarray(np.arange(6, dtype=np.float64).reshape(2, 3) + i),
+            "t": base, "view": base[2:5], "half": torch.full((2,), i, dtype=torch.bfloat16),
+            "meta": {"tags": ["a", str(i)], "none": None},
+        })
+    return out
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a, b))
+    if isinstance(a, np.ndarray):
+        return (isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape
+                and np.array_equal(a, b))
+    if isinstance(a, dict):
+        return (isinstance(b, dict) and list(a) == list(b)
+                and all(_same(a[k], b[k]) for k in a))
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    return type(a) is type(b) and a == b
+
+
+# --- the container, in this process -------------------------------------------
+
+def test_list_reads_back_every_item_nested_arrays_and_tensors_included():
+    src = _items(50)
+    sl = SharedList(src)
+    assert len(sl) == 50
+    for i in (0, 1, 17, 49, -1, -50):
+        assert _same(sl[i], src[i]), i
+    assert all(_same(a, b) for a, b in zip(sl, src))
+    assert all(_same(a, b) for a, b in zip(reversed(sl), reversed(src)))
+    with pytest.raises(IndexError):
+        sl[50]
+    with pytest.raises(IndexError):
+        sl[-51]
+    with pytest.raises(TypeError, match="indices must be integers"):
+        sl["a"]
+    assert sl[np.int64(3)]["path"] == "/data/00003.jpg"
+
+
+def test_arrays_and_tensors_are_views_of_the_shared_block():
+    sl = SharedList(_items(4))
+    item = sl[2]
+    lo, hi = sl._block.address, sl._block.address + sl._block.nbytes
+    for a in (item["mask"], item["fortran"]):
+        assert lo <= a.__array_interface__["data"][0] < hi
+        assert not a.flags.writeable
+        with pytest.raises(ValueError, match="read-only"):
+            a[...] = 0
+    assert item["fortran"].flags.f_contiguous
+    for t in (item["t"], item["view"], item["half"]):
+        assert lo <= t.data_ptr() < hi
+    # a view keeps its storage shared with its base, as in the source
+    assert item["view"].untyped_storage().data_ptr() == item["t"].untyped_storage().data_ptr()
+    assert item["view"].storage_offset() == 2
+    # torch's semantics for a dataset's tensors sent to 'spawn' workers:
+    # writable, in shared memory, so a write is seen by every reader
+    item["t"][0] = -1
+    assert sl[2]["t"][0].item() == -1
+
+
+def test_slicing_gives_a_list_and_the_rest_behaves_as_a_list():
+    src = list(range(100)) + ["x", (1, 2)]
+    sl = SharedList(src)
+    for s in (slice(2, 9), slice(None, None, -3), slice(-5, None), slice(200, 300)):
+        got = sl[s]
+        assert type(got) is list and got == src[s]
+    assert sl == src and src == sl and not (sl != src) and sl != src[:-1]
+    assert sl == SharedList(src) and sl == sl
+    assert sl != tuple(src)
+    assert 57 in sl and (1, 2) in sl and 1000 not in sl
+    assert sl.index(57) == 57 and sl.count("x") == 1
+    with pytest.raises(ValueError):
+        sl.index(1000)
+    assert sl + [5] == src + [5] and [5] + sl == [5] + src
+    assert "SharedList([0, 1, 2, ...]" in repr(sl) and "len=102" in repr(sl)
+    assert copy.copy(sl) is sl and copy.deepcopy(sl) is sl
+    with pytest.raises(TypeError):
+        hash(sl)
+    assert SharedList([]) == [] and len(SharedList(iter([1, 2]))) == 2
+
+
+@pytest.mark.parametrize("write", [
+    lambda x: x.__setitem__(0, 1), lambda x: x.__delitem__(0), lambda x: x.append(1),
+    lambda x: x.extend([1]), lambda x: x.insert(0, 1), lambda x: x.pop(), lambda x: x.remove(1),
+    lambda x: x.clear(), lambda x: x.sort(), lambda x: x.reverse(), lambda x: x.__iadd__([1]),
+])
+def test_list_writes_are_refused(write):
+    sl = SharedList([1, 2, 3])
+    with pytest.raises(TypeError, match="SharedList is read-only"):
+        write(sl)
+    assert sl == [1, 2, 3]
+
+
+def test_dict_finds_keys_by_value_whatever_the_process_hash():
+    src = {"a": 1, 2: [1, 2], 3.5: "x", (1, "b"): {"n": np.ones(2)}, None: 0, b"k": "bytes",
+           frozenset({1}): "other"}
+    src.update({f"key{i}": i for i in range(1000)})
+    sd = SharedDict(src)
+    assert len(sd) == len(src) and list(sd) == list(src)
+    for k, v in src.items():
+        assert _same(sd[k], v), k
+        assert k in sd
+    assert sd[2.0] == [1, 2]            # 2 == 2.0, one key as in dict
+    assert "zz" not in sd and sd.get("zz", 5) == 5
+    with pytest.raises(KeyError):
+        sd["zz"]
+    with pytest.raises(TypeError):
+        sd[[1]]                         # unhashable, as dict says
+    assert sd.keys() == list(src.keys())
+    plain = {k: v for k, v in src.items() if k != (1, "b")}   # no arrays: == is a bool
+    assert SharedDict(plain) == plain and plain == SharedDict(plain)
+    small = {"a": 1, "b": [2]}
+    assert SharedDict(small) == small and small == SharedDict(small)
+    assert SharedDict(small) != {"a": 1} and SharedDict(small) != {"a": 1, "b": [3]}
+    assert "SharedDict({'a': 1, 'b': [2]}" in repr(SharedDict(small))
+    for write in (lambda x: x.__setitem__("a", 1), lambda x: x.__delitem__("a"),
+                  lambda x: x.update({}), lambda x: x.pop("a"), lambda x: x.popitem(),
+                  lambda x: x.setdefault("a"), lambda x: x.clear()):
+        with pytest.raises(TypeError, match="SharedDict is read-only"):
+            write(sd)
+
+
+def test_pickles_as_a_handle_to_the_same_memory():
+    sl = SharedList(_items(3))
+    back = pickle.loads(pickle.dumps(sl))
+    assert back.handle == sl.handle and back._block is sl._block
+    assert _same(back[1], sl[1])
+    assert len(pickle.dumps(SharedList(list(range(100000))))) < 200
+    sd = SharedDict({"a": 1})
+    assert pickle.loads(pickle.dumps(sd)).handle == sd.handle
+
+
+def test_an_item_that_cannot_be_pickled_is_named():
+    with pytest.raises(TypeError, match=r"SharedList item 2 cannot be pickled"):
+        SharedList([1, 2, lambda: 3])
+    with pytest.raises(TypeError, match=r"SharedDict key 'f' cannot be pickled"):
+        SharedDict({"e": 1, "f": lambda: 3})
+
+
+class _Meta(torch.utils.data.Dataset):
+    def __init__(self, n, bad=False):
+        self.items = [{"x": i, "name": f"n{i}"} for i in range(n)]
+        self.lookup = {f"n{i}": i * 2 for i in range(n)}
+        self.small = [1, 2, 3]
+        self.opened = (lambda: 0) if bad else None
+        self.extra = [1, 2, (lambda: 0)] * (n // 3 + 1) if bad else []
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        it = self.items[i]
+        return torch.tensor([it["x"], self.lookup[it["name"]]])
+
+
+def test_share_dataset_converts_large_attributes_in_place_and_nested_datasets():
+    ds = _Meta(3000)
+    before = [ds[i].tolist() for i in range(len(ds))]
+    sub = torch.utils.data.Subset(ds, list(range(0, 3000, 2)))
+    cat = torch.utils.data.ConcatDataset([sub, _Meta(1500)])
+    assert share_dataset(cat) is cat
+    assert type(ds.items) is SharedList and type(ds.lookup) is SharedDict
+    assert type(ds.small) is list            # below min_items: left as it is
+    assert type(sub.indices) is SharedList and type(cat.datasets[1].items) is SharedList
+    assert type(cat.datasets) is list and type(cat.cumulative_sizes) is list
+    assert [ds[i].tolist() for i in range(len(ds))] == before
+    assert share_dataset(ds).items is ds.items  # already shared: left as it is
+
+
+def test_share_dataset_names_the_attribute_that_cannot_be_shared_and_changes_nothing():
+    ds = _Meta(3000, bad=True)
+    items = ds.items
+    with pytest.raises(TypeError, match=r"share_dataset: _Meta\.extra cannot be shared: "
+                                        r"_Meta\.extra item 2 cannot be pickled"):
+        share_dataset(ds)
+    assert ds.items is items and type(ds.lookup) is dict
+
+
+# --- loading, in fresh programs ----------------------------------------------------
+
+LOADER_PROGRAM = TESTS_ON_PATH + r'''
+import json, os, random, sys
+import numpy as np
+import torch
+torch.set_num_threads(1)
+import mpcore
+from mpcore.data import DataLoader, SharedList, get_worker_info
+import test_shared_data as T
+
+
+class DS(torch.utils.data.Dataset):
+    """Items with arrays and tensors inside; each read also reports the
+    worker's seeds, and index 13 raises."""
+    def __init__(self, n):
+        self.items = T._items(n)
+        self.names = {f"/data/{i:05d}.jpg": i for i in range(n)}
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        if i == 13:
+            raise KeyError(f"item {i} is bad")
+        it = self.items[i]
+        w = get_worker_info()
+        return {"i": self.names[it["path"]], "mask": torch.from_numpy(it["mask"].copy()),
+                "t": it["t"], "half": it["half"].float(), "label": it["label"],
+                "seed": torch.initial_seed(), "rnd": random.random(),
+                "np": float(np.random.rand()), "wid": w.id if w else -1}
+
+
+def collate(batch):
+    return batch   # lists of dicts: tensors as read, compared one by one
+
+
+def epochs(loader, n):
+    out = []
+    for _ in range(n):
+        got = []
+        it = iter(loader)
+        while True:
+            try:
+                got.append(next(it))
+            except StopIteration:
+                break
+            except KeyError as e:
+                got.append(("error", str(e)))
+        out.append(got)
+    return out
+
+
+def run(method, share):
+    ds = DS(64)
+    kw = dict(batch_size=4, shuffle=True, num_workers=2, multiprocessing_context=method,
+              collate_fn=collate, generator=torch.Generator().manual_seed(7))
+    res = {}
+    torch.manual_seed(1)
+    res["persistent"] = epochs(DataLoader(ds, persistent_workers=True, share_dataset=share,
+                                          **kw), 2)
+    if share:
+        assert type(ds.items) is SharedList, type(ds.items)
+    torch.manual_seed(2)
+    res["recreated"] = [epochs(DataLoader(ds, **kw), 1)[0] for _ in range(2)]
+    # state_dict mid-epoch, resumed by a new loader
+    torch.manual_seed(3)
+    loader = DataLoader(ds, **kw)
+    it = iter(loader)
+    head = [next(it) for _ in range(3)]
+    state = loader.state_dict()
+    del it
+    again = DataLoader(ds, **kw)
+    again.load_state_dict(state)
+    res["resumed"] = head + epochs(again, 1)[0]
+    return res
+
+
+if __name__ == "__main__":
+    method = sys.argv[1]
+    plain, shared = run(method, False), run(method, True)
+    same = {k: T._same(plain[k], shared[k]) for k in plain}
+    errors = sum(1 for e in plain["persistent"][0] if isinstance(e, tuple))
+    seeds = sorted({d["seed"] for b in plain["persistent"][0] if not isinstance(b, tuple)
+                    for d in b})
+    print("RESULT " + json.dumps({"same": same, "errors": errors, "seeds": len(seeds),
+                                  "batches": len(plain["persistent"][0])}), flush=True)
+'''
+
+
+def _check_program(scenario, code, *args, timeout=240):
+    r = scenario.run(code, *args, timeout=timeout)
+    res = program_result(r)
+    assert r.returncode == 0, r.stderr[-3000:]
+    scenario.check_clean()
+    return res
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_loading_gives_the_same_batches_seeds_errors_and_state(leak_check, scenario, method):
+    """Plain against share_dataset=True: the same batches, seeds (torch,
+    random, numpy), errors and resumed state, with persistent workers over
+    two epochs and with loaders made again."""
+    res = _check_program(scenario, LOADER_PROGRAM, method)
+    assert res["same"] == {"persistent": True, "recreated": True, "resumed": True}, res
+    assert res["errors"] == 1 and res["seeds"] == 2 and res["batches"] == 16, res
+
+
+KILL_PROGRAM = TESTS_ON_PATH + r'''
+import json, os, signal, sys
+import torch
+torch.set_num_threads(1)
+import mpcore
+from mpcore.data import DataLoader, get_worker_info
+import test_shared_data as T
+
+
+class DS(torch.utils.data.Dataset):
+    def __init__(self, n):
+        self.items = T._items(n)
+        self.kill_at = 20
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        if i == self.kill_at and get_worker_info() is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.items[i]["t"]
+
+
+if __name__ == "__main__":
+    method = sys.argv[1]
+    ds = DS(2048)
+    loader = DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context=method,
+                        share_dataset=True)
+    handle = ds.items.handle
+    err = None
+    try:
+        for _ in loader:
+            pass
+    except RuntimeError as e:
+        err = str(e)
+    # This process still holds the dataset; a new loader reads it whole.
+    ds.kill_at = -1
+    total = sum(float(b.sum()) for b in DataLoader(ds, batch_size=64, num_workers=2,
+                                                   multiprocessing_context=method))
+    want = sum(float(it["t"].sum()) for it in T._items(2048))
+    print("RESULT " + json.dumps({"err": err, "total": total, "want": want,
+                                  "same": ds.items.handle == handle}), flush=True)
+'''
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_worker_killed_mid_epoch_leaves_nothing_behind(leak_check, scenario, method):
+    res = _check_program(scenario, KILL_PROGRAM, method)
+    assert res["err"] and "killed by signal" in res["err"], res
+    assert res["same"] and res["total"] == res["want"], res
+
+
+SHORTAGE_PROGRAM = r'''
+import json, os, sys
+import numpy as np
+import mpcore
+from mpcore.data import SharedList, SharedDict
+
+mpcore._core.connect()          # the keeper starts now, outside the cgroup
+print("READY", os.getpid(), flush=True)
+if sys.stdin.readline().strip() != "GO":
+    sys.exit(5)
+before = mpcore._core.stats()
+# 96 MiB of array data, held here in one byte (a broadcast view)
+big = np.broadcast_to(np.zeros(1, np.uint8), (96 << 20,))
+res = {}
+for name, make in (("list", lambda: SharedList([{"a": 1}, big])),
+                   ("dict", lambda: SharedDict({"a": big}))):
+    try:
+        make()
+        res[name] = {"outcome": "ok"}
+    except MemoryError as e:
+        res[name] = {"outcome": "MemoryError", "msg": str(e)}
+after = mpcore._core.stats()
+res["segments"] = [before["segments"], after["segments"]]
+res["mapped"] = [before["mapped_bytes"], after["mapped_bytes"]]
+res["small_after"] = SharedList(list(range(1000)))[999]
+print("RESULT " + json.dumps(res), flush=True)
+'''
+
+
+def test_a_build_that_does_not_fit_is_a_memory_error_and_takes_nothing(leak_check, scenario):
+    """In a 64 MB memory cgroup, a dataset of 96 MB: MemoryError naming
+    what it needed and what is available, before any shared memory is
+    taken; what fits is still served."""
+    limit = 64 << 20
+    res, _ = run_in_memcg(scenario, SHORTAGE_PROGRAM, limit)
+    for name in ("list", "dict"):
+        r = res[name]
+        assert r["outcome"] == "MemoryError", (name, r)
+        assert "needs" in r["msg"] and "available" in r["msg"], r
+        assert any(a >= 96 << 20 for a in memory_amounts(r["msg"])), r
+    assert res["segments"][0] == res["segments"][1] and res["mapped"][0] == res["mapped"][1], res
+    assert res["small_after"] == 999
+    scenario.check_clean()
+
+
+RANKS_PROGRAM = TESTS_ON_PATH + r'''
+import json, os
+import torch
+import torch.distributed as dist
+import mpcore
+from mpcore.data import SharedList, broadcast_shared
+import test_shared_data as T
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+sl = SharedList(T._items(300)) if rank == 0 else None
+sl = broadcast_shared(sl, src=0)
+addr = sl._block.address
+inode = None
+with open("/proc/self/maps") as f:
+    for line in f:
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        if lo <= addr < hi:
+            inode = int(line.split()[4])
+ok = all(T._same(a, b) for a, b in zip(sl, T._items(300)))
+dist.barrier()   # rank 0 keeps its copy until every rank has read
+line = json.dumps({"rank": rank, "handle": list(sl.handle), "inode": inode, "ok": ok,
+                   "keeper": os.environ.get("MPCORE_KEEPER")})
+os.write(1, f"rank-line {line}\n".encode())
+dist.destroy_process_group()
+'''
+
+
+def test_two_ranks_of_a_job_map_one_copy(leak_check, scenario, tmp_path):
+    path = tmp_path / "ranks.py"
+    path.write_text(RANKS_PROGRAM)
+    env = fresh_env()
+    env.update(scenario.env())
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(k, None)
+    mpcore_bin = os.path.join(os.path.dirname(sys.executable), "mpcore")
+    r = subprocess.run([mpcore_bin, "run", "--nproc-per-node", "2", str(path)], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=scaled(180))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    lines = {d["rank"]: d for d in (json.loads(line.split(" ", 1)[1])
+                                    for line in r.stdout.splitlines()
+                                    if line.startswith("rank-line "))}
+    assert set(lines) == {0, 1}, r.stdout
+    assert lines[0]["ok"] and lines[1]["ok"]
+    assert lines[0]["handle"] == lines[1]["handle"]
+    assert lines[0]["inode"] is not None and lines[0]["inode"] == lines[1]["inode"]
+    scenario.check_clean()
