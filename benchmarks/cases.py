@@ -71,6 +71,10 @@ class Case:
     # OpenMP never ran: libgomp is not fork-safe, and such a child hangs in
     # its first parallel call.
     own_child: bool = False
+    # columns(row) -> [(header, cell)]: the row goes to a table of its own,
+    # with these columns, after the main one (rows that show more than two
+    # figures: mpi_cases.py).  Row as runner.summarize.
+    columns: object = None
 
     def impl(self, which):
         return self.torch if which == "torch" else self.mpcore
@@ -1710,9 +1714,9 @@ add_case("ddp-mlp", f"DDP step, 10M-param MLP, {DDP_WORLD} ranks", "steps/s", Tr
 
 # The rows of the other case modules, after the rows above, in this order:
 # Queue (queue_cases.py), DataLoader (loader_cases.py), resumable loading
-# (state_cases.py), the torch.distributed backend (dist_cases.py).  Each has
-# register(cases).
-for _name in ("queue_cases", "loader_cases", "state_cases", "dist_cases"):
+# (state_cases.py), the torch.distributed backend (dist_cases.py), Open MPI
+# as a peer (mpi_cases.py).  Each has register(cases).
+for _name in ("queue_cases", "loader_cases", "state_cases", "dist_cases", "mpi_cases"):
     importlib.import_module(f".{_name}" if __package__ else _name,
                             __package__).register(sys.modules[__name__])
 

@@ -209,6 +209,8 @@ def format_table(rows, header_note=""):
     head = ("Case", "torch", "mpcore", "mpcore vs torch")
     lines = []
     for row in rows:
+        if _columns(row) is not None:      # in a table of its own, below
+            continue
         cells = [row["title"]]
         for impl in IMPLS:
             b = row[impl]["best"]
@@ -227,8 +229,10 @@ def format_table(rows, header_note=""):
     out = []
     if header_note:
         out.append(header_note)
-    out += [fmt(head), "  ".join("-" * w for w in widths)]
-    out += [fmt(c) for c in lines]
+    if lines:
+        out += [fmt(head), "  ".join("-" * w for w in widths)]
+        out += [fmt(c) for c in lines]
+    out += _column_tables(rows)
     notes = []
     for row in rows:
         for line in _program_notes(row) + _case_notes(row):
@@ -243,6 +247,37 @@ def format_table(rows, header_note=""):
         out.append("")
         out += notes
     return "\n".join(out)
+
+
+def _columns(row):
+    """The row's own columns (Case.columns), or None."""
+    case = CASES.get(row["name"])
+    if case is None or case.columns is None:
+        return None
+    try:
+        return list(case.columns(row))
+    except Exception as e:     # a cell must not cost the table
+        return [("columns failed", f"{type(e).__name__}: {e}")]
+
+
+def _column_tables(rows):
+    """The rows with columns of their own (Case.columns): one table for each
+    set of headers, after the main table, the rows in table order."""
+    tables = {}
+    for row in rows:
+        cols = _columns(row)
+        if cols is not None:
+            tables.setdefault(tuple(h for h, _ in cols), []).append(
+                [row["title"]] + [c for _, c in cols])
+    out = []
+    for heads, lines in tables.items():
+        head = ["Case"] + list(heads)
+        widths = [max(len(c[i]) for c in [head] + lines) for i in range(len(head))]
+        out.append("")
+        for c in [head, ["-" * w for w in widths]] + lines:
+            out.append("  ".join(f"{x:<{w}}" if i in (0, len(c) - 1) else f"{x:>{w}}"
+                                 for i, (x, w) in enumerate(zip(c, widths))).rstrip())
+    return out
 
 
 def _case_notes(row):
