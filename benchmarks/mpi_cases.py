@@ -269,7 +269,7 @@ def _mpi_main(jobs, target_s, threads, path):
     from mpi4py import MPI
     import numpy as np
     comm = MPI.COMM_WORLD
-    out = {"library": MPI.Get_library_version().strip("\x00 \n").splitlines()[0],
+    out = {"library": MPI.Get_library_version().strip("\x00 \n").split(",")[0],
            "mpi4py": __import__("mpi4py").__version__, "world": comm.Get_size(),
            "jobs_out": {}}
 
@@ -425,12 +425,17 @@ def _best(row, impl, key):
     return min(vals) if vals else None
 
 
+def _num(x):
+    """As the main table writes its figures (runner.fmt_value)."""
+    a = abs(x)
+    return f"{x:,.0f}" if a >= 100 else f"{x:.1f}" if a >= 10 else f"{x:.2f}" if a >= 1 \
+        else f"{x:.3g}"
+
+
 def _fmt_us(us):
     if us is None:
         return "-"
-    if us >= 1000:
-        return f"{us / 1e3:,.3g} ms" if us < 1e5 else f"{us / 1e3:,.0f} ms"
-    return f"{us:.3g} us"
+    return f"{_num(us / 1e3)} ms" if abs(us) >= 1000 else f"{_num(us)} us"
 
 
 def figures(row):
@@ -472,7 +477,8 @@ def columns(row):
             ("Open MPI / via torch",
              f"{f['mpi'] / f['dist']:.2f}x" if f["mpi"] and f["dist"] else "-"),
             ("torch - core",
-             f"{f['dist'] - f['core']:+.3g} us" if f["dist"] and f["core"] else "-"),
+             ("+" if f["dist"] >= f["core"] else "-") + _fmt_us(abs(f["dist"] - f["core"]))
+             if f["dist"] and f["core"] else "-"),
             ("targets", "; ".join(("met " if ok else "MISSED ") + what for what, ok in targets)
              or "-")]
 
