@@ -1715,8 +1715,10 @@ add_case("ddp-mlp", f"DDP step, 10M-param MLP, {DDP_WORLD} ranks", "steps/s", Tr
 # The rows of the other case modules, after the rows above, in this order:
 # Queue (queue_cases.py), DataLoader (loader_cases.py), resumable loading
 # (state_cases.py), the torch.distributed backend (dist_cases.py), Open MPI
-# as a peer (mpi_cases.py).  Each has register(cases).
-for _name in ("queue_cases", "loader_cases", "state_cases", "dist_cases", "mpi_cases"):
+# as a peer (mpi_cases.py), shared datasets (shared_cases.py).  Each has
+# register(cases).
+for _name in ("queue_cases", "loader_cases", "state_cases", "dist_cases", "mpi_cases",
+              "shared_cases"):
     importlib.import_module(f".{_name}" if __package__ else _name,
                             __package__).register(sys.modules[__name__])
 
