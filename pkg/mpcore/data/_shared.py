@@ -174,12 +174,6 @@ def _key_hash(key):
     return zlib.crc32(_hashable_bytes(key))
 
 
-def _describe(what, i, key):
-    if key is not None:
-        return f"{what} key {key!r}"
-    return f"{what} item {i}"
-
-
 def _build(kind, items, keys=None, what=None):
     """The Block of a SharedList (items) or SharedDict (keys, items).
     TypeError naming the item that cannot be pickled; MemoryError when the
@@ -192,28 +186,26 @@ def _build(kind, items, keys=None, what=None):
     flags = bytearray()
     n = 0
 
-    def dump(obj, i, key):
+    def dump(obj, name):
         hits = p.hits
         try:
             p.dump(obj)
-        except RecursionError:
-            raise
         except Exception as e:
-            raise TypeError(f"{_describe(what, i, key)} cannot be pickled "
+            raise TypeError(f"{what} {name()} cannot be pickled "
                             f"({type(e).__name__}: {e})") from e
         p.clear_memo()
         offsets.append(f.tell())
         flags.append(p.hits != hits)
 
     if kind == _DICT:
-        for i, (k, v) in enumerate(zip(keys, items)):
-            dump(k, i, k)
-            dump(v, i, k)
+        for k, v in zip(keys, items):
+            dump(k, lambda: f"key {k!r}")
+            dump(v, lambda: f"value of key {k!r}")
             n += 1
         entries = 2 * n
     else:
         for i, v in enumerate(items):
-            dump(v, i, None)
+            dump(v, lambda: f"item {i}")
             n += 1
         entries = n
     cap = 0
