@@ -1,21 +1,30 @@
 /* internal.h: what the files of the core share with each other and with no
  * one else.  mpcore.h is the core's interface (what the bindings call);
  * this header holds every mpc__ name that one core file defines and
- * another uses, so that no file declares another's functions by hand.
- * Only core files (not the py_*.c bindings) include it.
+ * another uses (but those that only the collectives' files share, which
+ * their own header, coll.h, holds), so that no file declares another's
+ * functions by hand.  Only core files (not the py_*.c bindings) include
+ * it.
  *
  * NOTE [ Layers of the core ]
- * The core's files call each other in one direction only (a test,
- * tests/test_csrc_layers.py, builds the graph from the sources and checks
- * that it has no cycle).  From the bottom up:
+ * The core's files call each other in one direction only.  From the
+ * bottom up, each file calls only files on its own line or on the lines
+ * before it (tests/test_csrc_layers.py builds the graph of calls from the
+ * sources, checks every edge against this list, which names every core
+ * file, and checks that the graph has no cycle):
  *   util.c sync.c          errors, debug switch, copies, clock, futexes
  *   fdpass.c               abstract socket addresses, messages with fds
  *   shm.c                  memfds and the memory they may use
+ *   coll_kernels.c         what the collectives reduce, and the kernels
+ *   coll_group.c           a shared-memory group's life, its barriers
+ *   coll_copy.c            group buffers, copies between ranks' memory
+ *   coll_p2p.c coll.c      point to point, and the collectives (coll.h
+ *                          says what each of these five files owns)
  *   journal.c              tickets in transit, per process slot
  *   proc.c                 starting services, the zygote
  *   client.c               this process's connection to its keeper
  *   arena.c                segments and blocks (asks client.c for fds)
- *   ring.c pool.c coll.c collate.c nccl.c   what is built on blocks
+ *   ring.c pool.c collate.c nccl.c   what is built on blocks
  *   keeper.c               the keeper process (arena.c and journal.c
  *                          seen from the keeper's side)
  *   core.c                 ties them together: finalizers at load, the

@@ -709,7 +709,7 @@ void mpc_pool_unwatch(mpc_pool *p);
 void mpc_gather(void *dst, void *const *src, size_t piece, size_t n);
 
 /* ------------------------------------------------------------------ */
-/* Collectives over shared memory (coll.c)                             */
+/* Collectives over shared memory (coll.c and the files coll.h lists) */
 /* ------------------------------------------------------------------ */
 
 /* NOTE [ Shared-memory collectives ] in coll.c. */
@@ -738,6 +738,12 @@ size_t mpc_coll_dtype_size(int dtype);
 const char *mpc_coll_dtype_name(int dtype);
 const char *mpc_coll_op_name(int op);
 
+/* Returns 1 when the collectives reduce dtype with op, 0 otherwise (an
+ * unknown code included): every op applies to every dtype but AVG, which
+ * applies to the floating-point ones only, and BAND, BOR and BXOR, which
+ * apply to the integer ones and bool only.  Never fails. */
+int mpc_coll_reduces(int dtype, int op);
+
 /* Returns the bytes of the shared region of a group of `world` ranks that
  * stages `chunk` bytes per rank.  Never fails. */
 uint64_t mpc_coll_footprint(int world, uint64_t chunk);
@@ -750,7 +756,7 @@ int mpc_coll_create(int world, uint64_t chunk, int *fd);
 
 /* Maps the group in fd as `rank` of `world` and records this process's
  * pid in it.  direct: this rank may copy straight between its memory and
- * its peers' (NOTE [ Copies between ranks' memory ] in coll.c); 0 keeps
+ * its peers' (NOTE [ Copies between ranks' memory ] in coll_copy.c); 0 keeps
  * every byte in the region.  Returns 0 and sets *out, or -EINVAL (not a
  * group, or a rank or world that does not fit it), -ENOMEM or -errno. */
 int mpc_coll_attach(int fd, int rank, int world, int direct, mpc_coll **out);
@@ -859,12 +865,13 @@ int mpc_coll_all_to_all(mpc_coll *c, void *out, const void *in, const uint64_t *
                         const uint64_t *recv, const mpc_coll_buf *in_buf, int64_t deadline_ns);
 
 /* Point to point, through the mailboxes of the group's region (NOTE
- * [ Mailboxes ] in coll.c).  Only the ranks named take part, and messages
+ * [ Mailboxes ] in coll_p2p.c).  Only the ranks named take part, and messages
  * from one rank to another arrive in the order they were sent.
  *   send: sends nbytes of buf to rank dst with a tag; returns once the
  *     last byte is in dst's mailbox (a message larger than the mailbox is
  *     streamed: it returns once dst has taken all but the last mailbox's
- *     worth; or dst copies it from buf, and it returns once dst has).  -EINVAL for a dst that is not another rank of the group.
+ *     worth; or dst copies it from buf, and it returns once dst has).
+ *     -EINVAL for a dst that is not another rank of the group.
  *   recv: receives the oldest message with this tag from rank src (-1:
  *     from whichever rank has one first) into buf; returns the source
  *     rank.  Older messages with other tags are held for later recvs.  A

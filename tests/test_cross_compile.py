@@ -97,7 +97,7 @@ def _elf_machine(path):
 def test_setup_builds_every_source(core_extension):
     # The files compiled below are the ones the core is built from.
     assert sorted(os.path.basename(s) for s in core_extension.sources) == SOURCES
-    assert "coll.c" in SOURCES and "py_core.c" in SOURCES
+    assert "coll_kernels.c" in SOURCES and "py_core.c" in SOURCES
 
 
 @pytest.mark.timeout(300)
@@ -168,14 +168,15 @@ def test_python_headers_fit_aarch64(core_extension, tmp_path):
 
 @pytest.mark.timeout(300)
 def test_reductions_use_neon_on_aarch64(core_extension, tmp_path):
-    # NOTE [ Reduction kernels on each architecture ] in csrc/coll.c: one
-    # build there, vectorised with Advanced SIMD.
+    # NOTE [ Reduction kernels on each architecture ] in csrc/coll_kernels.c:
+    # one build there, vectorised with Advanced SIMD.
     require(shutil.which(OBJDUMP) is not None, f"{OBJDUMP} is not installed (binutils-aarch64-linux-gnu)")
-    obj = _compile(os.path.join("csrc", "coll.c"), str(tmp_path / "coll.o"), _flags(core_extension))
+    obj = _compile(os.path.join("csrc", "coll_kernels.c"), str(tmp_path / "coll_kernels.o"),
+                   _flags(core_extension))
     asm = subprocess.run([OBJDUMP, "-d", obj], capture_output=True, text=True, timeout=120).stdout
     # a float sum four lanes at a time, a double sum two at a time
-    assert re.search(r"\tfadd\tv\d+\.4s", asm), "no vectorised float add in coll.o"
-    assert re.search(r"\tfadd\tv\d+\.2d", asm), "no vectorised double add in coll.o"
+    assert re.search(r"\tfadd\tv\d+\.4s", asm), "no vectorised float add in coll_kernels.o"
+    assert re.search(r"\tfadd\tv\d+\.2d", asm), "no vectorised double add in coll_kernels.o"
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the clones are x86-64's")

@@ -1,8 +1,10 @@
 """The C core's files call each other in one direction only
 (NOTE [ Layers of the core ] in csrc/internal.h): the graph of which core
-file uses a function or variable defined in which other core file has no
-cycle, and every name one core file shares with another is declared in a
-header, never by hand in the file that uses it."""
+file uses a function or variable defined in which other core file goes
+down the note's list of layers (never up it), has no cycle, and every name
+one core file shares with another is declared in a header, never by hand in
+the file that uses it.  A header of a few files (coll.h, the collectives')
+is included by those files only."""
 import os
 import re
 
@@ -87,6 +89,38 @@ def find_cycle(edges):
     return None
 
 
+def layers(csrc=CSRC):
+    """The note's list of layers in internal.h: file -> its line's index,
+    bottom first (files on one line share it)."""
+    with open(os.path.join(csrc, "internal.h")) as f:
+        text = f.read()
+    note = text[text.index("NOTE [ Layers of the core ]"):]
+    note = note[:note.index("*/")]
+    level = {}
+    for line in note.split("\n"):
+        m = re.match(r"\s*\*\s{3}((?:\w+\.c\s+)+)", line + " ")
+        if m:
+            n = len(set(level.values()))
+            for name in m.group(1).split():
+                level[name] = n
+    return level
+
+
+def upward(edges, level):
+    """The edges from a file to one on a later line of the list, as
+    'a -> b: names'."""
+    return [f"{a} (line {level[a]}) -> {b} (line {level[b]}): {', '.join(sorted(edges[a][b])[:6])}"
+            for a in sorted(edges) for b in sorted(edges[a])
+            if a in level and b in level and level[b] > level[a]]
+
+
+def includes(name, csrc=CSRC):
+    """The project headers that csrc/name includes ("..." includes)."""
+    with open(os.path.join(csrc, name)) as f:
+        text = _COMMENT.sub(" ", f.read())
+    return set(re.findall(r'^\s*#\s*include\s+"([^"]+)"', text, re.M))
+
+
 def describe(edges):
     return "\n".join(f"  {a} -> {b}: {', '.join(sorted(edges[a][b])[:6])}"
                      for a in sorted(edges) for b in sorted(edges[a]))
@@ -107,6 +141,46 @@ def test_core_files_form_no_cycle():
     cycle = find_cycle(edges)
     assert cycle is None, ("the core's files call each other in a circle: "
                            + " -> ".join(cycle) + "\nevery edge:\n" + describe(edges))
+
+
+def test_every_core_file_has_its_layer():
+    # The list names every core file (a new file is placed, not passed
+    # over), and nothing that is not one.
+    level = layers()
+    files = set(core_files())
+    assert set(level) == files, (f"not in NOTE [ Layers of the core ]: {sorted(files - set(level))}; "
+                                 f"listed but not in csrc/: {sorted(set(level) - files)}")
+    # the collectives' files, bottom up, as coll.h lists them
+    order = ["coll_kernels.c", "coll_group.c", "coll_copy.c", "coll_p2p.c"]
+    assert [level[f] for f in order] == sorted(level[f] for f in order)
+    assert len({level[f] for f in order}) == len(order)
+    assert level["coll_p2p.c"] == level["coll.c"]
+
+
+def test_calls_go_down_the_layers():
+    edges = graph()
+    bad = upward(edges, layers())
+    assert not bad, ("a core file calls one on a later line of NOTE [ Layers of the core ]:\n  "
+                     + "\n  ".join(bad))
+
+
+def test_the_layer_check_sees_an_upward_call():
+    # The checks above must be able to fail: a lower file that calls a
+    # higher one, and a circle.
+    level = {"a.c": 0, "b.c": 1, "c.c": 1}
+    edges = {"a.c": {"b.c": ["mpc_b"]}, "b.c": {"a.c": ["mpc_a"], "c.c": ["mpc_c"]}, "c.c": {}}
+    assert upward(edges, level) == ["a.c (line 0) -> b.c (line 1): mpc_b"]
+    assert find_cycle(edges) == ["a.c", "b.c", "a.c"]
+    assert find_cycle({"a.c": {}, "b.c": {"a.c": ["f"]}}) is None
+
+
+def test_headers_of_a_few_files_are_theirs():
+    # coll.h is the collectives' own: only their files include it, never
+    # a binding, nor another core file; and every one of them does.
+    files = core_files(bindings=True)
+    users = sorted(n for n in files if "coll.h" in includes(n))
+    assert users == sorted(n for n in files if n == "coll.c" or n.startswith("coll_")), users
+    assert includes("coll.h") == {"mpcore.h"}, "coll.h builds on mpcore.h alone"
 
 
 def test_no_hand_written_declarations_of_other_files():
@@ -130,16 +204,29 @@ def test_no_hand_written_declarations_of_other_files():
 
 def test_shared_internals_are_in_the_internal_header():
     # An mpc__ name defined in one core file and used in another is
-    # declared in internal.h.
-    with open(os.path.join(CSRC, "internal.h")) as f:
-        internal = _clean(f.read())
+    # declared in internal.h, or in a header of a few files (coll.h) that
+    # both include.
+    def header(name):
+        with open(os.path.join(CSRC, name)) as f:
+            return _clean(f.read())
+    internal = header("internal.h")
+    with_includes = {n: includes(n) for n in core_files()}
     edges = graph()
-    missing = sorted({tok for a in edges for b in edges[a] for tok in edges[a][b]
-                      if tok.startswith("mpc__") and not re.search(rf"\b{tok}\b", internal)})
-    assert not missing, f"cross-file internals not declared in internal.h: {missing}"
+    missing = []
+    for a in edges:
+        for b in edges[a]:
+            shared = (with_includes[a] & with_includes[b]) - {"mpcore.h", "internal.h"}
+            for tok in edges[a][b]:
+                if not tok.startswith("mpc__") or re.search(rf"\b{tok}\b", internal):
+                    continue
+                if not any(re.search(rf"\b{tok}\b", header(h)) for h in shared):
+                    missing.append(f"{tok} ({b}, used in {a})")
+    assert not missing, ("cross-file internals declared neither in internal.h nor in a header "
+                         f"both files include: {sorted(missing)}")
 
 
 if __name__ == "__main__":
     e = graph()
     print(describe(e))
     print("cycle:", find_cycle(e))
+    print("upward:", upward(e, layers()))

@@ -3,7 +3,7 @@ import os
 import re
 
 CSRC = os.environ.get("MPCORE_CSRC") or os.path.join(os.path.dirname(__file__), "..", "csrc")
-HEADERS = ("mpcore.h", "internal.h", "py_mpcore.h")
+HEADERS = ("mpcore.h", "internal.h", "py_mpcore.h", "coll.h")
 
 # What a contract says: what is returned, or what happens on failure.
 CONTRACT = re.compile(r"\b[Rr]eturns?\b|\b[Nn]ever[\s*]+fail|-E[A-Z]{2,}|-MPC_E|\bNULL\b|\bno-op\b"
@@ -57,7 +57,7 @@ def test_only_bindings_include_python():
 
 def test_only_the_core_includes_its_internal_header():
     for name, text in sources():
-        if re.search(r'#include\s+"internal\.h"', text):
+        if re.search(r'#include\s+"(internal|coll)\.h"', text):
             assert not name.startswith("py_"), f"{name}: bindings use mpcore.h only"
 
 
