@@ -169,14 +169,17 @@ static int mpc_exec(PyObject *m) {
     Py_DECREF(queue);
     if (st->QueueEmpty == NULL || st->QueueFull == NULL)
         return -1;
-    if (PyModule_AddFunctions(m, mpc_py_shm_methods) < 0 ||
+    if (PyModule_AddFunctions(m, mpc_py_block_methods) < 0 ||
+        PyModule_AddFunctions(m, mpc_py_shm_methods) < 0 ||
+        PyModule_AddFunctions(m, mpc_py_tensor_methods) < 0 ||
         PyModule_AddFunctions(m, mpc_py_ring_methods) < 0 ||
         PyModule_AddFunctions(m, mpc_py_proc_methods) < 0 ||
         PyModule_AddFunctions(m, mpc_py_collate_methods) < 0 ||
         PyModule_AddFunctions(m, mpc_py_coll_methods) < 0 ||
         PyModule_AddFunctions(m, mpc_py_nccl_methods) < 0)
         return -1;
-    if (mpc_py_shm_exec(m, st) < 0 || mpc_py_ring_exec(m, st) < 0 ||
+    if (mpc_py_block_exec(m, st) < 0 || mpc_py_tensor_exec(m, st) < 0 ||
+        mpc_py_ring_exec(m, st) < 0 ||
         mpc_py_proc_exec(m, st) < 0 || mpc_py_pool_exec(m, st) < 0 ||
         mpc_py_coll_exec(m, st) < 0 || mpc_py_nccl_exec(m, st) < 0)
         return -1;

@@ -5,6 +5,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <numpy/npy_common.h> /* npy_intp, for the views of a Block */
 
 #include "mpcore.h"
 
@@ -58,7 +59,23 @@ PyObject *mpc_py_ring_message(const mpc_ref *refs, uint32_t nrefs, const void *p
                               uint64_t len);
 PyObject *mpc_py_ring_raise(PyObject *ring, int rc);
 
-/* A new Block of nbytes (py_shm.c), with its first byte in *addr; NULL with
+/* ------------------------------------------------------------------ */
+/* Blocks (py_block.c)                                                 */
+/* ------------------------------------------------------------------ */
+
+/* A Block object: this process's hold on one block (NOTE [ One Block
+ * object per block ] in py_block.c).  keys is the torch side's
+ * (py_tensor.c): its entries of _torch._storages for this block, or NULL. */
+typedef struct BlockObject {
+    PyObject_HEAD
+    mpc_block b;
+    int held;
+    PyObject *weakreflist;
+    PyObject *keys;
+    struct BlockObject *next; /* in py_block.c's table */
+} BlockObject;
+
+/* A new Block of nbytes, with its first byte in *addr; NULL with
  * MemoryError (naming the sizes) or another exception on failure. */
 PyObject *mpc_py_block_alloc(mpc_state *st, uint64_t nbytes, void **addr);
 
@@ -67,15 +84,56 @@ PyObject *mpc_py_block_alloc(mpc_state *st, uint64_t nbytes, void **addr);
  * block then released. */
 PyObject *mpc_py_block_wrap(mpc_state *st, const mpc_block *b);
 
+/* Returns a new data Block holding a copy of n bytes at src (copied with
+ * the GIL released), or NULL with an exception set. */
+PyObject *mpc_py_block_copy(mpc_state *st, const void *src, uint64_t n);
+
+/* Redeems ref's ticket: returns this process's Block for it (a new
+ * reference; the one it already has, if any), or NULL with an exception
+ * set (the ticket then unredeemed).  Only connecting to the keeper and
+ * mapping a new segment release the GIL. */
+PyObject *mpc_py_block_attach(mpc_state *st, mpc_ref ref);
+
+/* Returns the Block object this process holds for a block (a borrowed
+ * reference), or NULL (no exception set) when it holds none.  Never
+ * fails. */
+BlockObject *mpc_py_block_lookup(uint64_t seg, uint32_t index, uint32_t gen);
+
+/* Checks that a view (itemsize, shape, strides in bytes, byte offset)
+ * lies inside bytes [start, end) of the block (end < 0: its end).
+ * Returns 0, or -1 with HandleError set. */
+int mpc_py_block_check_view(BlockObject *self, Py_ssize_t itemsize, int nd,
+                            const npy_intp *shape, const npy_intp *strides, Py_ssize_t offset,
+                            Py_ssize_t start, Py_ssize_t end);
+
+/* Reads a sequence of at most NPY_MAXDIMS integers (a shape or strides)
+ * into out and its length into *nd.  Returns 0, or -1 with an exception
+ * set; with E set, a value out of range raises E (a handle's fault)
+ * instead of OverflowError. */
+int mpc_py_parse_dims(PyObject *seq, npy_intp *out, int *nd, const char *what, PyObject *E);
+
+/* Reads a (segment, index, generation) tuple into *ref.  Returns 0, or -1
+ * with TypeError or OverflowError set when it is not three integers in
+ * range. */
+int mpc_py_parse_ref(PyObject *t, mpc_ref *ref);
+
+/* Sets the function that a Block's dealloc calls first, while the Block
+ * is still whole (the torch side's, which drops its entries for the
+ * block; it must keep any exception already set).  Never fails. */
+void mpc_py_block_set_forget(void (*fn)(BlockObject *));
+
 /* Each binding file adds its types and functions to the module; each
  * returns 0, or -1 with an exception set. */
-int mpc_py_shm_exec(PyObject *m, mpc_state *st);
+int mpc_py_block_exec(PyObject *m, mpc_state *st);
+int mpc_py_tensor_exec(PyObject *m, mpc_state *st);
 int mpc_py_ring_exec(PyObject *m, mpc_state *st);
 int mpc_py_proc_exec(PyObject *m, mpc_state *st);
 int mpc_py_pool_exec(PyObject *m, mpc_state *st);
 int mpc_py_coll_exec(PyObject *m, mpc_state *st);
 int mpc_py_nccl_exec(PyObject *m, mpc_state *st);
+extern PyMethodDef mpc_py_block_methods[];
 extern PyMethodDef mpc_py_shm_methods[];
+extern PyMethodDef mpc_py_tensor_methods[];
 extern PyMethodDef mpc_py_ring_methods[];
 extern PyMethodDef mpc_py_proc_methods[];
 extern PyMethodDef mpc_py_collate_methods[];
