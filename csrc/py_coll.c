@@ -1,8 +1,11 @@
 /* py_coll.c: mpcore._core.Group, one rank's handle on a group of
- * shared-memory collectives (coll.c); GroupBuffer, memory the other ranks
- * map when an all-reduce or reduce names it; and coll_create, which makes the
- * group's region.  Buffers are passed as addresses (a tensor's data_ptr(),
- * an array's data address) that the caller keeps alive and contiguous.
+ * shared-memory collectives (coll.c and the files coll.h lists);
+ * GroupBuffer, memory the other ranks map when a collective names it;
+ * coll_create, which makes the group's region; and what the core reduces
+ * (COLL_DTYPES, COLL_OPS, COLL_REDUCES).  Buffers are passed as addresses (a
+ * tensor's data_ptr(), an array's data address) that the caller keeps alive
+ * and contiguous.  Every call takes its arguments by position or by name,
+ * so a caller names `timeout` and `buffer` rather than reordering them.
  * Collectives run with the GIL released; a signal during a wait runs
  * Python's handlers, and if one raises, the collective gives up. */
 #include "py_mpcore.h"
@@ -28,7 +31,7 @@ typedef struct {
 
 /* This thread's call in progress, or NULL.  Per thread, so that a
  * collective, a send and a recv may wait on one Group from different
- * threads (NOTE [ Mailboxes ] in coll.c). */
+ * threads (NOTE [ Mailboxes ] in coll_p2p.c). */
 static __thread wait_ctx *cur_wait;
 
 static int on_signal(void *arg) {
@@ -186,14 +189,15 @@ static int buffer_arg(PyObject *op, PyObject *in, const char *what, mpc_coll_buf
     return 0;
 }
 
-static PyObject *Group_all_reduce(PyObject *op, PyObject *args) {
+static PyObject *Group_all_reduce(PyObject *op, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"address", "count", "dtype", "op", "timeout", "buffer", NULL};
     unsigned long long addr, count;
     int dtype, rop;
     PyObject *timeout = Py_None, *in = Py_None;
     mpc_coll_buf *b;
     mpc_coll *c = group_of(op);
-    if (c == NULL || !PyArg_ParseTuple(args, "KKii|OO:all_reduce", &addr, &count, &dtype, &rop,
-                                       &timeout, &in) ||
+    if (c == NULL || !PyArg_ParseTupleAndKeywords(args, kw, "KKii|OO:all_reduce", kwlist, &addr,
+                                                  &count, &dtype, &rop, &timeout, &in) ||
         buffer_arg(op, in, "all_reduce", &b) < 0)
         return NULL;
     int64_t dl = deadline_of(timeout);
@@ -202,12 +206,14 @@ static PyObject *Group_all_reduce(PyObject *op, PyObject *args) {
     RUN(op, mpc_coll_all_reduce(c, (void *)(uintptr_t)addr, count, dtype, rop, b, dl));
 }
 
-static PyObject *Group_broadcast(PyObject *op, PyObject *args) {
+static PyObject *Group_broadcast(PyObject *op, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"address", "nbytes", "root", "timeout", NULL};
     unsigned long long addr, n;
     int root;
     PyObject *timeout = Py_None;
     mpc_coll *c = group_of(op);
-    if (c == NULL || !PyArg_ParseTuple(args, "KKi|O:broadcast", &addr, &n, &root, &timeout))
+    if (c == NULL || !PyArg_ParseTupleAndKeywords(args, kw, "KKi|O:broadcast", kwlist, &addr, &n,
+                                                  &root, &timeout))
         return NULL;
     int64_t dl = deadline_of(timeout);
     if (dl == -2)
@@ -215,10 +221,11 @@ static PyObject *Group_broadcast(PyObject *op, PyObject *args) {
     RUN(op, mpc_coll_broadcast(c, (void *)(uintptr_t)addr, n, root, dl));
 }
 
-static PyObject *Group_barrier(PyObject *op, PyObject *args) {
+static PyObject *Group_barrier(PyObject *op, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"timeout", NULL};
     PyObject *timeout = Py_None;
     mpc_coll *c = group_of(op);
-    if (c == NULL || !PyArg_ParseTuple(args, "|O:barrier", &timeout))
+    if (c == NULL || !PyArg_ParseTupleAndKeywords(args, kw, "|O:barrier", kwlist, &timeout))
         return NULL;
     int64_t dl = deadline_of(timeout);
     if (dl == -2)
@@ -226,13 +233,15 @@ static PyObject *Group_barrier(PyObject *op, PyObject *args) {
     RUN(op, mpc_coll_barrier(c, dl));
 }
 
-static PyObject *Group_all_gather(PyObject *op, PyObject *args) {
+static PyObject *Group_all_gather(PyObject *op, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"out_address", "in_address", "nbytes", "timeout", "buffer", NULL};
     unsigned long long out, in, n;
     PyObject *timeout = Py_None, *inb = Py_None;
     mpc_coll_buf *b;
     mpc_coll *c = group_of(op);
     if (c == NULL ||
-        !PyArg_ParseTuple(args, "KKK|OO:all_gather", &out, &in, &n, &timeout, &inb) ||
+        !PyArg_ParseTupleAndKeywords(args, kw, "KKK|OO:all_gather", kwlist, &out, &in, &n,
+                                     &timeout, &inb) ||
         buffer_arg(op, inb, "all_gather", &b) < 0)
         return NULL;
     int64_t dl = deadline_of(timeout);
@@ -241,14 +250,17 @@ static PyObject *Group_all_gather(PyObject *op, PyObject *args) {
     RUN(op, mpc_coll_all_gather(c, (void *)(uintptr_t)out, (const void *)(uintptr_t)in, n, b, dl));
 }
 
-static PyObject *Group_reduce_scatter(PyObject *op, PyObject *args) {
+static PyObject *Group_reduce_scatter(PyObject *op, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"out_address", "in_address", "count", "dtype", "op", "timeout",
+                             "buffer", NULL};
     unsigned long long out, in, count;
     int dtype, rop;
     PyObject *timeout = Py_None, *inb = Py_None;
     mpc_coll_buf *b;
     mpc_coll *c = group_of(op);
-    if (c == NULL || !PyArg_ParseTuple(args, "KKKii|OO:reduce_scatter", &out, &in, &count, &dtype,
-                                       &rop, &timeout, &inb) ||
+    if (c == NULL || !PyArg_ParseTupleAndKeywords(args, kw, "KKKii|OO:reduce_scatter", kwlist,
+                                                  &out, &in, &count, &dtype, &rop, &timeout,
+                                                  &inb) ||
         buffer_arg(op, inb, "reduce_scatter", &b) < 0)
         return NULL;
     int64_t dl = deadline_of(timeout);
@@ -258,14 +270,15 @@ static PyObject *Group_reduce_scatter(PyObject *op, PyObject *args) {
                                     count, dtype, rop, b, dl));
 }
 
-static PyObject *Group_reduce(PyObject *op, PyObject *args) {
+static PyObject *Group_reduce(PyObject *op, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"address", "count", "dtype", "op", "root", "timeout", "buffer", NULL};
     unsigned long long addr, count;
     int dtype, rop, root;
     PyObject *timeout = Py_None, *in = Py_None;
     mpc_coll_buf *b;
     mpc_coll *c = group_of(op);
-    if (c == NULL || !PyArg_ParseTuple(args, "KKiii|OO:reduce", &addr, &count, &dtype, &rop, &root,
-                                       &timeout, &in) ||
+    if (c == NULL || !PyArg_ParseTupleAndKeywords(args, kw, "KKiii|OO:reduce", kwlist, &addr,
+                                                  &count, &dtype, &rop, &root, &timeout, &in) ||
         buffer_arg(op, in, "reduce", &b) < 0)
         return NULL;
     int64_t dl = deadline_of(timeout);
@@ -326,13 +339,16 @@ static int buffers_of(PyObject *bufs, int world, uint64_t nbytes, const char *wh
     return 0;
 }
 
-static PyObject *Group_gather(PyObject *op, PyObject *args) {
+static PyObject *Group_gather(PyObject *op, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"outs", "in_address", "nbytes", "root", "timeout", NULL};
     unsigned long long in, n;
     int root;
     PyObject *outs, *timeout = Py_None;
     void *bufs[MPC_COLL_MAX_RANKS];
     mpc_coll *c = group_of(op);
-    if (c == NULL || !PyArg_ParseTuple(args, "OKKi|O:gather", &outs, &in, &n, &root, &timeout) ||
+    if (c == NULL ||
+        !PyArg_ParseTupleAndKeywords(args, kw, "OKKi|O:gather", kwlist, &outs, &in, &n, &root,
+                                     &timeout) ||
         buffers_of(outs, mpc_coll_world(c), n, "gather's outputs", bufs) < 0)
         return NULL;
     int64_t dl = deadline_of(timeout);
@@ -341,13 +357,16 @@ static PyObject *Group_gather(PyObject *op, PyObject *args) {
     RUN(op, mpc_coll_gather(c, bufs, (const void *)(uintptr_t)in, n, root, dl));
 }
 
-static PyObject *Group_scatter(PyObject *op, PyObject *args) {
+static PyObject *Group_scatter(PyObject *op, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"out_address", "ins", "nbytes", "root", "timeout", NULL};
     unsigned long long out, n;
     int root;
     PyObject *ins, *timeout = Py_None;
     void *bufs[MPC_COLL_MAX_RANKS];
     mpc_coll *c = group_of(op);
-    if (c == NULL || !PyArg_ParseTuple(args, "KOKi|O:scatter", &out, &ins, &n, &root, &timeout) ||
+    if (c == NULL ||
+        !PyArg_ParseTupleAndKeywords(args, kw, "KOKi|O:scatter", kwlist, &out, &ins, &n, &root,
+                                     &timeout) ||
         buffers_of(ins, mpc_coll_world(c), n, "scatter's inputs", bufs) < 0)
         return NULL;
     int64_t dl = deadline_of(timeout);
@@ -356,13 +375,15 @@ static PyObject *Group_scatter(PyObject *op, PyObject *args) {
     RUN(op, mpc_coll_scatter(c, (void *)(uintptr_t)out, (const void *const *)bufs, n, root, dl));
 }
 
-static PyObject *Group_all_to_all(PyObject *op, PyObject *args) {
+static PyObject *Group_all_to_all(PyObject *op, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"out_address", "in_address", "send_sizes", "recv_sizes", "timeout",
+                             "buffer", NULL};
     unsigned long long out, in;
     PyObject *send, *recv, *timeout = Py_None, *inb = Py_None;
     mpc_coll_buf *b;
     mpc_coll *c = group_of(op);
-    if (c == NULL || !PyArg_ParseTuple(args, "KKOO|OO:all_to_all", &out, &in, &send, &recv,
-                                       &timeout, &inb) ||
+    if (c == NULL || !PyArg_ParseTupleAndKeywords(args, kw, "KKOO|OO:all_to_all", kwlist, &out,
+                                                  &in, &send, &recv, &timeout, &inb) ||
         buffer_arg(op, inb, "all_to_all", &b) < 0)
         return NULL;
     int world = mpc_coll_world(c);
@@ -388,7 +409,8 @@ static int tag_of(long long tag, uint32_t *out) {
     return 0;
 }
 
-static PyObject *Group_send(PyObject *op, PyObject *args) {
+static PyObject *Group_send(PyObject *op, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"address", "nbytes", "dst", "tag", "timeout", NULL};
     unsigned long long addr, n;
     int dst;
     long long tag = 0;
@@ -396,7 +418,8 @@ static PyObject *Group_send(PyObject *op, PyObject *args) {
     PyObject *timeout = Py_None;
     mpc_coll *c = group_of(op);
     if (c == NULL ||
-        !PyArg_ParseTuple(args, "KKi|LO:send", &addr, &n, &dst, &tag, &timeout) ||
+        !PyArg_ParseTupleAndKeywords(args, kw, "KKi|LO:send", kwlist, &addr, &n, &dst, &tag,
+                                     &timeout) ||
         tag_of(tag, &t) < 0)
         return NULL;
     int64_t dl = deadline_of(timeout);
@@ -405,13 +428,15 @@ static PyObject *Group_send(PyObject *op, PyObject *args) {
     RUN(op, mpc_coll_send(c, (const void *)(uintptr_t)addr, n, dst, t, dl));
 }
 
-static PyObject *Group_try_send(PyObject *op, PyObject *args) {
+static PyObject *Group_try_send(PyObject *op, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"address", "nbytes", "dst", "tag", NULL};
     unsigned long long addr, n;
     int dst, rc;
     long long tag = 0;
     uint32_t t;
     mpc_coll *c = group_of(op);
-    if (c == NULL || !PyArg_ParseTuple(args, "KKi|L:try_send", &addr, &n, &dst, &tag) ||
+    if (c == NULL ||
+        !PyArg_ParseTupleAndKeywords(args, kw, "KKi|L:try_send", kwlist, &addr, &n, &dst, &tag) ||
         tag_of(tag, &t) < 0)
         return NULL;
     WAIT(rc, mpc_coll_try_send(c, (const void *)(uintptr_t)addr, n, dst, t));
@@ -420,7 +445,8 @@ static PyObject *Group_try_send(PyObject *op, PyObject *args) {
     return PyBool_FromLong(rc);
 }
 
-static PyObject *Group_recv(PyObject *op, PyObject *args) {
+static PyObject *Group_recv(PyObject *op, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"address", "nbytes", "src", "tag", "timeout", NULL};
     unsigned long long addr, n;
     int src;
     long long tag = 0;
@@ -428,7 +454,8 @@ static PyObject *Group_recv(PyObject *op, PyObject *args) {
     PyObject *timeout = Py_None;
     mpc_coll *c = group_of(op);
     if (c == NULL ||
-        !PyArg_ParseTuple(args, "KKi|LO:recv", &addr, &n, &src, &tag, &timeout) ||
+        !PyArg_ParseTupleAndKeywords(args, kw, "KKi|LO:recv", kwlist, &addr, &n, &src, &tag,
+                                     &timeout) ||
         tag_of(tag, &t) < 0)
         return NULL;
     int64_t dl = deadline_of(timeout);
@@ -448,6 +475,9 @@ static PyObject *Group_close(PyObject *op, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* A method that takes its arguments by position or by name. */
+#define KW(fn) (PyCFunction)(void (*)(void))(fn), METH_VARARGS | METH_KEYWORDS
+
 static PyMethodDef Group_methods[] = {
     {"watch", Group_watch, METH_NOARGS, "watch(): from now on, a peer that exits breaks the group"},
     {"break_group", Group_break, METH_O,
@@ -457,34 +487,34 @@ static PyMethodDef Group_methods[] = {
      "set_labels(ranks): the group's messages call rank q ranks[q] (a subgroup's global ranks)"},
     {"direct", Group_direct, METH_NOARGS,
      "direct() -> whether large data movers copy straight between the ranks' memory"},
-    {"all_reduce", Group_all_reduce, METH_VARARGS,
+    {"all_reduce", KW(Group_all_reduce),
      "all_reduce(address, count, dtype, op, timeout=None, buffer=None): in place; buffer:\n"
      "the GroupBuffer holding the data, if it is in one"},
-    {"broadcast", Group_broadcast, METH_VARARGS, "broadcast(address, nbytes, root, timeout=None)"},
-    {"barrier", Group_barrier, METH_VARARGS, "barrier(timeout=None)"},
-    {"all_gather", Group_all_gather, METH_VARARGS,
+    {"broadcast", KW(Group_broadcast), "broadcast(address, nbytes, root, timeout=None)"},
+    {"barrier", KW(Group_barrier), "barrier(timeout=None)"},
+    {"all_gather", KW(Group_all_gather),
      "all_gather(out_address, in_address, nbytes, timeout=None, buffer=None)"},
-    {"reduce_scatter", Group_reduce_scatter, METH_VARARGS,
+    {"reduce_scatter", KW(Group_reduce_scatter),
      "reduce_scatter(out_address, in_address, count, dtype, op, timeout=None, buffer=None)"},
-    {"reduce", Group_reduce, METH_VARARGS,
+    {"reduce", KW(Group_reduce),
      "reduce(address, count, dtype, op, root, timeout=None, buffer=None): root's data\n"
      "becomes the reduction; the others' stays; buffer as all_reduce's"},
-    {"gather", Group_gather, METH_VARARGS,
+    {"gather", KW(Group_gather),
      "gather(outs, in_address, nbytes, root, timeout=None): on root, outs (one address of\n"
      "world * nbytes, or world addresses of nbytes) gets every rank's in; ignored elsewhere"},
-    {"scatter", Group_scatter, METH_VARARGS,
+    {"scatter", KW(Group_scatter),
      "scatter(out_address, ins, nbytes, root, timeout=None): out gets the root's ins[rank]\n"
      "(one address of world * nbytes, or world addresses of nbytes); ins read on root only"},
-    {"all_to_all", Group_all_to_all, METH_VARARGS,
+    {"all_to_all", KW(Group_all_to_all),
      "all_to_all(out_address, in_address, send_sizes, recv_sizes, timeout=None, buffer=None):\n"
      "byte counts per rank; in and out hold the pieces for/from ranks 0..world-1 end to end;\n"
      "buffer: the GroupBuffer that holds in, if any"},
-    {"send", Group_send, METH_VARARGS,
+    {"send", KW(Group_send),
      "send(address, nbytes, dst, tag=0, timeout=None)"},
-    {"try_send", Group_try_send, METH_VARARGS,
+    {"try_send", KW(Group_try_send),
      "try_send(address, nbytes, dst, tag=0) -> True once sent, False (nothing done) when the "
      "message does not fit in dst's mailbox now; never waits"},
-    {"recv", Group_recv, METH_VARARGS,
+    {"recv", KW(Group_recv),
      "recv(address, nbytes, src, tag=0, timeout=None) -> the source rank; src=-1: any"},
     {"close", Group_close, METH_NOARGS, "close(): unmaps the group"},
     {NULL},
@@ -570,7 +600,7 @@ static PyType_Slot GroupBuffer_slots[] = {
     {Py_tp_members, GroupBuffer_members},
     {Py_bf_getbuffer, GroupBuffer_getbuffer},
     {Py_tp_doc, "GroupBuffer(nbytes): shared memory the other ranks of a group map when an\n"
-                "all-reduce or reduce names it (NOTE [ Group buffers ] in coll.c)."},
+                "all-reduce or reduce names it (NOTE [ Group buffers ] in coll_copy.c)."},
     {0, NULL},
 };
 
@@ -618,7 +648,7 @@ int mpc_py_coll_exec(PyObject *m, mpc_state *st) {
         return -1;
     }
     st->GroupBufferType = (PyTypeObject *)type; /* the state owns this reference */
-    /* COLL_DTYPES and COLL_OPS: name -> code, from coll.c's tables */
+    /* COLL_DTYPES and COLL_OPS: name -> code, from coll_kernels.c's tables */
     PyObject *dtypes = PyDict_New(), *ops = PyDict_New();
     int bad = dtypes == NULL || ops == NULL;
     for (int i = 0; !bad && mpc_coll_dtype_name(i) != NULL; i++) {
@@ -631,10 +661,27 @@ int mpc_py_coll_exec(PyObject *m, mpc_state *st) {
         bad = v == NULL || PyDict_SetItemString(ops, mpc_coll_op_name(i), v) < 0;
         Py_XDECREF(v);
     }
+    /* COLL_REDUCES: (dtype name, op name) -> (dtype code, op code) for every
+     * pair the core reduces (mpc_coll_reduces): what a caller may hand the
+     * reductions, in one table, so that no caller restates the rule */
+    PyObject *reduces = bad ? NULL : PyDict_New();
+    bad = bad || reduces == NULL;
+    for (int d = 0; !bad && mpc_coll_dtype_name(d) != NULL; d++)
+        for (int o = 0; !bad && mpc_coll_op_name(o) != NULL; o++) {
+            if (!mpc_coll_reduces(d, o))
+                continue;
+            PyObject *k = Py_BuildValue("(ss)", mpc_coll_dtype_name(d), mpc_coll_op_name(o));
+            PyObject *v = Py_BuildValue("(ii)", d, o);
+            bad = k == NULL || v == NULL || PyDict_SetItem(reduces, k, v) < 0;
+            Py_XDECREF(k);
+            Py_XDECREF(v);
+        }
     if (!bad)
         bad = PyModule_AddObjectRef(m, "COLL_DTYPES", dtypes) < 0 ||
-              PyModule_AddObjectRef(m, "COLL_OPS", ops) < 0;
+              PyModule_AddObjectRef(m, "COLL_OPS", ops) < 0 ||
+              PyModule_AddObjectRef(m, "COLL_REDUCES", reduces) < 0;
     Py_XDECREF(dtypes);
     Py_XDECREF(ops);
+    Py_XDECREF(reduces);
     return bad ? -1 : 0;
 }
