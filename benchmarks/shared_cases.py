@@ -118,11 +118,13 @@ def _in_fork(fn, *args):
         try:
             os.close(r)
             res = fn(*args)
-            os.write(w, json.dumps(res).encode())
             code = 0
-        except BaseException:
+        except BaseException as e:
             import traceback
             traceback.print_exc()
+            res = {"error": f"{type(e).__name__}: {e}"}
+        try:
+            os.write(w, json.dumps(res).encode())
         finally:
             os._exit(code)
     os.close(w)
@@ -134,9 +136,15 @@ def _in_fork(fn, *args):
         chunks.append(b)
     os.close(r)
     _, status = os.waitpid(pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"the measuring process failed ({os.waitstatus_to_exitcode(status)})")
-    return json.loads(b"".join(chunks))
+    code = os.waitstatus_to_exitcode(status)
+    try:
+        res = json.loads(b"".join(chunks))
+    except ValueError:
+        res = {"error": "it reported nothing"}
+    if code != 0 or "error" in res:
+        raise RuntimeError(f"the measuring process ({fn.__name__}{args[1:]}) failed, exit "
+                           f"code {code}: {res.get('error')}")
+    return res
 
 
 def _one_copy(n):
