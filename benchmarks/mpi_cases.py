@@ -29,7 +29,11 @@ it shows four figures:
   - the C core's own call: `dist.group.WORLD.shm.core.all_reduce(address,
     count, dtype, op, timeout)` (barrier(timeout), broadcast(address,
     nbytes, root, timeout)), what the backend calls, with no
-    torch.distributed in between.
+    torch.distributed in between, on a tensor of its own that stays the
+    rank's own memory.  The backend moves a storage of 1 MB or more that it
+    reduces a second time into a group buffer (NOTE [ Memory reduced again
+    and again ] in _backend.py), which the core's own call here does not
+    do: from 1 MB on, the call through torch can be the faster one.
 Every kind of rank times a job alike: a check of the result with known
 values, warm-up calls, calibrate() over runs of "barrier, n calls, the
 slowest rank's time" (every rank then picks the same n), then ROUNDS runs
@@ -57,6 +61,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 
 WORLDS = (2, 4)
 KB, MB = 1 << 10, 1 << 20
@@ -140,14 +145,20 @@ def _torch_calls(torch, dist, core, op, nbytes, rank, world):
         t = torch.full((numel,), float(rank + 1))
         dist.all_reduce(t)
         check((t == want_sum).all(), f"all_reduce gave {t[:2].tolist()}, want {want_sum}")
+        t.zero_()      # zeros from here on: no overflow, no denormals
         calls["dist"] = lambda: dist.all_reduce(t)
         if core is not None:
-            addr = t.data_ptr()
-            t.fill_(rank + 1)
+            # A tensor of its own: the backend may move the storage of one
+            # it reduces again and again into a group buffer (NOTE [ Memory
+            # reduced again and again ] in _backend.py), which frees the
+            # memory at the address taken here.
+            tc = torch.full((numel,), float(rank + 1))
+            addr = tc.data_ptr()
             core.all_reduce(addr, numel, codes[0], codes[1], timeout)
-            check((t == want_sum).all(), f"the core's all_reduce gave {t[:2].tolist()}")
-            calls["core"] = lambda: core.all_reduce(addr, numel, codes[0], codes[1], timeout)
-        t.zero_()      # zeros from here on: no overflow, no denormals
+            check((tc == want_sum).all(), f"the core's all_reduce gave {tc[:2].tolist()}")
+            tc.zero_()
+            calls["core"] = lambda tc=tc: core.all_reduce(addr, numel, codes[0], codes[1],
+                                                          timeout)    # tc=tc: keeps it alive
     elif op == "allreduce-fresh":
         def fresh_dist():
             t = torch.full((numel,), float(rank + 1))
@@ -170,11 +181,11 @@ def _torch_calls(torch, dist, core, op, nbytes, rank, world):
         check((t == 1).all(), f"broadcast gave {t[:2].tolist()}, want 1")
         calls["dist"] = lambda: dist.broadcast(t, src=0)
         if core is not None:
-            addr = t.data_ptr()
-            t.fill_(rank + 1)
-            core.broadcast(addr, t.nbytes, 0, timeout)
-            check((t == 1).all(), f"the core's broadcast gave {t[:2].tolist()}, want 1")
-            calls["core"] = lambda: core.broadcast(addr, numel * 4, 0, timeout)
+            tc = torch.full((numel,), float(rank + 1))     # as for all_reduce
+            addr = tc.data_ptr()
+            core.broadcast(addr, numel * 4, 0, timeout)
+            check((tc == 1).all(), f"the core's broadcast gave {tc[:2].tolist()}, want 1")
+            calls["core"] = lambda tc=tc: core.broadcast(addr, numel * 4, 0, timeout)
     elif op == "barrier":
         calls["dist"] = dist.barrier
         if core is not None:
@@ -205,6 +216,7 @@ def _rank_main(rank, impl, world, jobs, target_s, path):
                 r = _time(calls, run, _c.calibrate, target_s, nbytes)
             except Exception as e:
                 # Every rank raises _expect's error alike: the ranks stay in step.
+                traceback.print_exc()
                 r = {"error": f"{type(e).__name__}: {e}"}
             out["jobs_out"][_key((op, nbytes))] = r
         if rank == 0:
