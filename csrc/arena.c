@@ -3,6 +3,12 @@
  * offers the keeper (keeper.c) the few functions of internal.h that it
  * needs to keep segments and sweep a dead process's holds.
  *
+ * It stays one file of about 900 lines: allocation, holds, attach and the
+ * keeper's hooks all work on one table of mapped segments under one lock
+ * (mpc__lock), and the rules of NOTE [ Blocks and references ] (who may
+ * flip a generation, when a segment is retired) hold only if every change
+ * to a block's state is read in one place.
+ *
  * NOTE [ Blocks and references ]
  * Shared memory is handed out in blocks.  A request of up to
  * MPC_ARENA_MAX bytes gets a block in an arena segment whose blocks all

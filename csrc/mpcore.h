@@ -1,4 +1,7 @@
 /* mpcore.h: the interface of mpcore's C core, what the bindings call.
+ * It stays one header of about 900 lines, a section per subsystem: it is
+ * the core's whole contract, every declaration with what it returns on
+ * failure, and a binding reads the few sections it uses in one place.
  *
  * The core is plain C with no Python in it.  Every exported function returns
  * 0 (or a non-negative count) on success and a negative errno on failure; the

@@ -5,7 +5,9 @@
  * entries that remember it (NOTE [ Storage entries go with their block ]);
  * and moving a storage into a block in place.  It reaches torch only
  * through the objects torch_hooks() hands over, and Blocks only through
- * py_block.c's calls.
+ * py_block.c's calls.  It stays one file of about 850 lines: making a
+ * record, reading one and the storages both make share those objects and
+ * the rules of the storage table, which a split would put on both sides.
  *
  * NOTE [ Tensor records ]
  * A bare tensor put on a Queue (the commonest message of all) travels as a

@@ -2,6 +2,12 @@
  * of variable-length messages that mpcore's queues are built on, and the
  * task count of JoinableQueue that lives in the same header.
  *
+ * It stays one file of about 1,000 lines: put, get, close and the task
+ * count are the halves of one protocol over one header (NOTE [ Ring ]),
+ * whose memory orderings are argued against each other (a put's publish
+ * against a get's claim, a close against both); apart, each half would
+ * lose the other it is reasoned with.
+ *
  * NOTE [ Ring ]
  * =============
  * Layout.  A ring is a region of shared memory: a fixed header of

@@ -210,3 +210,18 @@ def test_bindings_release_the_gil_around_calls_that_may_wait_for_the_keeper():
                 if opened < 0 or closed > opened:
                     bad.append(f"{name}: {fn} calls {m.group(1)} with the GIL held")
     assert not bad, bad
+
+
+# "About 800 lines": a source longer than this is split along its seams, or
+# its header comment says why it stays whole.
+LONG = 820
+
+
+def test_long_sources_say_why_they_stay_whole():
+    bad = []
+    for name, text in sources():
+        n = text.count("\n")
+        head = text[:text.find("*/")]
+        if n > LONG and not re.search(r"\bstays one (file|header)\b", head):
+            bad.append(f"{name}: {n} lines, and its header does not say why it stays one file")
+    assert not bad, bad
