@@ -193,3 +193,21 @@ def test_x86_build_keeps_its_clones():
     for kernel in ("f32_sum", "f64_sum", "i64a_sum", "f32_to_bf16"):
         for clone in ("arch_x86_64_v4", "arch_x86_64_v3", "default"):
             assert f"{kernel}.{clone}" in names, (kernel, clone)
+
+
+def test_only_the_kernels_have_cpu_specific_code():
+    # NOTE [ Reduction kernels on each architecture ]: of the collectives'
+    # files, coll_kernels.c alone names a CPU or builds for one; the rest is
+    # plain C, and the kernels have a path for every other CPU (no clones).
+    cpu = re.compile(r"target_clones|__attribute__\s*\(\(\s*target\b|__x86_64__|__aarch64__|"
+                     r"__i386__|immintrin|arm_neon|__builtin_ia32")
+    found = {}
+    for path in sorted(glob(os.path.join(ROOT, "csrc", "coll*"))):
+        with open(path) as f:
+            if cpu.search(f.read()):
+                found[os.path.basename(path)] = True
+    assert list(found) == ["coll_kernels.c"], found
+    with open(os.path.join(ROOT, "csrc", "coll_kernels.c")) as f:
+        text = f.read()
+    assert re.search(r"#if defined\(__x86_64__\)\n#define CLONES .*\n#else\n#define CLONES\n#endif",
+                     text), "the clones' switch and its portable branch"
