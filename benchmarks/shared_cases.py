@@ -141,9 +141,10 @@ def _in_fork(fn, *args):
         res = json.loads(b"".join(chunks))
     except ValueError:
         res = {"error": "it reported nothing"}
-    if code != 0 or "error" in res:
+    if code != 0 or (isinstance(res, dict) and "error" in res):
+        why = res.get("error") if isinstance(res, dict) else res
         raise RuntimeError(f"the measuring process ({fn.__name__}{args[1:]}) failed, exit "
-                           f"code {code}: {res.get('error')}")
+                           f"code {code}: {why}")
     return res
 
 
