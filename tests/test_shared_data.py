@@ -500,3 +500,25 @@ def test_the_memory_row_shows_every_variant_and_judges_both_targets():
     assert "1,800 MB / 700 MB / 1,700 MB / 1,300 MB" in table, table
     assert "2.7% of torch's (target <= 5%): met" in table, table
     assert "1.30x one copy" in table and "MISSED" not in table, table
+
+
+def test_empty_containers_and_unusual_arrays_and_tensors():
+    assert len(SharedList([])) == 0 and list(SharedList([])) == []
+    assert len(SharedDict({})) == 0 and "a" not in SharedDict({}) and SharedDict({}) == {}
+    rec = np.zeros(3, dtype=[("a", "<i4"), ("b", "<f8")])
+    rec["a"] = [1, 2, 3]
+    p = torch.nn.Parameter(torch.ones(3))
+    src = [np.empty((0, 3)), torch.empty(0), np.array([True, False]), rec,
+           np.array([1, "x", None], dtype=object), torch.ones(2, requires_grad=True), p,
+           torch.eye(2).to_sparse(), np.float32(2.5), np.arange(10)[::3], torch.arange(10)[::3]]
+    sl = SharedList(src)
+    got = list(sl)
+    assert got[0].shape == (0, 3) and got[1].shape == (0,)
+    assert got[2].tolist() == [True, False] and got[3]["a"].tolist() == [1, 2, 3]
+    assert got[3].dtype == rec.dtype
+    assert got[4].tolist() == [1, "x", None]          # objects: pickled with the item
+    assert got[5].requires_grad and got[5].is_leaf and torch.equal(got[5], src[5])
+    assert type(got[6]) is torch.nn.Parameter and got[6].requires_grad
+    assert got[7].is_sparse and torch.equal(got[7].to_dense(), torch.eye(2))
+    assert got[8] == np.float32(2.5) and type(got[8]) is np.float32
+    assert got[9].tolist() == [0, 3, 6, 9] and got[10].tolist() == [0, 3, 6, 9]

@@ -74,6 +74,7 @@ _KIND_NAME = {_LIST: "SharedList", _DICT: "SharedDict"}
 # The block and array region of the item being unpickled in this thread,
 # for the rebuild functions below (only set for items that hold arrays).
 _tls = threading.local()
+_loads = pickle.loads
 
 
 def _round_up(n, a=_ALIGN):
@@ -404,6 +405,9 @@ class SharedList(_Shared):
         return self._n
 
     def __getitem__(self, i):
+        if type(i) is int and 0 <= i < self._n and not self._flags[i]:
+            offs = self._offs  # the common read, inline (NOTE [ Shared datasets ])
+            return _loads(self._mv[offs[i]:offs[i + 1]])
         if type(i) is not int:
             if isinstance(i, slice):
                 return [self._load(j) for j in range(*i.indices(self._n))]
