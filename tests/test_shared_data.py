@@ -522,3 +522,19 @@ def test_empty_containers_and_unusual_arrays_and_tensors():
     assert got[7].is_sparse and torch.equal(got[7].to_dense(), torch.eye(2))
     assert got[8] == np.float32(2.5) and type(got[8]) is np.float32
     assert got[9].tolist() == [0, 3, 6, 9] and got[10].tolist() == [0, 3, 6, 9]
+
+
+def test_a_shared_list_crosses_an_mpcore_queue_as_a_handle():
+    sl = SharedList(_items(5))
+    q = mpcore.Queue()
+    q.put(sl)
+    got = q.get(timeout=scaled(10))
+    assert got.handle == sl.handle and _same(got[3], sl[3])
+
+
+def test_stateful_loader_takes_the_keyword_too():
+    from mpcore.data import StatefulDataLoader
+    ds = _Meta(1100)
+    loader = StatefulDataLoader(ds, batch_size=100, share_dataset=True)
+    assert type(ds.items) is SharedList
+    assert torch.cat([b[:, 0] for b in loader]).tolist() == list(range(1100))
