@@ -63,6 +63,16 @@ class ProcessException(Exception):
     def __reduce__(self):
         return type(self), (self.msg, self.error_index, self.error_pid)
 
+    # NOTE [ A failed rank's pid under both names ]
+    # torch 2.6 names the failed process's pid `pid`, 2.13 and 2.14
+    # `error_pid`; torchrun's agent of each torch reads its own name when a
+    # rank fails (2.6's elastic/multiprocessing/api.py logs `e.pid`, and
+    # without it the launcher dies of an AttributeError in place of its
+    # failure summary).  Both names are answered, on every torch.
+    @property
+    def pid(self):
+        return self.error_pid
+
 
 class ProcessRaisedException(ProcessException):
     """Exception raised when a process failed due to an exception raised by the code."""

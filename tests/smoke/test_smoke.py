@@ -344,6 +344,26 @@ def test_launch_fsdp2(launched):
         assert out["fsdp2_matches_reference"] is True
 
 
+def test_launch_a_failing_rank_gets_torchruns_failure_summary(tmp_path):
+    # The agent of every torch reads the failed rank's pid from the exception
+    # mpcore's spawn raises (NOTE [ A failed rank's pid under both names ] in
+    # _spawn.py): 2.6's as `pid`, later ones' as `error_pid`.
+    code = """\
+    import os, sys
+    import torch
+    print("rank", os.environ["RANK"], "pid", os.getpid(), flush=True)
+    if os.environ["RANK"] == "1":
+        sys.exit(3)
+    """
+    r = run(program(tmp_path, "fails.py", code), flags=("--nproc-per-node", "2"), timeout=200)
+    assert r.returncode == 1, f"rc {r.returncode}\n{r.stderr[-5000:]}"
+    assert "AttributeError" not in r.stderr, r.stderr[-5000:]
+    pid = re.search(r"^rank 1 pid (\d+)$", r.stdout, re.M)
+    assert pid, r.stdout
+    assert "fails.py FAILED" in r.stderr, r.stderr[-5000:]
+    assert re.search(rf"exitcode\s*: 3 \(pid: {pid.group(1)}\)", r.stderr), r.stderr[-5000:]
+
+
 # --- mpcore doctor ---------------------------------------------------------------------
 
 def test_doctor_names_torch_and_what_it_serves():
