@@ -538,3 +538,24 @@ def test_stateful_loader_takes_the_keyword_too():
     loader = StatefulDataLoader(ds, batch_size=100, share_dataset=True)
     assert type(ds.items) is SharedList
     assert torch.cat([b[:, 0] for b in loader]).tolist() == list(range(1100))
+
+
+def test_works_where_torch_is_not_installed(leak_check):
+    from conftest import NO_TORCH_PRELUDE, run_program
+    r = run_program(NO_TORCH_PRELUDE + r'''
+import json, pickle, sys
+import numpy as np
+from mpcore.data import SharedDict, SharedList, share_dataset
+
+sl = SharedList([{"a": np.arange(3)}, "x"])
+back = pickle.loads(pickle.dumps(sl))
+class DS:
+    def __init__(self):
+        self.items = list(range(2000))
+ds = share_dataset(DS())
+print("RESULT " + json.dumps({"a": back[0]["a"].tolist(), "x": sl[1],
+                              "d": SharedDict({"k": 1})["k"], "ds": type(ds.items).__name__,
+                              "torch": "torch" in sys.modules}))
+''')
+    res = program_result(r)
+    assert res == {"a": [0, 1, 2], "x": "x", "d": 1, "ds": "SharedList", "torch": False}, res
