@@ -49,8 +49,9 @@ A key is found through a table in the block, so its hash must be the same
 in every process: Python's str hash is salted per process (a 'spawn'
 worker has another salt), so the table uses crc32 of a canonical encoding
 of the key: str, bytes, int (bool and integral floats as ints, since
-1 == 1.0 == True are one key), float, None and tuples of these by their
-value, anything else by its pickle.  A candidate is then compared with ==,
+1 == 1.0 == True are one key), float, None, and tuples and frozensets of
+these by their value, anything else by its pickle (so such a key must
+pickle the same in every process).  A candidate is then compared with ==,
 so a crc32 collision costs a probe, never a wrong answer.
 """
 import array
@@ -167,6 +168,9 @@ def _hashable_bytes(key):
         return b"n"
     if t is tuple:
         return b"(" + b"\0".join(_hashable_bytes(k).replace(b"\0", b"\0\1") for k in key) + b")"
+    if t is frozenset:  # its pickle follows its iteration order, which the hash salt sets
+        return b"{" + b"\0".join(sorted(_hashable_bytes(k).replace(b"\0", b"\0\1")
+                                         for k in key)) + b"}"
     hash(key)  # TypeError for an unhashable key, as dict gives
     return b"p" + pickle.dumps(key, 5)
 
