@@ -183,7 +183,8 @@ def _mem_variant(env, variant, n):
     pids = [w.pid for w in loader._iterator._workers]
     workers = [_rollup(p) for p in pids]
     main = _rollup(os.getpid())
-    res = {"uss_workers": sum(w[0] for w in workers), "pss_total": main[1] + sum(w[1] for w in workers),
+    res = {"uss_workers": sum(w[0] for w in workers),
+           "pss_total": main[1] + sum(w[1] for w in workers),
            "uss_main": main[0], "epoch_s": epoch}
     del loader
     return res

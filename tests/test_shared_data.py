@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import mpcore
-from mpcore.data import DataLoader, SharedDict, SharedList, share_dataset
+from mpcore.data import SharedDict, SharedList, share_dataset
 from conftest import (TESTS_ON_PATH, fresh_env, memory_amounts, program_result, run_in_memcg,
                       scaled)
 
