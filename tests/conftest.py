@@ -248,6 +248,11 @@ def mpcore_ranges():
     return out
 
 
+# What the programs a test runs name their /dev/shm entries: multiprocessing's
+# semaphores and SharedMemory, torch's file_system strategy, mpcore's tests.
+SHM_NAMES = ("sem.", "psm_", "torch_", "mpcore")
+
+
 def shm_gained(before, ours=None):
     """The entries of /dev/shm made since `before` (a set of its names) that
     a test can have left: those still there that no live process outside
@@ -263,9 +268,16 @@ def shm_gained(before, ours=None):
     makes a named semaphore under a temporary name, maps it, links it to its
     name and unlinks the temporary one, so its creator's maps name
     "/dev/shm/sem.XXXXXX (deleted)" and never "sem.mp-..." (a match by name
-    took every other program's multiprocessing lock for the test's)."""
+    took every other program's multiprocessing lock for the test's).
+    And only the names a test's programs make count (SHM_NAMES: Python's
+    semaphores and SharedMemory, torch's shared files, mpcore's own): another
+    program's entry that nobody maps at the moment of the check (Open MPI's
+    sm_segment.* between a rank's death and its launcher's cleanup) is not
+    the test's."""
     gained = {}
     for name in set(os.listdir("/dev/shm")) - set(before):
+        if not name.startswith(SHM_NAMES):
+            continue
         try:
             st = os.stat(os.path.join("/dev/shm", name))
         except FileNotFoundError:

@@ -176,3 +176,20 @@ def test_what_the_test_left_is_counted():
     finally:
         os.unlink(left)
     assert shm_gained(before) == []
+
+
+def test_another_programs_name_is_not_the_tests():
+    """An entry nobody maps under a name no program of a test makes (Open MPI's
+    shared-memory segments between a rank's death and their cleanup) is not
+    what the test left; one under a name the test's programs make is."""
+    before = set(os.listdir("/dev/shm"))
+    foreign = os.path.join("/dev/shm", f"sm_segment.test.{uuid.uuid4().hex}")
+    torchs = os.path.join("/dev/shm", f"torch_{os.getpid()}_{uuid.uuid4().hex}")
+    for path in (foreign, torchs):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 4096)
+    try:
+        assert shm_gained(before) == [os.path.basename(torchs)]
+    finally:
+        os.unlink(foreign)
+        os.unlink(torchs)
