@@ -62,7 +62,8 @@ def core_extension():
 if __name__ == "__main__":
     setup(
         package_dir={"": "pkg", "mpcore.bench": "benchmarks"},
-        packages=["mpcore", "mpcore.data", "mpcore.bench"],
+        packages=["mpcore", "mpcore.shm", "mpcore.queue", "mpcore.proc", "mpcore.data", "mpcore.dist",
+                  "mpcore.run", "mpcore.bench"],
         ext_modules=[core_extension()],
         cmdclass={"build_py": build_py_with_pth},
     )

@@ -337,15 +337,15 @@ def _mini_spawn(fn, args=(), nprocs=1, join=True):
 def _spawn_impl():
     # The torch side: torch's.  The mpcore side (run by `mpcore run`):
     # torch.multiprocessing.spawn if mpcore serves it there, else
-    # mpcore._spawn.spawn if that exists, else _mini_spawn above.
+    # mpcore.proc._spawn.spawn if that exists, else _mini_spawn above.
     tmp = torch.multiprocessing
     if not MPCORE:
         return tmp.spawn, "torch.multiprocessing.spawn"
     if (getattr(tmp.spawn, "__module__", "") or "").startswith("mpcore"):
         return tmp.spawn, f"torch.multiprocessing.spawn = {tmp.spawn.__module__}.spawn"
     try:
-        from mpcore._spawn import spawn
-        return spawn, "mpcore._spawn.spawn"
+        from mpcore.proc._spawn import spawn
+        return spawn, "mpcore.proc._spawn.spawn"
     except ImportError as e:
         return _mini_spawn, f"minimal spawn on mpcore.get_context('spawn') ({e})"
 

@@ -19,6 +19,6 @@ echo "== build"
 $PY -m pip --version >/dev/null 2>&1 && ($PY -c 'import numpy' 2>/dev/null || $PY -m pip install -q numpy)
 $PY setup.py build_ext --inplace -q 2>&1 | grep -v "^$" | tail -5
 export PYTHONPATH="$PWD/pkg${PYTHONPATH:+:$PYTHONPATH}"
-$PY -c 'import mpcore, mpcore._nccl as n; print("NCCL from", n.load())' || exit 1
+$PY -c 'import mpcore, mpcore.dist._nccl as n; print("NCCL from", n.load())' || exit 1
 echo "== checks"
 timeout 540 $PY benchmarks/gpu_check.py

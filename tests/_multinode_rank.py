@@ -27,7 +27,7 @@ from torch._C._distributed_c10d import AllgatherOptions
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 OUT = sys.argv[1]
 if os.environ.get("MPCORE_TEST_RANKS_PER_HOST"):
-    from mpcore import _dist
+    from mpcore.dist import _dist
     _k = int(os.environ["MPCORE_TEST_RANKS_PER_HOST"])
     _dist._host_id = lambda: f"fake-host-{RANK // _k}"
 

@@ -38,7 +38,7 @@ import pytest
 from conftest import Scenario, fresh_env, mpcore_memfds, mpcore_processes, scaled, shm_gained
 
 MODES = ("gloo", "mpcore", "run-gloo")
-MPCORE_PG = "mpcore._backend.ProcessGroupMpcore"
+MPCORE_PG = "mpcore.dist._group.ProcessGroupMpcore"
 
 # The first lines of every rank program.
 RANK_PRELUDE = r'''

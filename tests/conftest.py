@@ -383,7 +383,7 @@ def _is_resource_tracker(pid):
 
 def _is_own_zygote(pid):
     # The test process's zygote, like its keeper, lives as long as it does.
-    from mpcore import _zygote
+    from mpcore.proc import _zygote
     return _zygote._service is not None and _zygote._service[1] == pid
 
 

@@ -44,12 +44,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 import mpcore.distributed as md
-from mpcore import _backend
+from mpcore.dist import _buffers
 
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 torch.set_num_threads(1)
 if os.environ.get("FAKE_HOSTS"):        # every rank on a machine of its own, as far as mpcore sees
-    from mpcore import _dist
+    from mpcore.dist import _dist
     _dist._host_id = lambda: f"host-{RANK}"
 md.init_process_group("gloo", timeout=datetime.timedelta(seconds=60 * SLOW))
 R = dist.ReduceOp
@@ -246,7 +246,7 @@ def job_reduced_again(kind, call="all_reduce"):
     import numpy as np
     m, g, members = GROUPS[kind]
     W = len(members)
-    n = _backend.BUFFER_MIN // 4 + 3
+    n = _buffers.BUFFER_MIN // 4 + 3
     cut = 5
     if call == "all_to_all":   # rows of 4 that split over the ranks, in "view" too
         n, cut = n + -n % (4 * W), 4 * W
@@ -300,14 +300,14 @@ def job_reduced_again(kind, call="all_reduce"):
                 check(f"{sort} call {i}, a view made before", head,
                       (ins[me] if moves else want)[:7])
             a = t.untyped_storage().data_ptr()
-            trail.append([a, a in _backend._held])
+            trail.append([a, a in _buffers._held])
         out[sort] = trail
     check("numpy array", torch.from_numpy(arr), tensors["numpy"])
     out["shared_after"] = tensors["shared"].is_shared()
     addr = own.untyped_storage().data_ptr()
     del own, head, t, tensors, mixed
     gc.collect()
-    out["freed"] = addr not in _backend._held
+    out["freed"] = addr not in _buffers._held
     out.update(st)
     return out
 
@@ -321,7 +321,7 @@ def job_all_to_all_in_place(kind):
     m, g, members = GROUPS[kind]
     W, me = len(members), members.index(RANK)
     st, check = checker()
-    for n in (8 * W, (_backend.BUFFER_MIN // 4 // W + 5) * W):
+    for n in (8 * W, (_buffers.BUFFER_MIN // 4 // W + 5) * W):
         for i in range(3):
             ins = [make("float32", (n,), q, f"inplace{n}{i}") for q in range(W)]
             t = ins[me].clone()
@@ -511,7 +511,7 @@ def job_movers(kind, what, noncontig=False, dtypes=DT):
 def torch_refused():
     """Each of torch's functions behind a fast path (_fastpath._TORCH)
     replaced by one that raises "torch's NAME reached"."""
-    from mpcore import _fastpath
+    from mpcore.dist import _fastpath
     saved = dict(_fastpath._TORCH)
 
     def refuse(name):

@@ -198,7 +198,7 @@ def test_get_backend_under_run(runs):
     program's own `dist.get_backend() == "gloo"` tests go as under python
     (NOTE [ Which backend a group gets ])."""
     for r, ident in enumerate(runs.get("run-gloo", 2).value("_identity")):
-        assert ident["type"] == "mpcore._backend.ProcessGroupMpcore", ident
+        assert ident["type"] == "mpcore.dist._group.ProcessGroupMpcore", ident
         assert ident["backend"] == "gloo", (
             f"rank {r}: the program asked for gloo, but dist.get_backend() says "
             f"{ident['backend']!r}")

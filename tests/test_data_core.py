@@ -7,7 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from mpcore import Queue, _core, _queue
+from mpcore import Queue, _core
+from mpcore.queue import _queue
 from mpcore.data import _collate, _worker
 
 from conftest import NO_TORCH_PRELUDE, run_in_session, scaled

@@ -73,7 +73,7 @@ import numpy as np
 import torch
 torch.set_num_threads(1)
 import mpcore
-from mpcore import _zygote
+from mpcore.proc import _zygote
 from mpcore.data import DataLoader, Dataset
 
 MODE, WORK = sys.argv[1], sys.argv[2]

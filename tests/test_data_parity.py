@@ -244,11 +244,11 @@ class MarkDataset(SeqDataset):
 class OriginDataset(SeqDataset):
     """Sample i says where its worker came from: the worker's parent pid in
     the kernel (os.getppid() gives a zygote child its requester) and whether
-    the zygote forked it (mpcore._zygote.forked, set only in a zygote's
+    the zygote forked it (mpcore.proc._child.forked, set only in a zygote's
     child), beside i."""
 
     def __getitem__(self, i):
-        import mpcore._zygote as zygote
+        import mpcore.proc._child as zygote
         with open("/proc/self/stat") as f:
             ppid = int(f.read().rsplit(")", 1)[1].split()[1])
         return torch.tensor([i, ppid, int(zygote.forked)])

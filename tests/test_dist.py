@@ -74,7 +74,8 @@ import numpy as np
 import torch
 import mpcore
 import mpcore.distributed as dist
-from mpcore import _backend, _core
+from mpcore.dist import _reduce
+from mpcore import _core
 from torch.distributed import distributed_c10d as c10d
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
@@ -214,12 +215,12 @@ def run(rank, world, outdir, out):
             m = torch.frombuffer(buf, dtype=DTYPES[name], count=n, offset=at * es)
             m.copy_(src)
             named = buf if who == "every rank" or rank % 2 == 0 else None
-            shm.core.all_reduce(m.data_ptr(), n, _backend.DTYPES[m.dtype], OPS.index(op), None, named)
+            shm.core.all_reduce(m.data_ptr(), n, _reduce.DTYPES[m.dtype], OPS.index(op), None, named)
             check(mkey, digest(m) == out["hashes"][key], "differs from the staged result")
             # a reduce to the last rank: its data becomes the same bits, the
             # others' data stays
             m.copy_(src)
-            shm.core.reduce(m.data_ptr(), n, _backend.DTYPES[m.dtype], OPS.index(op), W - 1, None,
+            shm.core.reduce(m.data_ptr(), n, _reduce.DTYPES[m.dtype], OPS.index(op), W - 1, None,
                             named)
             check(mkey.replace("all_reduce", f"reduce to {W - 1}"),
                   digest(m) == (out["hashes"][key] if rank == W - 1 else digest(src)),

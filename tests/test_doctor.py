@@ -132,7 +132,7 @@ def test_zygote_started_forked_a_child_and_is_gone(report):
 
 
 def test_nccl_found_with_its_path_and_version(report):
-    from mpcore import _nccl
+    from mpcore.dist import _nccl
     wheel = _nccl.wheel_paths()
     require(wheel, "no nvidia-nccl wheel on sys.path")
     nc = report[1]["nccl"]

@@ -39,7 +39,8 @@ import torch
 torch.set_num_threads(1)
 CHILD_TIMEOUT = 60 * SLOW
 import mpcore
-from mpcore import _queue, _shm, _torch as T
+from mpcore.queue import _queue
+from mpcore.shm import _blocks as _shm, _torch as T
 from multiprocessing.reduction import ForkingPickler
 
 

@@ -1,4 +1,4 @@
-"""The group's lanes (mpcore._dist._Lane) on their own: calls run in the
+"""The group's lanes (mpcore.dist._dist._Lane) on their own: calls run in the
 order queued, on the lane's thread or on a thread that waits for the next
 one (NOTE [ A waiter runs its own call ]), and a call's end wakes whoever
 can go on (NOTE [ A finished call wakes only who needs it ])."""
@@ -8,7 +8,7 @@ import time
 import pytest
 
 from conftest import scaled
-from mpcore import _dist
+from mpcore.dist import _dist
 
 WAIT_S = scaled(10)
 

@@ -15,7 +15,8 @@ import struct
 import pytest
 
 import mpcore
-from mpcore import _core, _zygote
+from mpcore import _core
+from mpcore.proc import _client
 from conftest import memory_amounts, program_result, reap, run_in_memcg, run_scenario, scaled
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -58,8 +59,8 @@ def settle():
 # --- the ring itself -------------------------------------------------------
 
 def _ring(capacity, maxitems=0):
-    block = mpcore._shm.alloc(_core.ring_footprint(capacity), zero=True,
-                              kind=mpcore._shm.BLOCK_QUEUE)
+    block = mpcore.shm._blocks.alloc(_core.ring_footprint(capacity), zero=True,
+                              kind=mpcore.shm._blocks.BLOCK_QUEUE)
     return block, _core.Ring(block, 0, None, True, maxitems)
 
 
@@ -116,7 +117,7 @@ def test_spilled_message_keeps_its_refs():
     _core.connect()
     _, r = _ring(4096)
     base = keeper_live_blocks()
-    data = mpcore._shm.alloc(64)
+    data = mpcore.shm._blocks.alloc(64)
     memoryview(data)[:4] = b"abcd"
     refs = [data.ticket(True) for _ in range(3)]
     payload = os.urandom(100_000)
@@ -178,7 +179,7 @@ def test_a_failed_put_leaves_no_block():
 def test_refs_that_can_never_fit_are_refused_clearly():
     _core.connect()
     _, r = _ring(1024)
-    data = mpcore._shm.alloc(64)
+    data = mpcore.shm._blocks.alloc(64)
     base = keeper_live_blocks()
     refs = [(1, 1, 1)] * 100  # 1600 bytes of refs: never in a 1 KiB ring
     with pytest.raises(ValueError, match=r"100 refs .* can never fit"):
@@ -407,9 +408,9 @@ import mpcore
 
 
 def child(data, q):
-    from mpcore import _zygote
+    from mpcore.proc import _child
     q.put({"len": len(data), "sha": hashlib.sha256(data).hexdigest(),
-           "forked_by_zygote": _zygote.forked})
+           "forked_by_zygote": _child.forked})
 
 
 if __name__ == "__main__":
@@ -441,16 +442,16 @@ def test_spawn_argument_larger_than_256_mb(scenario, leak_check):
 
 def test_zygote_header_is_the_c_definition():
     layout, size = _core.ZYGOTE_MSG_LAYOUT, _core.ZYGOTE_MSG_SIZE
-    assert _zygote._MSG.size == struct.calcsize(_zygote._MSG.format) == size
+    assert _client._MSG.size == struct.calcsize(_client._MSG.format) == size
     fmt = "="
     for name, offset, code in layout:
         assert struct.calcsize(fmt) == offset, (name, offset, fmt)
         fmt += code
-    assert struct.calcsize(_zygote._MSG.format) == struct.calcsize(fmt)
-    assert [n for n, _, _ in layout] == list(_zygote._FIELDS)
+    assert struct.calcsize(_client._MSG.format) == struct.calcsize(fmt)
+    assert [n for n, _, _ in layout] == list(_client._FIELDS)
     assert dict((n, o) for n, o, _ in layout)["targets"] + 4 * _core.ZYGOTE_MAX_FDS == size
-    assert (_zygote._MAGIC, _zygote._SPAWN, _zygote._STARTED, _zygote._FAILED,
-            _zygote._EXIT, _zygote._MAX_FDS) == (
+    assert (_client._MAGIC, _client._SPAWN, _client._STARTED, _client.FAILED,
+            _client._EXIT, _client.MAX_FDS) == (
         _core.ZYGOTE_MAGIC, _core.ZYGOTE_SPAWN, _core.ZYGOTE_STARTED, _core.ZYGOTE_FAILED,
         _core.ZYGOTE_EXIT, _core.ZYGOTE_MAX_FDS)
     assert len({_core.ZYGOTE_SPAWN, _core.ZYGOTE_STARTED, _core.ZYGOTE_FAILED,
@@ -460,10 +461,10 @@ def test_zygote_header_is_the_c_definition():
 def test_a_header_that_differs_from_c_is_refused_at_import():
     layout, size = _core.ZYGOTE_MSG_LAYOUT, _core.ZYGOTE_MSG_SIZE
     with pytest.raises(RuntimeError, match="bytes in C"):
-        _zygote._header_struct(layout, size + 4)
+        _client._header_struct(layout, size + 4)
     moved = tuple((n, o + 4 if n == "len" else o, c) for n, o, c in layout)
     with pytest.raises(RuntimeError, match="field len is at byte"):
-        _zygote._header_struct(moved, size)
+        _client._header_struct(moved, size)
     renamed = (("magic2",) + layout[0][1:],) + layout[1:]
     with pytest.raises(RuntimeError, match="fields are"):
-        _zygote._header_struct(renamed, size)
+        _client._header_struct(renamed, size)

@@ -449,7 +449,7 @@ def test_spawn_children_under_launcher(tmp_path):
     assert r["mpcore"] is True
     assert r["queue_is_mpcore"] is True
     assert r["process_is_mpcore"] is True
-    assert r["inbox_type"] == "mpcore._queue"
+    assert r["inbox_type"] == "mpcore.queue._queue"
     assert r["tensor_shared"] is True
     assert r["handles_received"] >= 1
 
@@ -564,8 +564,8 @@ def test_a_pool_and_an_executor_are_served(tmp_path):
         import torch.multiprocessing as mp
 
         def work(i):
-            from mpcore import _zygote
-            return torch.full((3,), float(i)).sum().item(), _zygote.forked
+            from mpcore.proc import _child
+            return torch.full((3,), float(i)).sum().item(), _child.forked
 
         if __name__ == "__main__":
             out = {}

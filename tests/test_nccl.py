@@ -9,7 +9,8 @@ import types
 import pytest
 import torch
 
-from mpcore import _core, _nccl
+from mpcore import _core
+from mpcore.dist import _nccl
 
 from conftest import require, scaled
 

@@ -487,7 +487,7 @@ def test_failed_put_takes_no_ticket_with_it():
     with pytest.raises(TypeError):
         q.put([t, threading.Lock()])
     assert t.is_shared()
-    handle = mpcore._shm.find(t.data_ptr(), 40)[0].handle
+    handle = mpcore.shm._blocks.find(t.data_ptr(), 40)[0].handle
     del t
     gc.collect()
     # Freed: its handle is stale now (a leaked ticket would keep it live,
@@ -609,7 +609,7 @@ def test_failed_put_many_takes_no_ticket_with_it():
     with pytest.raises(queue.Full):
         q.put_many([t, t], timeout=0.05)  # the tensor's tickets go with the batch
     assert q.get_many() == [1, 2, 3]
-    handle = mpcore._shm.find(t.data_ptr(), 40)[0].handle
+    handle = mpcore.shm._blocks.find(t.data_ptr(), 40)[0].handle
     del t
     gc.collect()
     with pytest.raises(mpcore.HandleError):
@@ -643,7 +643,7 @@ def test_batches_between_processes(leak_check):
 
 def test_bare_tensors_of_every_dtype_and_view_round_trip():
     import torch
-    from mpcore import _tensormsg
+    from mpcore.queue import _records
     q = mpcore.Queue()
     base = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)
     views = [base, base[:, 1:, ::2], base.transpose(0, 2), base[1, 2, 3], base[:, :0],
@@ -652,7 +652,7 @@ def test_bare_tensors_of_every_dtype_and_view_round_trip():
               torch.uint8, torch.int16, torch.int64, torch.bool, torch.uint32]
     sent = views + [torch.zeros(3, 2, dtype=d).t() for d in dtypes]
     for t in sent:
-        msg = _tensormsg.message(t)
+        msg = _records.message(t)
         if t.numel():
             assert msg is not None, f"{t.dtype} {tuple(t.shape)} was not sent as a record"
             for ref in msg[0]:
@@ -669,7 +669,7 @@ def test_bare_tensors_of_every_dtype_and_view_round_trip():
     p = torch.nn.Parameter(torch.ones(2))
     g = torch.ones(2, requires_grad=True)
     for t in (p, g):
-        assert _tensormsg.message(t) is None
+        assert _records.message(t) is None
         q.put(t)
         r = q.get(timeout=scaled(10))
         assert type(r) is type(t) and r.requires_grad and torch.equal(r, t)
@@ -712,7 +712,7 @@ def test_received_tensor_is_shared_and_freed_when_dropped():
     r = q.get(timeout=scaled(10))
     r[0] = 1.0
     assert t[0] == 1.0                    # one memory
-    handle = mpcore._shm.find(t.data_ptr(), 4000)[0].handle
+    handle = mpcore.shm._blocks.find(t.data_ptr(), 4000)[0].handle
     del t, r
     gc.collect()
     with pytest.raises(mpcore.HandleError):
@@ -722,11 +722,12 @@ def test_received_tensor_is_shared_and_freed_when_dropped():
 def test_corrupt_tensor_record_raises_and_drops_its_ticket():
     import gc
     import torch
-    from mpcore import _core, _tensormsg
+    from mpcore import _core
+    from mpcore.queue import _records
     t = torch.ones(8)
-    refs, payload = _tensormsg.message(t)
+    refs, payload = _records.message(t)
     _core.drop_journaled(refs)            # only its payload is used below
-    block = mpcore._shm.find(t.data_ptr(), 32)[0]
+    block = mpcore.shm._blocks.find(t.data_ptr(), 32)[0]
     bad = [
         payload[:-8],                                        # truncated
         payload[:4] + (70).to_bytes(4, "little") + payload[8:],  # ndim
@@ -735,16 +736,16 @@ def test_corrupt_tensor_record_raises_and_drops_its_ticket():
     for corrupt in bad:
         refs = [block.ticket(True)]
         with pytest.raises(mpcore.HandleError):
-            _tensormsg.receive(refs, corrupt)
+            _records.receive(refs, corrupt)
     # A view past the storage's bytes (offset 4 elements, 8 long, in 32 bytes).
     refs, past = _core.tensor_message(block, 0, 32, 0, 4, 4, (8,), (1,))
     with pytest.raises(mpcore.HandleError, match="outside"):
-        _tensormsg.receive(refs, past)
+        _records.receive(refs, past)
     # Items of 1 byte for a float32 tensor: checked as bytes, read as floats.
-    refs, wrong = _core.tensor_message(block, 0, 32, _tensormsg._CODE[torch.float32], 1, 0,
+    refs, wrong = _core.tensor_message(block, 0, 32, mpcore.shm._torch.CODES[torch.float32], 1, 0,
                                        (32,), (1,))
     with pytest.raises(mpcore.HandleError, match="1-byte items for a dtype of 4"):
-        _tensormsg.receive(refs, wrong)
+        _records.receive(refs, wrong)
     del refs
     handle = block.handle
     del t, block
@@ -758,7 +759,7 @@ def test_tensor_record_is_read_before_torch_is_served(monkeypatch):
     # A getter whose process has not served torch yet (it never imported
     # torch.multiprocessing) still reads a record.
     import torch
-    from mpcore import _queue
+    from mpcore.queue import _queue
     q = mpcore.Queue()
     t = torch.arange(5)
     q.put(t)
@@ -825,10 +826,10 @@ def test_tensor_records_from_another_process_keep_views_and_identity(leak_check)
 
 def test_storage_entries_go_with_their_block():
     import torch
-    from mpcore import _torch
+    from mpcore.shm import _torch
 
     def key(t):
-        b, off = mpcore._shm.find(t.data_ptr(), t.untyped_storage().nbytes())
+        b, off = mpcore.shm._blocks.find(t.data_ptr(), t.untyped_storage().nbytes())
         return (b.handle, off, t.untyped_storage().nbytes())
     q = mpcore.Queue()
     kept = torch.full((1000,), 1.0)
@@ -854,9 +855,10 @@ def test_storage_entries_go_with_their_block():
 
 
 def test_entries_of_storages_gone_under_a_live_block_are_pruned():
-    import torch  # noqa: F401  (served first: mpcore._torch is imported by that)
-    from mpcore import _core, _torch
-    b = mpcore._shm.alloc(1 << 16)
+    import torch  # noqa: F401  (served first: mpcore.shm._torch is imported by that)
+    from mpcore import _core
+    from mpcore.shm import _torch
+    b = mpcore.shm._blocks.alloc(1 << 16)
     kept = {}
     for i in range(5000):                  # the table is pruned each time it doubles
         s = _core.storage_over(b, 8 * i, 8)
@@ -875,7 +877,7 @@ def test_entries_of_storages_gone_under_a_live_block_are_pruned():
 def test_storage_over_checks_its_bytes():
     import torch  # noqa: F401  (served first, as above)
     from mpcore import _core
-    b = mpcore._shm.alloc(4096)
+    b = mpcore.shm._blocks.alloc(4096)
     s = _core.storage_over(b, 1024, 1024)
     assert s.nbytes() == 1024 and s.data_ptr() == _core.storage_over(b, 1024, 1024).data_ptr()
     for off, n in ((4000, 200), (-1, 10), (0, -5), (5000, 0)):

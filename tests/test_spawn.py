@@ -32,7 +32,7 @@ import pytest
 
 from conftest import adopt_orphans, children_of, require, run_program, scaled, wait_session_gone
 
-import mpcore._spawn as S
+import mpcore.proc._spawn as S
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("leak_check")]
 
@@ -502,7 +502,7 @@ def test_spawning_device_count_ranks_under_mpcore_run():
     r = run_program(DEVICE_COUNT, launcher=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     import torch
-    assert f"RANKS {torch.cuda.device_count()} mpcore._spawn" in r.stdout, r.stdout
+    assert f"RANKS {torch.cuda.device_count()} mpcore.proc._spawn" in r.stdout, r.stdout
 
 
 def test_nprocs_must_be_an_int():
@@ -702,7 +702,7 @@ def error_dirs(pid):
 SCENARIOS = r"""
 import glob, os, signal, sys, tempfile
 import multiprocessing as std
-import mpcore._spawn as S
+import mpcore.proc._spawn as S
 
 class MainError(Exception):
     pass
@@ -791,7 +791,7 @@ def test_scenarios_in_a_fresh_program(method, tmp_path):
 KILLED = r"""
 import os, signal, sys, threading
 import multiprocessing as std
-import mpcore._spawn as S
+import mpcore.proc._spawn as S
 
 def hang(i, w):
     w.send(os.getpid())
@@ -865,7 +865,7 @@ def test_children_die_with_the_parent(method, where, tmp_path):
 INTERRUPTED = r"""
 import os, signal, sys, threading
 import multiprocessing as std
-import mpcore._spawn as S
+import mpcore.proc._spawn as S
 
 def hang(i, w, stubborn):
     if stubborn:
@@ -925,7 +925,7 @@ def test_sigint_stops_every_child(method, stubborn, target, tmp_path):
 def test_import_does_not_import_torch():
     r = run_program("""
         import sys
-        import mpcore._spawn
+        import mpcore.proc._spawn
         print("TORCH", "torch" in sys.modules)
     """)
     assert r.returncode == 0, r.stderr

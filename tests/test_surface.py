@@ -117,7 +117,7 @@ def test_torch_spawn_api_is_there():
 
 def test_process_and_queues_are_mpcores():
     import multiprocessing
-    from mpcore import _queue
+    from mpcore.queue import _queue
     assert mp.Queue is _queue.Queue
     assert mp.SimpleQueue is _queue.SimpleQueue
     assert mp.JoinableQueue is _queue.JoinableQueue
@@ -141,10 +141,10 @@ def test_pool_map():
 
 
 def _worker_kind(x):
-    from mpcore import _zygote
+    from mpcore.proc import _child
     if x < 0:
         raise ValueError(f"negative {x}")
-    return x * x, _zygote.forked
+    return x * x, _child.forked
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
@@ -423,10 +423,10 @@ def test_contexts_spawn_forkserver_fork(tmp_path):
     # Spawn and forkserver children are forked by mpcore's zygote: their
     # kernel parent is the zygote, but os.getppid() and their
     # multiprocessing parent are us (NOTE [ A child's parent ]).
-    assert out["spawn"] == ("spawn", "__mp_main__", me, True, 0, "mpcore._queue", "spawn")
-    assert out["forkserver"] == ("forkserver", "__mp_main__", me, True, 0, "mpcore._queue",
+    assert out["spawn"] == ("spawn", "__mp_main__", me, True, 0, "mpcore.queue._queue", "spawn")
+    assert out["forkserver"] == ("forkserver", "__mp_main__", me, True, 0, "mpcore.queue._queue",
                                  "forkserver")
-    assert out["fork"] == ("fork", "__main__", me, True, 0, "mpcore._queue", "fork")
+    assert out["fork"] == ("fork", "__main__", me, True, 0, "mpcore.queue._queue", "fork")
 
 
 def test_set_start_method_is_followed(tmp_path):

@@ -95,7 +95,7 @@ def test_every_kind_arrives_as_under_torch_with_mpcore_run(torchs):
 
 
 def test_fast_path_takes_exactly_the_plain_tensors():
-    from mpcore import _torch
+    from mpcore.shm import _torch
     with torch.inference_mode():
         inference = torch.ones(3)
     plain = [K.make("plain"), K.make("parameter"), torch.ones(2, dtype=torch.bfloat16),

@@ -173,7 +173,7 @@ OUTSIDE = """
     print(type(t.untyped_storage()).share_memory_.__module__,
           torch.Tensor in ForkingPickler._extra_reducers and
           ForkingPickler._extra_reducers[torch.Tensor].__module__)
-    from mpcore import _boot
+    from mpcore.run import _boot
     _boot.serve_torch(patch_multiprocessing=True)
     import torch.multiprocessing as mp, torch.utils.data as tud
     print(mp.Process.__module__, tud.DataLoader.__module__, hasattr(torch, "sleep"))
@@ -229,8 +229,11 @@ def _private_torch_reads(tree):
 
 
 # The files whose torch internals go through the table.
-TABLED = ("_torch.py", "_tensormsg.py", "_boot.py", "_torchrun.py", "_launcher.py",
-          "_doctor.py", "_zygote.py",
+TABLED = (os.path.join("shm", "_torch.py"), os.path.join("queue", "_records.py"),
+          os.path.join("queue", "_serve.py"), os.path.join("run", "_boot.py"),
+          os.path.join("run", "_torchrun.py"), os.path.join("run", "_launcher.py"),
+          os.path.join("run", "_program.py"), "_doctor.py", os.path.join("proc", "_zygote.py"),
+          os.path.join("proc", "_inherit.py"), os.path.join("proc", "_child.py"),
           os.path.join("data", "_compat.py"), os.path.join("data", "_loader.py"),
           os.path.join("data", "_single.py"))
 

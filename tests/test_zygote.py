@@ -80,7 +80,7 @@ def test_zygote_with_threads_falls_back_and_says_so(tmp_path, leak_check):
 def test_zygote_lives_as_long_as_its_program(leak_check):
     r = run_program("""
         import os, mpcore
-        from mpcore import _zygote
+        from mpcore.proc import _zygote
         def child():
             pass
         if __name__ == "__main__":
@@ -234,7 +234,7 @@ def test_zygote_forked_at_torch_import_holds_nothing_of_the_program(tmp_path, le
         if __name__ == "__main__":
             print("buffered before the fork", end="|")
         import outer                             # imports torch: the fork happens inside
-        from mpcore import _zygote
+        from mpcore.proc import _zygote
         import mpcore
 
         def child(q):
@@ -317,7 +317,7 @@ def test_program_objects_shared_with_the_zygote_are_frozen(tmp_path, leak_check)
         import gc
         before = gc.get_freeze_count()
         import torch
-        from mpcore import _zygote
+        from mpcore.proc import _zygote
         frozen = gc.get_freeze_count()
         class Node:
             pass
@@ -335,7 +335,7 @@ def test_zygote_not_started_for_a_program_that_never_imports_torch(tmp_path, lea
     # spawn child; then one is started by exec and serves it.
     r = _run_in(tmp_path, {}, """
         import mpcore, sys
-        from mpcore import _zygote
+        from mpcore.proc import _zygote
         import os
         SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
         def child(q):
@@ -372,7 +372,7 @@ def test_zygote_not_forked_while_the_program_runs_threads(tmp_path, leak_check):
         t.join()
         import os, mpcore
         SLOW = float(os.environ.get("TEST_TIME_SCALE", "1"))  # conftest's time scale
-        from mpcore import _zygote
+        from mpcore.proc import _zygote
         def child(q):
             q.put(os.getpid())
         if __name__ == "__main__":

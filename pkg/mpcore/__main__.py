@@ -14,7 +14,7 @@ def main(argv=None):
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "run":
-        from ._launcher import run
+        from .run._launcher import run
         return run(rest)
     if cmd == "bench":
         from .bench.runner import main as bench_main

@@ -206,7 +206,7 @@ def _child_exits():
 
 def _stop_zygote():
     """Stops the zygote this process started and reaps it."""
-    from . import _zygote
+    from .proc import _zygote
     pid = _zygote.stop()
     if pid is not None:
         _reap(pid, 10.0)
@@ -236,7 +236,8 @@ def _reap(pid, timeout):
 def zygote():
     """Starts the zygote as `mpcore run` would, asks it for one child, and
     stops it (NOTE [ What doctor looks at, and in which order ])."""
-    from . import _boot, _zygote
+    from . import _hooks
+    from .proc import _popen, _zygote
     os.environ.pop(_zygote.ENV, None)  # doctor tests a zygote of its own
     preload_env = os.environ.get(_zygote.PRELOAD_ENV)
     out = {"preload": (preload_env.split(",") if preload_env is not None
@@ -249,7 +250,7 @@ def zygote():
         seen["threads"] = _threads()
         seen["python_threads"] = threading.active_count()
 
-    _boot.when_imported("torch", at_preload)   # runs just before the zygote's fork
+    _hooks.when_imported("torch", at_preload)   # runs just before the zygote's fork
     _zygote.fork_at_torch_import()
     try:
         import numpy  # noqa: F401
@@ -265,7 +266,8 @@ def zygote():
         # after the same imports.
         out["threads_at_preload"] = _threads()
         out["python_threads_at_preload"] = threading.active_count()
-    forked = _zygote._service is not None and _zygote._forked
+    service = _zygote.started()
+    forked = service is not None and service[1]
     out["route"] = "forked at torch's import" if forked else "started by exec"
     ctx = __import__("mpcore").get_context("spawn")
     try:
@@ -280,13 +282,14 @@ def zygote():
             out["detail"] = "the test child did not exit within 60 s"
         elif p.exitcode != 0:
             out["detail"] = f"the test child exited with {p.exitcode}"
-        out["child_forked"] = isinstance(p._popen, _zygote.Popen) and p.exitcode == 0
-        if _zygote._service is not None:
+        out["child_forked"] = isinstance(p._popen, _popen.Popen) and p.exitcode == 0
+        service = _zygote.started()
+        if service is not None:
             out["started"] = True
-            out["pid"] = _zygote._service[1]
+            out["pid"] = service[0]
             # a forked zygote that found a thread it could not lose has
             # left, and start() replaced it by one started by exec
-            if not _zygote._forked and forked:
+            if not service[1] and forked:
                 out["route"] = "started by exec (the forked one had a thread and left)"
         fallback = [str(w.message) for w in caught if "mpcore:" in str(w.message)]
         if fallback:
@@ -415,7 +418,8 @@ def _scan_dict(prefix, d, out, classes):
 def entry_points():
     """The torch entry points `mpcore run` serves (NOTE [ Entry points as
     torch sees them ])."""
-    from . import _boot
+    from . import _hooks
+    from .run import _boot
     out = {"torch": None, "served": [], "pickled_by_mpcore": []}
     try:
         import torch
@@ -426,14 +430,14 @@ def entry_points():
         out["torch"] = torch.__version__
         # Import what the hooks still wait for, as a program that uses it would.
         for _ in range(10):
-            pending = [n for n in list(_boot._callbacks) if _torch_module(n)]
+            pending = [n for n in _hooks.pending() if _torch_module(n)]
             if not pending:
                 break
             for name in pending:
                 try:
                     __import__(name)
                 except ImportError:
-                    _boot._callbacks.pop(name, None)
+                    _hooks.forget(name)
         classes = set()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # deprecated names warn when read
@@ -523,7 +527,8 @@ def _nccl_version_string(code):
 
 
 def nccl():
-    from . import _core, _nccl
+    from . import _core
+    from .dist import _nccl
     out = {"found": False, "path": None, "how": None, "version": None, "error": None}
     try:
         out["how"] = _nccl.load()

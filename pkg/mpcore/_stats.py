@@ -6,16 +6,16 @@ import atexit
 import json
 import os
 
-_counts = {}
+counts = {}  # name -> count; the core counts into it too (_core.torch_hooks)
 
 
 def bump(name, n=1):
-    _counts[name] = _counts.get(name, 0) + n
+    counts[name] = counts.get(name, 0) + n
 
 
 def snapshot():
     from . import _core
-    out = dict(_counts)
+    out = dict(counts)
     for k, v in _core.stats().items():
         out[k if k.startswith("handles_") else "shm_" + k] = v
     return out
@@ -40,7 +40,7 @@ def report():
 
 def _after_fork_child():
     # A child counts what it serves itself, from zero.
-    _counts.clear()
+    counts.clear()
 
 
 atexit.register(report)

@@ -110,7 +110,7 @@ def _rows():
     """(target, kind, shape, feature, at_use): kind is "read", "replace" or
     "add" (a name torch may lack, supplied where it does)."""
     yield from (
-        # tensor handles (_torch.py, _tensormsg.py, py_shm.c's torch_hooks)
+        # tensor handles (_torch.py, _records.py, py_shm.c's torch_hooks)
         ("torch._C._dispatch_keys", "read", "callable", "tensor handles", False),
         ("torch._tensor_classes", "read", "exists", "tensor handles", False),
         ("torch.UntypedStorage._new_with_weak_ptr", "read", "callable", "tensor handles", False),

@@ -31,7 +31,8 @@ import datetime
 import torch.distributed as _td
 from torch.distributed import distributed_c10d as _c10d
 
-from . import _backend, _dist, _torchapi
+from .dist import _backend, _dist
+from . import _torchapi
 
 ReduceOp = _td.ReduceOp
 _get_default_group = _torchapi.get("torch.distributed.distributed_c10d._get_default_group")
@@ -122,7 +123,7 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     every rank waits for all here, so that a timeout names the ranks that
     never came (NOTE [ Rendezvous ] in _dist.py)."""
     install()
-    timeout_s = _dist._seconds(timeout) or _c10d.default_pg_timeout.total_seconds()
+    timeout_s = _dist.seconds(timeout) or _c10d.default_pg_timeout.total_seconds()
     if store is None:
         where = _dist.parse_init_method(init_method, rank, world_size)
         if where is not None:

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
-from . import _backend
+from .dist import _backend, _buffers, _group, _profile, _reduce, _uncompiled
 
 __all__ = ["DistributedDataParallel"]
 
@@ -56,14 +56,14 @@ class _Hooks:
         """The group buffer that holds bucket `index` (tensor t), after moving
         the bucket's storage into a new one if it is not in one yet; None
         when there is no memory for it."""
-        if _backend._SWAP is None:
+        if _buffers.SWAP is None:
             return None   # torch cannot move a storage in place: the all-reduce is staged
         s = t.untyped_storage()
         b = self.buffers.get(index)
         if b is not None and b.address == s.data_ptr():
             return b
         try:
-            b = _backend.into_buffer(s)
+            b = _buffers.into_buffer(s)
         except MemoryError as e:
             if not self.warned:
                 self.warned = True
@@ -81,7 +81,7 @@ def _hook(hooks, bucket):
         return hook(state, bucket)
     group = hooks.group
     t = bucket.buffer()
-    code = (_backend._NCCL_DTYPES if t.device.type == "cuda" else _backend.DTYPES).get(t.dtype)
+    code = (_group.NCCL_DTYPES if t.device.type == "cuda" else _reduce.DTYPES).get(t.dtype)
     if code is None or not t.is_contiguous():
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         return default_hooks.allreduce_hook(None, bucket)
@@ -97,7 +97,7 @@ def _hook(hooks, bucket):
         op = 0
     else:
         op = 1  # avg: the division is folded into the sum's one pass
-    if hooks.pg is not None and _backend._profiling():
+    if hooks.pg is not None and _profile.profiling():
         # as torch's reducer, through the group's method, which records the
         # bucket's event (NOTE [ Collectives in the profiler ] in _backend.py)
         if op:
@@ -111,7 +111,7 @@ def _hook(hooks, bucket):
     return work.get_future().then(lambda fut: t)
 
 
-_backend.run_uncompiled(_hook)   # called by the reducer (NOTE [ The backend runs uncompiled ])
+_uncompiled.run_uncompiled(_hook)   # called by the reducer (NOTE [ The backend runs uncompiled ])
 
 
 class DistributedDataParallel(_TorchDDP):

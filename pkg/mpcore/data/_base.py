@@ -10,7 +10,7 @@ from typing import Generic, TypeVar
 
 from ._standalone import (
     ITERABLE, MAP, BatchSampler, IterableDataset, RandomSampler, SequentialSampler,
-    _InfiniteConstantSampler, base_seed, default_collate, default_convert,
+    InfiniteConstantSampler, base_seed, default_collate, default_convert,
 )
 
 _T_co = TypeVar("_T_co", covariant=True)
@@ -78,7 +78,7 @@ class DataLoaderBase(Generic[_T_co]):
                              "exclusive with drop_last")
         if sampler is None:
             if self._dataset_kind == ITERABLE:
-                sampler = _InfiniteConstantSampler()
+                sampler = InfiniteConstantSampler()
             elif shuffle:
                 sampler = RandomSampler(dataset, generator=generator)
             else:

@@ -7,7 +7,7 @@ from . import _compat
 torch = _compat.torch
 
 if torch is not None:
-    from .. import _torch
+    from ..shm import _torch
 
     _DTYPE_NAME = _torch.DTYPE_NAME
     _fast_path = _torch.fast_path

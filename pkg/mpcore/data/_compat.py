@@ -74,11 +74,11 @@ def wrap_exception(worker_id):
 
 def parent_token():
     """What a worker needs to die with this process (see die_with_parent)."""
-    from .. import _parentdeath
+    from ..proc import _parentdeath
     return _parentdeath.token()
 
 
 def die_with_parent(token):
     """A worker dies with the main process, even by SIGKILL."""
-    from .. import _parentdeath
+    from ..proc import _parentdeath
     _parentdeath.die_with(token)

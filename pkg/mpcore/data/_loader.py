@@ -52,7 +52,10 @@ import weakref
 from multiprocessing import context as _mpctx
 from typing import TypeVar
 
-from .. import _context, _core, _queue, _shm
+from .. import _core
+from ..shm import _blocks
+from ..queue import _queue
+from ..proc import _context
 from . import _collate, _compat, _shared, _state, _worker
 from ._single import SingleIter
 
@@ -522,8 +525,8 @@ class _PoolIter(_state.Position, _IterBase):
         if kind == _worker.COLLATED:
             skeleton, busy, n, state = pickle.loads(payload)
             # The one ticket is redeemed by attach itself, or counts as
-            # redeemed if attach fails (as _shm.receive would count it).
-            data = _collate.rebuild(skeleton, _shm.attach(refs[0]))
+            # redeemed if attach fails (as _blocks.receive would count it).
+            data = _collate.rebuild(skeleton, _blocks.attach(refs[0]))
         else:
             data, busy, n, state = _queue.decode(refs, payload)
         stats = self._stats

@@ -62,7 +62,7 @@ import threading
 import zlib
 from collections.abc import Mapping
 
-from .. import _shm
+from ..shm import _blocks
 
 __all__ = ["SharedList", "SharedDict", "share_dataset", "broadcast_shared"]
 
@@ -101,9 +101,9 @@ class _Pickler(pickle.Pickler):
         torch = sys.modules.get("torch")
         if torch is not None:
             try:
-                from .. import _torch
+                from ..shm import _torch
                 self._torch = _torch
-                self._tensor_types = _torch._PLAIN_TYPES
+                self._tensor_types = _torch.PLAIN_TYPES
             except Exception:  # torch without mpcore's tensor handles: pickled with the item
                 pass
 
@@ -226,7 +226,7 @@ def _build(kind, items, keys=None, what=None):
     arrays_off = _round_up(pickles_off + pickles_len)
     total = arrays_off + p.region
     try:
-        block = _shm.alloc(total)
+        block = _blocks.alloc(total)
     except MemoryError as e:
         raise MemoryError(f"{what} needs {total} bytes ({total / 2**20:.1f} MiB) of shared "
                           f"memory, more than is available: {e}") from None
@@ -302,7 +302,7 @@ class _Shape:
 
 
 def _rebuild_tensor(param, off, nbytes, dtype, storage_offset, size, stride, requires_grad):
-    from .. import _torch
+    from ..shm import _torch
     block, base = _tls.ctx
     t = _torch.proto(dtype).new()
     if nbytes:
@@ -317,7 +317,7 @@ def _rebuild_tensor(param, off, nbytes, dtype, storage_offset, size, stride, req
 
 
 def _attach(ref, kind):
-    block = _shm.attach(ref)
+    block = _blocks.attach(ref)
     return (SharedList if kind == _LIST else SharedDict)._over(block)
 
 
@@ -339,7 +339,7 @@ class _Shared:
         magic, kind, entries, offs_off, flags_off, table_off, cap, arrays_off = head.tolist()
         want = _LIST if isinstance(self, SharedList) else _DICT
         if magic != _MAGIC or kind != want:
-            raise _shm.HandleError(f"the block is not a {type(self).__name__}")
+            raise _blocks.HandleError(f"the block is not a {type(self).__name__}")
         self._block = block
         self._mv = mv
         self._offs = mv[offs_off:offs_off + 8 * (entries + 1)].cast("q")
@@ -364,7 +364,7 @@ class _Shared:
             _tls.ctx = saved
 
     def __reduce__(self):
-        return (_attach, (_shm.ticket(self._block), _LIST if isinstance(self, SharedList)
+        return (_attach, (_blocks.ticket(self._block), _LIST if isinstance(self, SharedList)
                           else _DICT))
 
     def __copy__(self):

@@ -134,7 +134,10 @@ class BatchSampler(Sampler):
         return (len(self.sampler) + self.batch_size - 1) // self.batch_size
 
 
-class _InfiniteConstantSampler(Sampler):
+class InfiniteConstantSampler(Sampler):
+    """torch's _InfiniteConstantSampler: what an iterable-style dataset's
+    loader draws its (None) indices from."""
+
     def __iter__(self):
         while True:
             yield None

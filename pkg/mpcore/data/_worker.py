@@ -32,7 +32,8 @@ import random
 import struct
 import time
 
-from .. import _core, _queue
+from .. import _core
+from ..queue import _queue
 from . import _collate, _compat, _state
 from ._fetch import Fetcher
 

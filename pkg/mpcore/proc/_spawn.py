@@ -326,8 +326,8 @@ def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method
     under start_method; joins them when join is true, else returns their
     ProcessContext.  See spawn."""
     nprocs = _check_nprocs(nprocs)
-    import mpcore
-    ctx = mpcore.get_context(start_method)
+    from ._context import get_context
+    ctx = get_context(start_method)
     parallel = (start_method == "forkserver" and nprocs > 1
                 and os.environ.get(ENV_VAR_PARALLEL_START, "0") == "1")
 

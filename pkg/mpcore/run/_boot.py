@@ -6,8 +6,9 @@ NOTE [ How mpcore reaches every process ]
 fork inherit the hooks; processes started by exec (spawn, forkserver,
 subprocess) run mpcore.pth from site-packages at start-up, which calls
 activate_run() when MPCORE_RUN is set and costs nothing otherwise.
-Hooks run right after a watched module finishes executing, so the
-program's own `import torch.multiprocessing as mp` already sees mpcore's.
+Hooks run right after a watched module finishes executing (NOTE [ Hooks
+run after the import ] in _hooks.py), so the program's own `import
+torch.multiprocessing as mp` already sees mpcore's.
 
 Every torch attribute the hooks replace goes through _torchapi.replace(),
 and each feature is installed only where _torchapi.serves() it on the
@@ -17,78 +18,21 @@ _torchapi.py): a hook never raises into the program's `import torch`.
 import os
 import sys
 
-_callbacks = {}  # module name -> [fn(module)]
+from .._hooks import when_imported
+from ..queue import _serve
 
-
-class _PostImportFinder:
-    # a meta path finder (importlib.abc.MetaPathFinder's protocol; that module
-    # costs an empty program's start-up more than the rest of this file)
-    def find_spec(self, name, path=None, target=None):
-        if name not in _callbacks:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        loader = spec.loader
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        exec_module = loader.exec_module
-
-        def exec_and_hook(module):
-            exec_module(module)
-            _run_callbacks(name, module)
-
-        loader.exec_module = exec_and_hook
-        return spec
-
-
-_finder = _PostImportFinder()
-
-
-def _run_callbacks(name, module):
-    for fn in _callbacks.pop(name, ()):
-        fn(module)
-
-
-def when_imported(name, fn):
-    """Calls fn(module) once `name` is imported (now, if it already is)."""
-    mod = sys.modules.get(name)
-    if mod is not None and getattr(getattr(mod, "__spec__", None), "_initializing", False) is False:
-        fn(mod)
-        return
-    _callbacks.setdefault(name, []).append(fn)
-    if _finder not in sys.meta_path:
-        sys.meta_path.insert(0, _finder)
-
-
-def _serve_numpy(np):
-    from multiprocessing.reduction import ForkingPickler
-    from . import _shm
-    ForkingPickler.register(np.ndarray, _shm.reduce_ndarray)
-
-
-def _serve_tensors(tmp):
-    from . import _torchapi
-    if _torchapi.serves("tensor handles"):
-        from . import _torch
-        _torch.install()
-
-
-_served = set()
+_patched = False
 
 
 def serve_torch(patch_multiprocessing):
-    if "tensors" not in _served:
-        _served.add("tensors")
-        when_imported("numpy", _serve_numpy)
-        when_imported("torch.multiprocessing", _serve_tensors)
-    if patch_multiprocessing and "mp" not in _served:
-        _served.add("mp")
+    """Serves tensors from mpcore's memory once torch is imported (what
+    `import mpcore` does); with patch_multiprocessing, also makes
+    torch.multiprocessing, DataLoader, torchdata's StatefulDataLoader, the
+    distributed backend and DDP mpcore's as each is imported."""
+    global _patched
+    _serve.serve_tensors()
+    if patch_multiprocessing and not _patched:
+        _patched = True
         when_imported("torch.multiprocessing", _patch_torch_multiprocessing)
         # Not from torch.utils.data's hook: torchdata may be what imports torch.
         when_imported("torchdata.stateful_dataloader", _patch_torchdata)
@@ -96,7 +40,7 @@ def serve_torch(patch_multiprocessing):
 
 def _patch_torch_multiprocessing(tmp):
     """Makes torch.multiprocessing's names mpcore's."""
-    from . import _torchapi
+    from .. import _torchapi
     if not _torchapi.serves("torch.multiprocessing"):
         return
     import mpcore
@@ -112,10 +56,10 @@ def _patch_torch_multiprocessing(tmp):
 def _patch_torch_data(tud):
     """Makes torch.utils.data.DataLoader mpcore's (get_worker_info is
     torch's own: mpcore's workers fill it in)."""
-    from . import _torchapi
+    from .. import _torchapi
     if not _torchapi.serves("DataLoader"):
         return
-    from .data import DataLoader
+    from ..data import DataLoader
     _torchapi.replace("torch.utils.data.DataLoader", DataLoader)
     _torchapi.replace("torch.utils.data.dataloader.DataLoader", DataLoader)
 
@@ -123,10 +67,10 @@ def _patch_torch_data(tud):
 def _patch_torchdata(tsd):
     """Makes torchdata's StatefulDataLoader mpcore's (whose state dicts it
     reads and writes)."""
-    from . import _torchapi
+    from .. import _torchapi
     if not _torchapi.check_window() or not _torchapi.serves("StatefulDataLoader"):
         return
-    from .data import StatefulDataLoader
+    from ..data import StatefulDataLoader
     _torchapi.replace("torchdata.stateful_dataloader.StatefulDataLoader", StatefulDataLoader)
     _torchapi.replace("torchdata.stateful_dataloader.stateful_dataloader.StatefulDataLoader",
                       StatefulDataLoader)
@@ -135,17 +79,17 @@ def _patch_torchdata(tsd):
 def _patch_torch_distributed(td):
     """Registers mpcore's backend and makes it what CPU groups get
     (NOTE [ Which backend a group gets ] in distributed.py)."""
-    from . import _torchapi
+    from .. import _torchapi
     if td.is_available() and _torchapi.serves("distributed backend"):
-        from . import distributed
+        from .. import distributed
         distributed.install()
 
 
 def _patch_torch_ddp(tnp):
     """Makes torch.nn.parallel.DistributedDataParallel mpcore's."""
-    from . import _torchapi
+    from .. import _torchapi
     if sys.modules["torch.distributed"].is_available() and _torchapi.serves("DDP"):
-        from .parallel import DistributedDataParallel
+        from ..parallel import DistributedDataParallel
         _torchapi.replace("torch.nn.parallel.DistributedDataParallel", DistributedDataParallel)
         _torchapi.replace("torch.nn.parallel.distributed.DistributedDataParallel",
                           DistributedDataParallel)
@@ -157,7 +101,7 @@ def _supply_torch_sleep(torch):
     PyTorch has no such function.  Under `mpcore run`, and only where torch
     lacks one, torch.sleep is time.sleep.  Nothing else of torch changes."""
     import time
-    from . import _torchapi
+    from .. import _torchapi
     _torchapi.replace("torch.sleep", time.sleep)
 
 
@@ -169,5 +113,5 @@ def activate_run(launcher=False):
     serve_torch(patch_multiprocessing=True)
     if launcher:
         # NOTE [ The zygote costs only programs that use it ]
-        from . import _zygote
+        from ..proc import _zygote
         _zygote.fork_at_torch_import()

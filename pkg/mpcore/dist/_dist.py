@@ -25,7 +25,7 @@ import threading
 import time
 import urllib.parse
 
-from . import _core
+from .. import _core
 
 _CHUNK = 1 << 20        # staging bytes per rank and piece (all-reduce pieces are smaller: coll.c)
 _inits = 0              # init_process_group calls so far: a fresh key space each
@@ -53,7 +53,9 @@ def _nbytes(tensors):
         return 0
 
 
-def _seconds(timeout):
+def seconds(timeout):
+    """A timeout (timedelta, seconds or None) in seconds, or None: how every
+    timeout the group is given is read."""
     if timeout is None:
         return None
     if isinstance(timeout, datetime.timedelta):

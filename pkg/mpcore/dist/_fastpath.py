@@ -99,7 +99,11 @@ _are_we_tracing did)."""
 import torch
 from torch.distributed import distributed_c10d as _c10d
 
-from . import _backend, _boot, _torchapi
+from .. import _hooks, _torchapi
+from ._args import plain_list
+from ._group import ProcessGroupMpcore
+from ._reduce import CORE_ROWS, RED
+from ._uncompiled import run_uncompiled
 
 _TORCH = {}   # key (the function's name, "funcol." before a functional one's) -> torch's
 _has_torch_function = _torchapi.get("torch._C._has_torch_function")
@@ -108,7 +112,7 @@ _compiling = bool   # torch.compiler.is_compiling once torch._dynamo is imported
 _profiling = _torchapi.get("torch._C._autograd._profiler_enabled")
 _modes = _torchapi.get("torch._C._len_torch_dispatch_stack")   # the program's and torch's
 _Tensor = torch.Tensor
-_PG = _backend.ProcessGroupMpcore
+_PG = ProcessGroupMpcore
 _FUNCOL = "torch.distributed._functional_collectives"
 
 
@@ -184,7 +188,7 @@ def _rooted(tensor, tensors, rank, group, async_op, group_rank):
     root = g._group_ranks.get(0 if rank is None else rank)
     if root is None:
         return None
-    mine = _backend._plain_list([tensors] if tensors else [], tensor,
+    mine = plain_list([tensors] if tensors else [], tensor,
                                 g._world if g._rank == root else 0)
     if mine is None:
         return None
@@ -225,17 +229,17 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
 
 # --- functional collectives (NOTE [ A fast path for the functional collectives ]) -----
 
-_FC_OPS = {"sum": _backend._RED.SUM, "avg": _backend._RED.AVG,
-           "product": _backend._RED.PRODUCT, "min": _backend._RED.MIN,
-           "max": _backend._RED.MAX, "band": _backend._RED.BAND, "bor": _backend._RED.BOR,
-           "bxor": _backend._RED.BXOR}
+_FC_OPS = {"sum": RED.SUM, "avg": RED.AVG,
+           "product": RED.PRODUCT, "min": RED.MIN,
+           "max": RED.MAX, "band": RED.BAND, "bor": RED.BOR,
+           "bxor": RED.BXOR}
 _fc = None   # the functional collectives' module, once installed
 _ACT = None  # its AsyncCollectiveTensor
 
 
 def _fc_group(group):
     """The mpcore group (with a region) a functional collective names; or None."""
-    if type(group) is not _backend.ProcessGroupMpcore:
+    if type(group) is not ProcessGroupMpcore:
         if type(group) is tuple and len(group) == 2 and type(group[1]) is int \
                 and isinstance(group[0], _fc.DeviceMesh):
             name = group[0]._dim_group_names[group[1]]
@@ -267,7 +271,7 @@ def _fc_input(self, group):
 def _fc_codes(self, reduce_op):
     """(dtype code, op code) of the core's reduction; or None."""
     red = _FC_OPS.get(reduce_op.lower()) if type(reduce_op) is str else None
-    row = _backend._CORE_ROWS.get(self.dtype) if red is not None else None
+    row = CORE_ROWS.get(self.dtype) if red is not None else None
     return row[red.value] if row is not None else None
 
 
@@ -355,9 +359,9 @@ def install():
     # sees as under gloo (NOTE [ Fast paths nobody sees ]); after a graph
     # break in torch's, their own frames then run as plain Python, as
     # torch's module functions do, rather than be compiled anew.
-    _backend.run_uncompiled(send, recv, broadcast, gather, scatter, all_to_all_single)
-    _boot.when_imported("torch._dynamo", _compiler)
-    _boot.when_imported(_FUNCOL, _install_funcol)
+    run_uncompiled(send, recv, broadcast, gather, scatter, all_to_all_single)
+    _hooks.when_imported("torch._dynamo", _compiler)
+    _hooks.when_imported(_FUNCOL, _install_funcol)
 
 
 def _compiler(dynamo):

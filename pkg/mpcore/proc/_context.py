@@ -13,7 +13,9 @@ Process for its workers (NOTE [ A Pool's workers are mpcore's ]).
 import multiprocessing as _mp
 from multiprocessing import context as _mpctx
 
-from . import _queue, _shm, _stats
+from ..queue import _queue
+from ..shm import _blocks
+from .. import _stats
 
 # torch's on Linux, and its default.
 _SHARING_STRATEGIES = frozenset({"file_descriptor", "file_system"})
@@ -23,13 +25,13 @@ _sharing_strategy = "file_descriptor"
 class _ProcessMixin:
     def start(self):
         _stats.bump("processes_started")
-        _shm.ensure_keeper()  # a spawned child must find this program's keeper
+        _blocks.ensure_keeper()  # a spawned child must find this program's keeper
         return super().start()
 
     def _bootstrap(self, *args, **kwargs):
         # Not run(): a subclass's own run() need not call ours, and a frame
         # of ours would show in every traceback a child prints.
-        token = getattr(self, "_mpcore_die_with", None)  # started by exec (_zygote.popen)
+        token = getattr(self, "_mpcore_die_with", None)  # started by exec (_popen.popen)
         if token is not None:
             from . import _parentdeath
             _parentdeath.die_with(token)
@@ -54,8 +56,8 @@ class SpawnProcess(_ProcessMixin, _mpctx.SpawnProcess):
 
     @staticmethod
     def _Popen(process_obj):
-        from . import _zygote
-        return _zygote.popen(process_obj, "spawn")
+        from . import _popen
+        return _popen.popen(process_obj, "spawn")
 
 
 class ForkServerProcess(_ProcessMixin, _mpctx.ForkServerProcess):
@@ -65,8 +67,8 @@ class ForkServerProcess(_ProcessMixin, _mpctx.ForkServerProcess):
 
     @staticmethod
     def _Popen(process_obj):
-        from . import _zygote
-        return _zygote.popen(process_obj, "forkserver")
+        from . import _popen
+        return _popen.popen(process_obj, "forkserver")
 _PROCESS = {"fork": ForkProcess, "spawn": SpawnProcess, "forkserver": ForkServerProcess}
 
 

@@ -30,7 +30,8 @@ import torch
 from multiprocessing.reduction import ForkingPickler
 from torch.multiprocessing import reductions as _torch_reductions
 
-from . import _core, _shm, _torchapi
+from .. import _core, _stats, _torchapi
+from . import _blocks
 
 _storages = {}  # (handle, offset, nbytes) -> torch's weak reference (an int)
 _orig = {}
@@ -49,7 +50,7 @@ def _storage_block(storage):
     n = storage.nbytes()
     if n == 0 or storage.device.type != "cpu":
         return None, 0
-    return _shm.find(storage.data_ptr(), n)
+    return _blocks.find(storage.data_ptr(), n)
 
 
 # storage_over(block, offset, nbytes): the storage over bytes [offset,
@@ -74,7 +75,7 @@ def _move(storage):
     n = storage.nbytes()
     if n == 0:
         return None, 0
-    b, off = _shm.find(storage.data_ptr(), n)
+    b, off = _blocks.find(storage.data_ptr(), n)
     if b is not None or not _MOVES:
         return b, off
     return _core.move_storage(storage), 0
@@ -93,7 +94,7 @@ def _is_shared(self):
 # --- pickling -------------------------------------------------------------
 
 def _rebuild_storage(ref, offset, nbytes):
-    return storage_over(_shm.attach(ref), offset, nbytes)
+    return storage_over(_blocks.attach(ref), offset, nbytes)
 
 
 def reduce_storage(storage):
@@ -104,7 +105,7 @@ def reduce_storage(storage):
     b, off = _move(storage)
     if b is None:
         return _torch_reductions.reduce_storage(storage)
-    return (_rebuild_storage, (_shm.ticket(b), off, storage.nbytes()))
+    return (_rebuild_storage, (_blocks.ticket(b), off, storage.nbytes()))
 
 
 _itemsize = {}
@@ -115,20 +116,20 @@ def proto(dtype):
     p = _PROTO.get(dtype)
     if p is None:
         if type(dtype) is not str or dtype not in _DTYPES:
-            raise _shm.HandleError("handle has a corrupt dtype")
+            raise _blocks.HandleError("handle has a corrupt dtype")
         p = _PROTO[dtype] = torch.empty((0,), dtype=_DTYPES[dtype])
     return p
 
 
 def _rebuild_tensor(param, ref, offset, nbytes, dtype, storage_offset, size, stride,
                     requires_grad):
-    block = _shm.attach(ref)
+    block = _blocks.attach(ref)
     p = proto(dtype)
     itemsize = p.itemsize
     # Check the view against the storage's bytes before torch sees it: a
     # forged handle gets HandleError, never an out-of-bounds view.
     if offset < 0 or nbytes < 0 or offset + nbytes > block.nbytes:
-        raise _shm.HandleError(f"handle names bytes [{offset}, {offset + nbytes}) of a "
+        raise _blocks.HandleError(f"handle names bytes [{offset}, {offset + nbytes}) of a "
                                f"{block.nbytes}-byte block: out of bounds")
     block.check_view(itemsize, size, stride, offset + storage_offset * itemsize, offset,
                      offset + nbytes, itemsize)
@@ -151,7 +152,7 @@ def _rebuild_tensor(param, ref, offset, nbytes, dtype, storage_offset, size, str
 # negative views (their bit would be lost), zero tensors, and subclasses
 # (DTensor, ...).  Deciding by a positive test, rather than by a list of
 # what to exclude, keeps a kind of tensor torch adds later off the fast path.
-_PLAIN_TYPES = (torch.Tensor, torch.nn.parameter.Parameter)
+PLAIN_TYPES = (torch.Tensor, torch.nn.parameter.Parameter)
 _dispatch_keys = _torchapi.get("torch._C._dispatch_keys")
 
 
@@ -167,7 +168,7 @@ _PLAIN_KEYS = _plain_keys()
 def fast_path(tensor):
     """Whether a handle represents this tensor exactly (NOTE [ What the fast
     path carries ])."""
-    return type(tensor) in _PLAIN_TYPES and _dispatch_keys(tensor) in _PLAIN_KEYS
+    return type(tensor) in PLAIN_TYPES and _dispatch_keys(tensor) in _PLAIN_KEYS
 
 
 def reduce_tensor(tensor):
@@ -185,7 +186,7 @@ def reduce_tensor(tensor):
     if b is None:
         return _torch_reductions.reduce_tensor(tensor)
     return (_rebuild_tensor,
-            (cls is not torch.Tensor, _shm.ticket(b), off, storage.nbytes(),
+            (cls is not torch.Tensor, _blocks.ticket(b), off, storage.nbytes(),
              DTYPE_NAME[tensor.dtype], tensor.storage_offset(), tuple(tensor.size()),
              tuple(tensor.stride()), tensor.requires_grad))
 
@@ -216,8 +217,6 @@ def install():
         ForkingPickler.register(t, reduce_tensor)
     _torchapi.mark("multiprocessing.reduction.ForkingPickler[torch tensors and storages]",
                    "replaced")
-    from . import _tensormsg
-    _tensormsg.install()
 
 
 def empty(shape, dtype, zero=False):
@@ -232,11 +231,55 @@ def empty(shape, dtype, zero=False):
     n = numel * itemsize
     if n == 0:
         return torch.empty(shape, dtype=dtype)
-    b = _shm.alloc(n, zero=zero)
+    b = _blocks.alloc(n, zero=zero)
     storage = storage_over(b, 0, n)
     return torch.empty((0,), dtype=dtype).set_(storage, 0, shape)
 
 
-# Gives the core torch's objects (_core.torch_hooks), which storage_over and
-# the moves need: last, since it reads this module's names.
-from . import _tensormsg  # noqa: E402,F401
+# --- torch's objects for the core (NOTE [ Tensor records in C ] in py_shm.c) ---
+# Given to _core.torch_hooks last, since they are this module's names: the
+# core's storage_over, its moves and its tensor records (queue/_records.py)
+# need them.  Dtype codes of records: the index in this list, the same in
+# every process of a program (same torch, same mpcore).
+_NAMES = sorted(_DTYPES)
+CODES = {_DTYPES[n]: i for i, n in enumerate(_NAMES)}
+_BY_CODE = {}   # code -> proto tensor, filled on first use
+
+
+def _proto(code):
+    p = _BY_CODE.get(code)
+    if p is None:
+        if code >= len(_NAMES):
+            raise _core.HandleError(f"tensor record has a corrupt dtype code {code}")
+        p = _BY_CODE[code] = proto(_NAMES[code])
+    return p
+
+
+def _from_numpy_dtypes():
+    """code -> the numpy dtype that torch.from_numpy turns into that code's
+    dtype, or None (bfloat16, float8, ...): the one-step path of NOTE
+    [ Tensor records in C ] is taken only where this round trip holds."""
+    import numpy as np
+    out = [None] * len(_NAMES)
+    for name in ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32",
+                 "uint64", "float16", "float32", "float64", "complex64", "complex128"):
+        nd = np.dtype(name)
+        try:
+            d = torch.from_numpy(np.empty(1, nd)).dtype
+        except TypeError:   # a numpy dtype this torch cannot take
+            continue
+        if d in CODES and d.itemsize == nd.itemsize:
+            out[CODES[d]] = nd
+    return tuple(out)
+
+
+# torch's private objects come through the table (_torchapi.py); _SWAP
+# is None where moves in place are not served (NOTE [ Moving a storage in
+# place ] above).
+_core.torch_hooks(torch.Tensor, _dispatch_keys, _PLAIN_KEYS,
+                  {d: (c, d.itemsize) for d, c in CODES.items()}, _from_numpy_dtypes(), _proto,
+                  torch.from_numpy, _storages,
+                  _torchapi.get("torch.UntypedStorage._new_with_weak_ptr"),
+                  _torchapi.get("torch.UntypedStorage._free_weak_ref"),
+                  _torchapi.get("torch.UntypedStorage._expired"),
+                  _stats.counts, _SWAP)

@@ -1,9 +1,8 @@
-"""`mpcore run`: runs an unchanged program with mpcore serving it.
-
-The program sees what `python script.py`, `python -m module` or `python -c
-command` would give it: a fresh __main__ module, sys.argv, sys.path[0],
-exit codes, and tracebacks without launcher frames.
-"""
+"""Running a program as python would: `python script.py`, `python -m
+module` or `python -c command`, with a fresh __main__ module, sys.argv,
+sys.path[0], exit codes, and tracebacks without launcher frames.  Used by
+`mpcore run` (_launcher.py) and by each rank of its torchrun command line
+(_torchrun.py)."""
 import builtins
 import os
 import runpy
@@ -12,11 +11,8 @@ import sys
 import types
 from importlib.machinery import BuiltinImporter, SourceFileLoader
 
-USAGE = ("usage: mpcore run [-m module | -c command | script.py] [args...]\n"
-         "       mpcore run --nproc-per-node N [torchrun's flags] [-m module | script.py] [args...]")
 
-
-def _report(e, tb):
+def report(e, tb):
     """Prints an uncaught exception as python does, from the program's own
     frames, and exits as python would."""
     e.__traceback__ = tb
@@ -29,7 +25,7 @@ def _report(e, tb):
     sys.exit(1)
 
 
-def _run_script(path, argv, report=_report):
+def run_script(path, argv, report=report):
     with open(path, "rb") as f:
         source = f.read()
     full = os.path.abspath(path)
@@ -41,11 +37,11 @@ def _run_script(path, argv, report=_report):
               os.path.dirname(os.path.realpath(path)), report)
 
 
-def _run_command(source, argv):
+def run_command(source, argv):
     """`python -c source`: __main__ has no file, sys.path[0] is ''."""
     main = types.ModuleType("__main__")
     main.__loader__ = BuiltinImporter
-    _run_main(compile(source, "<string>", "exec"), main, argv, "", _report)
+    _run_main(compile(source, "<string>", "exec"), main, argv, "", report)
 
 
 def _run_main(code, main, argv, path0, report):
@@ -68,7 +64,7 @@ def _run_main(code, main, argv, path0, report):
         report(e, e.__traceback__.tb_next)
 
 
-def _run_module(name, argv, report=_report):
+def run_module(name, argv, report=report):
     sys.argv = argv
     sys.path[0:1] = [os.getcwd()]
     try:
@@ -78,28 +74,3 @@ def _run_module(name, argv, report=_report):
     except BaseException as e:
         # python -m shows runpy's frames; only ours are dropped.
         report(e, e.__traceback__.tb_next)
-
-
-def run(args):
-    if not args or (args[0] in ("-m", "-c") and len(args) < 2):
-        print(USAGE, file=sys.stderr)
-        return 2
-    if args[0].startswith("-") and args[0] not in ("-m", "-c"):
-        # torchrun's command line (NOTE [ torchrun on the zygote ])
-        from ._torchrun import main
-        return main(args)
-    from . import _boot
-    _boot.activate_run(launcher=True)
-    if args[0] == "-m":
-        _run_module(args[1], args[1:])
-        return 0
-    if args[0] == "-c":
-        _run_command(args[1], ["-c", *args[2:]])
-        return 0
-    path = args[0]
-    if not os.path.exists(path):
-        print(f"mpcore run: can't open file {path!r}: No such file or directory",
-              file=sys.stderr)
-        return 2
-    _run_script(path, args)
-    return 0

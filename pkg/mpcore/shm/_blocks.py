@@ -7,10 +7,12 @@ import os
 import sys
 import threading
 
-from . import _core
-from ._core import HandleError
+from .. import _core
+from .._core import HandleError
 
-_tls = threading.local()
+# Per thread: .refs, the tickets of the message being pickled (also read by
+# queue/_queue.encode); .redeemed, those that unpickling redeemed.
+tls = threading.local()
 
 BLOCK_DATA = 1
 BLOCK_QUEUE = 2
@@ -53,7 +55,7 @@ def alloc(nbytes, zero=False, kind=BLOCK_DATA):
 def attach(ref):
     """Redeems a handle's ticket and returns this process's Block for it.
     A malformed handle raises HandleError (from the core)."""
-    redeemed = getattr(_tls, "redeemed", None)
+    redeemed = getattr(tls, "redeemed", None)
     if redeemed is not None:
         redeemed.append(ref)
     return _core.attach(ref)
@@ -68,7 +70,7 @@ def find(address, nbytes):
 def ticket(block):
     """Takes a ticket for sending `block`; records it in the current
     transfer (a Queue message), if any."""
-    refs = getattr(_tls, "refs", None)
+    refs = getattr(tls, "refs", None)
     ref = block.ticket(refs is not None)
     if refs is not None:
         refs.append(ref)
@@ -83,12 +85,12 @@ class transfer:
         self.refs = []
 
     def __enter__(self):
-        self._saved = getattr(_tls, "refs", None)
-        _tls.refs = self.refs
+        self._saved = getattr(tls, "refs", None)
+        tls.refs = self.refs
         return self
 
     def __exit__(self, *exc):
-        _tls.refs = self._saved
+        tls.refs = self._saved
         return False
 
 
@@ -96,12 +98,12 @@ def receive(refs, load, data):
     """Returns load(data), a message carrying tickets `refs`.  The tickets
     that unpickling did not redeem (it failed half-way) are then dropped, so
     their blocks are not held forever."""
-    saved = getattr(_tls, "redeemed", None)
-    redeemed = _tls.redeemed = []
+    saved = getattr(tls, "redeemed", None)
+    redeemed = tls.redeemed = []
     try:
         return load(data)
     finally:
-        _tls.redeemed = saved
+        tls.redeemed = saved
         if len(redeemed) < len(refs):
             left = list(refs)
             for ref in redeemed:
@@ -111,7 +113,7 @@ def receive(refs, load, data):
 
 
 def in_transfer():
-    return getattr(_tls, "refs", None) is not None
+    return getattr(tls, "refs", None) is not None
 
 
 # --- numpy -------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Shared arrays and tensors: mpcore.empty, zeros, share_memory_, stats."""
 import sys
 
-from . import _shm, _stats
+from . import _blocks
+from .. import _stats
 
 
 def _is_torch_dtype(dtype):
@@ -15,7 +16,7 @@ def empty(shape, dtype="float64"):
     if _is_torch_dtype(dtype):
         from . import _torch
         return _torch.empty(shape, dtype)
-    return _shm.empty_array(shape, dtype)
+    return _blocks.empty_array(shape, dtype)
 
 
 def zeros(shape, dtype="float64"):
@@ -24,7 +25,7 @@ def zeros(shape, dtype="float64"):
     if _is_torch_dtype(dtype):
         from . import _torch
         return _torch.empty(shape, dtype, zero=True)
-    return _shm.empty_array(shape, dtype, zero=True)
+    return _blocks.empty_array(shape, dtype, zero=True)
 
 
 def share_memory_(obj):
@@ -36,7 +37,7 @@ def share_memory_(obj):
         return obj.share_memory_()
     import numpy as np
     if isinstance(obj, np.ndarray):
-        return _shm.share_array(obj)
+        return _blocks.share_array(obj)
     raise TypeError(f"share_memory_() takes a tensor or a numpy array, not {type(obj).__name__}")
 
 

@@ -31,10 +31,10 @@ def die_with(token):
     """In the child: arranges to be SIGKILLed once the process that made
     `token` has ended; dies now if it has already."""
     pid, thread_lasts = token[0], bool(token[-1])
-    from . import _zygote
-    if _zygote.forked:
+    from . import _child
+    if _child.forked:
         return
-    from . import _core
+    from .. import _core
     try:
         _core.die_with(pid, int(signal.SIGKILL), thread_lasts)
     except ProcessLookupError:

@@ -76,7 +76,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from . import _dist, _torchapi
+from .. import _torchapi
+from . import _dist
+from ._args import Dense
+from ._reduce import CORE
+from ._work import Done, Work
 
 AllgatherOptions = _torchapi.get("torch._C._distributed_c10d.AllgatherOptions")
 
@@ -111,12 +115,10 @@ class HierGroup:
     ProcessGroup's operations, as the backend calls them."""
 
     def __init__(self, store, rank, world, timeout, hosts):
-        from . import _backend
-        self._b = _backend
         self._store = store
         self._rank = rank
         self._world = world
-        self._timeout_s = _dist._seconds(timeout)
+        self._timeout_s = _dist.seconds(timeout)
         order = list(dict.fromkeys(hosts))
         self._names = [h.split("/")[0] for h in order]
         self._members = [[r for r in range(world) if hosts[r] == h] for h in order]
@@ -131,7 +133,7 @@ class HierGroup:
         self._inline = threading.local()
         self.local = _dist.join(store, f"mpcore/hier/{self._h}/", self._local_of[rank], self._L,
                                 self._timeout_s)
-        self.local.work_type = _backend.Work
+        self.local.work_type = Work
         self.flat = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world, timeout)
         self.leaders = None
         if self._local_of[rank] == 0:
@@ -139,7 +141,7 @@ class HierGroup:
                                                  self._h, self._H, timeout)
 
     def set_timeout(self, timeout):
-        self._timeout_s = _dist._seconds(timeout)
+        self._timeout_s = _dist.seconds(timeout)
         self.local.set_timeout(self._timeout_s)
         for g in (self.flat, self.leaders):
             if g is not None:
@@ -251,10 +253,10 @@ class HierGroup:
                            f"{type(e).__name__}: {e}")
         if getattr(self._inline, "on", False):  # inside _each, on the group's thread
             guarded(local.timeout)
-            return self._b._Done(result)
+            return Done(result)
         if not async_op:
             local.run(False, result, guarded)
-            return self._b._Done(result)
+            return Done(result)
         return local.run(True, result, guarded, keep=keep)
 
     def _flat_op(self, name, result, async_op, *args):
@@ -280,7 +282,7 @@ class HierGroup:
                     or t.numel() == 0
                     or (avg and not t.is_floating_point())):
                 return None
-            codes = self._b._CORE.get((t.dtype, base))
+            codes = CORE.get((t.dtype, base))
             if codes is None:
                 return None
             plans.append((codes[0], codes[1], _GLOO_OPS[base], avg))
@@ -329,7 +331,7 @@ class HierGroup:
         plans = self._plan(tensors, reduce_op.op)
         if plans is None:
             return self._flat_op(name, tensors, async_op, tensors, opts)
-        dense = [self._b._Dense(t) for t in tensors]
+        dense = [Dense(t) for t in tensors]
 
         def run(timeout):
             for d, p in zip(dense, plans):
@@ -345,7 +347,7 @@ class HierGroup:
             return self._flat_op("reduce", tensors, opts.asyncOp, tensors, opts)
         hr, lr = self._host_of[root], self._local_of[root]
         me = self._local_of[self._rank]
-        dense = [self._b._Dense(t) for t in tensors]
+        dense = [Dense(t) for t in tensors]
 
         def run(timeout):
             for d, (dc, oc, gop, avg) in zip(dense, plans):
@@ -376,7 +378,7 @@ class HierGroup:
         if not self._cpu(tensors) or not 0 <= root < self._world:
             return self._flat_op("broadcast", tensors, opts.asyncOp, tensors, opts)
         hr, lr = self._host_of[root], self._local_of[root]
-        dense = [self._b._Dense(t) for t in tensors]
+        dense = [Dense(t) for t in tensors]
 
         def run(timeout):
             for d in dense:
@@ -452,7 +454,7 @@ class HierGroup:
                 or output.dtype != input.dtype or input.numel() == 0):
             return self._flat_op("_allgather_base", [output], opts.asyncOp, output, input, opts)
         src = input.contiguous()
-        dst = self._b._Dense(output, read=False)
+        dst = Dense(output, read=False)
         n = input.numel() * input.element_size()
 
         def run(timeout):
@@ -526,7 +528,7 @@ class HierGroup:
         (world pieces of output's size, a copy this call may change)."""
         dc, oc, gop, avg = self._plan([output], red)[0]
         n = output.numel()
-        dst = self._b._Dense(output, read=False)
+        dst = Dense(output, read=False)
         lead = self.leaders is not None
         mine = torch.tensor(self._mine, dtype=torch.int64)
 

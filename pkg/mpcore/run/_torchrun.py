@@ -50,9 +50,9 @@ _binaries = []   # the Popen of every --no-python rank this launcher started
 def _rank_report(e, tb):
     """A rank's uncaught exception: printed with its rank on every line,
     written to the error file in torchelastic's format; exit 1."""
-    from . import _launcher
+    from . import _program
     if isinstance(e, KeyboardInterrupt):
-        _launcher._report(e, tb)  # dies by SIGINT, as python does
+        _program.report(e, tb)  # dies by SIGINT, as python does
     e.__traceback__ = tb
     text = "".join(traceback.format_exception(type(e), e, tb))
     rank = os.environ.get("RANK", "?")
@@ -87,7 +87,7 @@ def _rank_wrap(local_rank, fn, args, envs, stdout_redirects, stderr_redirects, r
     """torch's _wrap, keeping this rank's return queue (NOTE [ The rank's
     return queue ])."""
     global _return_queue
-    from . import _torchapi
+    from .. import _torchapi
     _return_queue = ret_vals[local_rank]
     torch_wrap = _torchapi.original(_WRAP) or _torchapi.get(_WRAP)
     return torch_wrap(local_rank, fn, args, envs, stdout_redirects, stderr_redirects,
@@ -106,18 +106,19 @@ def _end_as_python_would(queue, code):
     puts its return value (None) on torch's queue itself (the queue's ring
     is shared memory the agent holds, so the value outlives the rank), and
     every rank then ends as the interpreter would, with the program's exit
-    code (NOTE [ A spawned child ends as python would ] in _zygote.py)."""
-    from . import _zygote
+    code (NOTE [ A spawned child ends as python would ] in proc/_child.py)."""
+    from ..proc import _child
     if code == 0 and queue is not None:
         queue.put(None)
-    _zygote.end_as_python_would(code)
+    _child.end_as_python_would(code)
 
 
 def rank_main(module, target, *argv):
     """One rank: runs the program as `mpcore run` runs it (NOTE [ torchrun
     on the zygote ]); `module` is true for `-m target`."""
     import multiprocessing
-    from . import _boot, _launcher, _zygote
+    from . import _boot, _program
+    from ..proc import _child
     _boot.activate_run()
     # NOTE [ A rank's start method is its own ]
     # A zygote child takes its parent's start method, as a spawned process
@@ -134,15 +135,15 @@ def rank_main(module, target, *argv):
     code = 0
     try:
         if module:
-            _launcher._run_module(target, [target, *argv], report=_rank_report)
+            _program.run_module(target, [target, *argv], report=_rank_report)
         else:
             if not os.path.exists(target):
                 print(f"mpcore run: can't open file {target!r}: No such file or directory",
                       file=sys.stderr)
                 sys.exit(2)
-            _launcher._run_script(target, [target, *argv], report=_rank_report)
+            _program.run_script(target, [target, *argv], report=_rank_report)
     except SystemExit as e:
-        code = _zygote.exit_code(e)
+        code = _child.exit_code(e)
     _end_as_python_would(queue, code)
 
 
@@ -165,7 +166,7 @@ def _forward(signum, frame):
 # SIGKILLed launcher would leave it running, and it is no multiprocessing
 # child for _forward to find.  Here each one is started through a
 # trampoline: a bare interpreter that loads only the core's extension
-# (_shm.core_command, as the keeper starts), calls die_with(launcher) and
+# (_blocks.core_command, as the keeper starts), calls die_with(launcher) and
 # execs the binary, which keeps the pid, and with it PR_SET_PDEATHSIG, and
 # the environment torch gave.  PR_SET_PDEATHSIG follows the thread that forked, so the trampoline
 # is used only from the launcher's main thread (where torch's agent starts
@@ -182,7 +183,8 @@ def _start_binaries_dying_with_the_launcher():
     """Wraps torch's SubprocessHandler._popen (NOTE [ Binaries under
     --no-python ])."""
     import threading
-    from . import _shm, _torchapi
+    from ..shm import _blocks
+    from .. import _torchapi
     target = ("torch.distributed.elastic.multiprocessing.subprocess_handler."
               "subprocess_handler.SubprocessHandler._popen")
     popen = _torchapi.find(target)
@@ -191,7 +193,7 @@ def _start_binaries_dying_with_the_launcher():
 
     def _popen(self, args, env):
         if threading.current_thread() is threading.main_thread():
-            args = tuple(_shm.core_command(_TRAMPOLINE, str(os.getpid()), *args))
+            args = tuple(_blocks.core_command(_TRAMPOLINE, str(os.getpid()), *args))
         p = popen(self, args, env)
         _binaries.append(p)
         return p
@@ -211,7 +213,7 @@ def _plain_failure_line(record):
 
 def _parse(argv):
     import torch.distributed.run as tdr
-    from . import _torchapi
+    from .. import _torchapi
     parser = _torchapi.get("torch.distributed.run.get_args_parser")()
     parser.prog = "mpcore run"
     return tdr, parser.parse_args(argv)
@@ -226,7 +228,7 @@ def _settle(tdr, args):
         args.rdzv_endpoint = "localhost:0"
         args.rdzv_id = str(uuid.uuid4())
     elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
-        from . import _torchapi
+        from .. import _torchapi
         _, max_nodes = _torchapi.get("torch.distributed.run.parse_min_max_nnodes")(args.nnodes)
         if max_nodes == 1:
             # a free port: two jobs on one host never clash
@@ -304,7 +306,8 @@ def _die_by(signum):
 
 def main(argv):
     """`mpcore run` with torchrun's flags; returns the exit code."""
-    from . import _boot, _torchapi
+    from . import _boot
+    from .. import _torchapi
     _boot.activate_run(launcher=True)  # the zygote forks once torch is imported
     import torch  # noqa: F401  (the window and the table are torch's)
     if not _torchapi.serves("torchrun launch"):

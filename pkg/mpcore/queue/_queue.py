@@ -2,7 +2,7 @@
 
 NOTE [ Queue messages ]
 A message is a ForkingPickler pickle.  Pickling a tensor or a shared array
-takes a ticket on its block (see _shm.ticket), so the block outlives the
+takes a ticket on its block (see _blocks.ticket), so the block outlives the
 sender; the message lists those tickets beside its bytes, so that a queue
 freed with messages still inside drops them (ring.c).  A pickle too large
 for the ring travels in a block of its own: the ring does that itself
@@ -37,7 +37,9 @@ import threading
 import weakref
 from multiprocessing import util as _mputil
 
-from . import _core, _pickle, _shm, _stats
+from .. import _core, _stats
+from . import _pickle
+from ..shm import _blocks
 
 DEFAULT_CAPACITY = 2 << 20
 
@@ -50,8 +52,8 @@ class Queue:
     def __init__(self, maxsize=0, *, ctx=None, capacity=DEFAULT_CAPACITY):
         if maxsize is None or maxsize < 0:
             maxsize = 0
-        self._block = _shm.alloc(_core.ring_footprint(capacity), zero=True,
-                                 kind=_shm.BLOCK_QUEUE)
+        self._block = _blocks.alloc(_core.ring_footprint(capacity), zero=True,
+                                 kind=_blocks.BLOCK_QUEUE)
         self._ring = _core.Ring(self._block, 0, None, True, maxsize)
         self._maxsize = maxsize
         self._reset()
@@ -67,7 +69,7 @@ class Queue:
         _mputil.register_after_fork(self, Queue._reset)
 
     def __reduce__(self):
-        return (_rebuild_queue, (type(self), _shm.ticket(self._block), self._maxsize))
+        return (_rebuild_queue, (type(self), _blocks.ticket(self._block), self._maxsize))
 
     def __repr__(self):
         return f"<{type(self).__module__}.{type(self).__qualname__} object at {id(self):#x}>"
@@ -283,8 +285,8 @@ class SimpleQueue(Queue):
 
 def encode(obj, prefix=b""):
     """(refs, payload) of a message carrying obj after `prefix`.  The
-    tickets pickling takes are collected as _shm.transfer does."""
-    tls = _shm._tls
+    tickets pickling takes are collected as _blocks.transfer does."""
+    tls = _blocks.tls
     saved = getattr(tls, "refs", None)
     refs = tls.refs = []
     try:
@@ -306,27 +308,35 @@ def decode(refs, payload):
     if len(refs) == 1 and type(payload) is bytes and payload[:4] == _RECORD_TAG:
         receive = _receive_record
         if receive is None:   # torch not served here yet: read it all the same
-            import torch  # noqa: F401  (a first import serves torch, which imports _tensormsg)
-            from . import _tensormsg
-            receive = _tensormsg.receive
+            from ..shm import _torch  # noqa: F401  (gives the core torch's objects)
+            receive = _core.tensor_from_record
         obj = receive(refs, payload)
         if obj is not None:
             return obj
-    return _shm.receive(refs, _pickle.loads, payload)
+    return _blocks.receive(refs, _pickle.loads, payload)
 
 
 # NOTE [ Tensor records ] in py_shm.c: type -> fn(obj) giving (refs, payload)
-# or None (then obj is pickled); filled by _tensormsg once torch is served.
+# or None (then obj is pickled); filled by serve_records once torch is served.
 _RECORDS = {}
 _receive_record = None
+
+
+def serve_records(cls, message, receive):
+    """Puts objects of exactly type cls as records: message(obj) gives
+    (refs, payload), or None to pickle obj; receive(refs, payload) gives
+    the object of a record, or None if the message is not one."""
+    global _receive_record
+    _RECORDS[cls] = message
+    _receive_record = receive
 _RECORD_TAG = _core.TENSOR_RECORD_TAG   # a record's first bytes; a pickle's first is 0x80
 
 
 def _rebuild_queue(cls, ref, maxsize):
     q = cls.__new__(cls)
-    q._block = _shm.attach(ref)
-    if q._block.kind != _shm.BLOCK_QUEUE:
-        raise _shm.HandleError(f"handle names a data block, not a queue: {ref}")
+    q._block = _blocks.attach(ref)
+    if q._block.kind != _blocks.BLOCK_QUEUE:
+        raise _blocks.HandleError(f"handle names a data block, not a queue: {ref}")
     q._ring = _core.Ring(q._block, 0, None, False, maxsize)
     q._maxsize = maxsize
     q._reset()

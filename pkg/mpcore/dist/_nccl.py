@@ -15,7 +15,7 @@ import os
 import socket
 import sys
 
-from . import _core
+from .. import _core
 
 _where = None
 

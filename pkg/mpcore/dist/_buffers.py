@@ -1,0 +1,109 @@
+"""Group buffers: CPU storage reduced again and again moved, in place, into
+shared memory the ranks read from each other (NOTE [ Group buffers ] in
+coll.c), and the core calls that take a buffer.
+
+NOTE [ Memory reduced again and again ]
+A large all-reduce or reduce of memory that is the rank's own copies it
+between the ranks (NOTE [ Copies between ranks' memory ] in coll.c):
+system calls that take each peer's memory map lock, and a copy into a
+scratch area.  In a group buffer (NOTE [ Group buffers ] in coll.c) the
+ranks read each other's data where it lies.  So a storage of BUFFER_MIN
+bytes or more that a rank reduces a second time, all-reduce and reduce
+alike (torch's DDP buckets, FSDP's and the program's own gradient
+buffers: memory reduced again and again), is moved into a group buffer
+in place, as share_memory_() moves a storage (into_buffer), and stays
+there until the storage is freed, when the buffer goes with it.
+all_to_all_single's input follows the same rule: its peers then read
+their pieces where they lie (16 MB on two ranks, `mpcore bench --only
+c10d-alltoall-16m`: 1.23-1.77 ms before, 0.65-0.97 ms after), and so do
+the inputs of all_gather_into_tensor and reduce_scatter_tensor (`--only
+c10d-allgather-16m,c10d-reducescatter-16m`: all_gather 1.50-2.04 ms
+before, 0.91-1.24 ms after; reduce_scatter 1.67-1.83 ms before, 1.11-1.47
+ms after).
+
+Once is not enough: a tensor reduced once (a metric, a checkpoint
+average) would pay a copy and shared memory for nothing.  And the second
+time must be the same storage, not a new one that malloc put where a
+freed one lay: a loop that reduces a tensor it makes anew each step (the
+gradients of `zero_grad(set_to_none=True)` averaged by hand) finds the
+same address again and again, and moving those would cost a buffer's
+setup, its faults and a copy every other step (16 MB made and
+all-reduced per step on two ranks: 12.2 ms per step with those moves,
+3.2-4.5 ms without).  So the last _SEEN_MAX storages seen once are
+remembered by a weak reference to their Python object, which torch keeps
+for as long as the storage lives.  torch's own weak reference would not
+do: it keeps a freed storage's memory.
+
+Only memory torch's own allocator gave and that no one else sees is
+moved: not a storage over a numpy array, a file or another process's
+shared memory (not resizable, or shared), nor pinned memory, which would
+lose its pinning; such memory is not remembered either.  Each rank
+decides alone; when not every rank names a buffer the core copies
+between ranks' memory as before, so the result never depends on the
+choice.  Without memory for a buffer the storage stays where it is.
+"""
+import collections
+import weakref
+
+import torch
+
+from .. import _core, _torchapi
+
+# None where torch cannot move a storage in place: no group buffers then
+# (NOTE [ Moving a storage in place ] in _torch.py).
+SWAP = _torchapi.find("torch.UntypedStorage._swap_data_ptr_")
+
+
+BUFFER_MIN = 1 << 20     # the core's MPC_COLL_CMA_AR_MIN: smaller all-reduces are staged
+_SEEN_MAX = 64           # storages remembered as reduced once
+_held = weakref.WeakValueDictionary()   # address -> the GroupBuffer a storage was moved into
+_seen = collections.OrderedDict()       # address -> weakref.ref of a storage reduced once
+
+
+def into_buffer(s):
+    """Moves CPU storage s into a new GroupBuffer in place (every tensor over
+    s follows, NOTE [ Moving a storage in place ] in _torch.py) and returns
+    the buffer, which s's memory keeps alive.  MemoryError when there is no
+    shared memory for it; s is then unchanged."""
+    n = s.nbytes()
+    b = _core.GroupBuffer(n)
+    new = torch.frombuffer(b, dtype=torch.uint8, count=n)  # holds b
+    new.copy_(torch.empty(0, dtype=torch.uint8).set_(s))
+    SWAP(s, new.untyped_storage())
+    _held[b.address] = b
+    return b
+
+
+def in_buffer(method, buf, *args):
+    """method(*args, buf): a core call whose last arguments are the timeout
+    (which the group's run appends) and then the group buffer."""
+    return method(*args, buf)
+
+
+def all_to_all_in(core, out, inp, send, recv, buf, timeout):
+    core.all_to_all(out.data_ptr(), inp.data_ptr(), send, recv, timeout, buf)
+
+
+def buffer_of(t):
+    """The GroupBuffer holding t (CPU, contiguous) for the core's all-reduce,
+    reduce, all-to-all, all-gather or reduce-scatter, moving t's storage
+    into one when the same storage comes a second time; or None."""
+    s = t.untyped_storage()
+    addr = s.data_ptr()
+    b = _held.get(addr)
+    if b is not None:
+        return b
+    n = s.nbytes()
+    if (n < BUFFER_MIN or SWAP is None or not s.resizable() or s.is_shared()
+            or (torch.cuda.is_initialized() and s.is_pinned())):
+        return None     # small, or memory that never moves: not remembered either
+    ref = _seen.pop(addr, None)
+    if ref is not None and ref() is s:      # the same storage, a second time
+        try:
+            return into_buffer(s)
+        except MemoryError:
+            return None
+    _seen[addr] = weakref.ref(s)
+    if len(_seen) > _SEEN_MAX:
+        _seen.popitem(last=False)
+    return None

@@ -1,0 +1,143 @@
+"""The Work of the group's calls (NOTE [ The backend is a ProcessGroup ] in
+_group.py): Work for a call that runs on the group's thread, Done for one
+complete on return, AllOf for a coalescing block."""
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from . import _dist, _profile
+from ._reduce import check_op
+
+NO_TIMEOUT = datetime.timedelta(0)
+
+
+class Work(_dist.Work, dist.Work):
+    """torch's Work for a call of the group (NOTE [ The backend is a
+    ProcessGroup ]): wait(timeout), is_completed, exception, get_future,
+    result; _source_rank for a receive (None for any other call, of which
+    torch's Work refuses it, as here); the profiler's events of the call
+    that made it, which end before a waiter wakes (NOTE [ Collectives in
+    the profiler ])."""
+
+    profiler_events = None   # the profiler's events of the call, which it ends
+
+    def __init__(self, tensors):
+        dist.Work.__init__(self)
+        _dist.Work.__init__(self, tensors)
+        self._source = None
+        if _profile.recording:
+            self.profiler_events = getattr(_profile.inside, "events", None)
+
+    def _end(self, exc=None):
+        events = self.profiler_events
+        if events is not None:
+            self.profiler_events = None
+            events.end()
+        return _dist.Work._end(self, exc)
+
+    def wait(self, timeout=NO_TIMEOUT):
+        s = _dist.seconds(timeout)
+        if not s or s <= 0:
+            self._run_here()
+        if not self._wait_done(s if s and s > 0 else None):
+            raise TimeoutError(f"Work.wait: the collective did not complete within {s:g} s "
+                               "(it goes on; wait again or look at the group's timeout)")
+        if self._exc is not None:
+            raise self._exc
+        return True
+
+    def _source_rank(self):
+        self.wait()
+        if self._source is None:
+            raise RuntimeError("sourceRank() may only be called on work objects that "
+                               "correspond to a recv or recv-from-any call.")
+        return self._source
+
+    def source_rank(self):
+        return self._source_rank()
+
+    def synchronize(self):
+        self.wait()
+
+
+class Done(dist.Work):
+    """The Work of a call that completed before it returned: no event to
+    wait on (NOTE [ The backend's cost per call ])."""
+
+    def __init__(self, tensors):
+        dist.Work.__init__(self)
+        self._tensors = tensors
+
+    def wait(self, timeout=NO_TIMEOUT):
+        return True
+
+    def is_completed(self):
+        return True
+
+    def is_success(self):
+        return True
+
+    def exception(self):
+        return None
+
+    def result(self):
+        return self._tensors
+
+    def get_future(self):
+        fut = torch.futures.Future()
+        fut.set_result(self._tensors)
+        return fut
+
+    def synchronize(self):
+        pass
+
+
+done = Done
+
+
+def checked(what, red, tensors, async_op):
+    """None when the op suits the tensors; else, for async_op, a Work that
+    reports the error (as the group's thread reports the core's), and
+    otherwise the error is raised."""
+    try:
+        check_op(what, red, tensors)
+    except ValueError as e:
+        if not async_op:
+            raise
+        w = Work(tensors)
+        w._finish(e)
+        return w
+    return None
+
+
+class AllOf(dist.Work):
+    """The Work of a coalescing block: done when all of its calls are."""
+
+    def __init__(self, works):
+        dist.Work.__init__(self)
+        self._works = works
+
+    def wait(self, timeout=NO_TIMEOUT):
+        for w in self._works:
+            w.wait(timeout)
+        return True
+
+    def is_completed(self):
+        return all(w.is_completed() for w in self._works)
+
+    def is_success(self):
+        return all(w.is_success() for w in self._works)
+
+    def exception(self):
+        return next((e for e in (w.exception() for w in self._works) if e is not None), None)
+
+    def result(self):
+        return [t for w in self._works for t in w.result()]
+
+    def get_future(self):
+        return torch.futures.collect_all([w.get_future() for w in self._works]).then(
+            lambda fut: [t for f in fut.value() for t in f.value()])
+
+    def synchronize(self):
+        self.wait()
