@@ -79,7 +79,8 @@ def main(argv=None):
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
     import mpcore.distributed  # noqa: F401  (registers the backend)
-    from mpcore import _core, _backend
+    from mpcore import _core
+    from mpcore.dist import _profile, _work
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -99,7 +100,7 @@ def main(argv=None):
         opts.reduceOp = dist.ReduceOp.SUM
         opts.asyncOp = False
         body = getattr(dist.all_reduce, "__wrapped__", dist.all_reduce)
-        done = getattr(_backend, "_Done", None)
+        done = getattr(_work, "Done", None)
         tensors = [t]
         SUM = dist.ReduceOp.SUM
         red = opts.reduceOp.op
@@ -121,11 +122,11 @@ def main(argv=None):
         }
         pieces = {
             "empty loop (a lambda call)": lambda: None,
-            "Work of a completed call (_Done([t]))": (lambda: done(tensors)) if done else None,
+            "Work of a completed call (Done([t]))": (lambda: done(tensors)) if done else None,
             "Work.wait() of it": (done(tensors).wait if done else None),
             "AllreduceOptions(), reduceOp and asyncOp set": new_opts,
             "opts.reduceOp.op (read in the method)": lambda: opts.reduceOp.op,
-            "the profiler check (_profiling())": getattr(_backend, "_profiling", None),
+            "the profiler check (profiling())": getattr(_profile, "profiling", None),
             "red.value (the op's code)": lambda: red.value,
             "t.dtype": lambda: t.dtype,
             "t.nbytes": lambda: t.nbytes,

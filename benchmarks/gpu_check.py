@@ -26,7 +26,7 @@ def ranks_main(rank, world, port, out):
     "cpu:mpcore,cuda:nccl" group."""
     import torch.distributed as td
     import mpcore.distributed as md
-    from mpcore.dist import _group
+    from mpcore.dist import _collectives
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     md.init_process_group("cpu:mpcore,cuda:nccl", rank=rank, world_size=world)
@@ -35,7 +35,7 @@ def ranks_main(rank, world, port, out):
     lines = []
     mine = pg._cuda("gpu_check")        # mpcore's NCCL communicator
     theirs = pg._torch_nccl_pg()        # torch's ProcessGroupNCCL of the same group
-    codes = _group.NCCL_DTYPES
+    codes = _collectives.NCCL_DTYPES
 
     def torch_all_reduce(t):
         o = td.AllreduceOptions()

@@ -193,17 +193,28 @@ def test_outside_the_window_one_warning_and_torchs_own_behaviour():
 
 def test_the_launcher_walks_no_frames():
     # NOTE [ The rank's return queue ]: no frame walking for torch's locals
-    for name in os.listdir(PKG):
-        if name.endswith(".py"):
-            with open(os.path.join(PKG, name)) as f:
-                src = f.read()
-            assert "_getframe" not in src and "f_locals" not in src, name
+    for d, _, files in os.walk(PKG):
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(d, name)) as f:
+                    src = f.read()
+                assert "_getframe" not in src and "f_locals" not in src, name
 
 
 def _private_torch_reads(tree):
     """`from torch._x import`, `import torch._x`, and torch._x / torch.a._b
-    attribute chains read in code."""
+    attribute chains read in code, from torch or from a name bound to one
+    of its modules or objects (`import torch.distributed as dist`, `from
+    torch.distributed import distributed_c10d as c10d`: dist._x, c10d._x)."""
     out = []
+    bases = {"torch"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                and node.module.split(".")[0] == "torch":
+            bases.update(a.asname or a.name for a in node.names)
+        elif isinstance(node, ast.Import):
+            bases.update(a.asname for a in node.names
+                         if a.asname and a.name.split(".")[0] == "torch")
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             if node.module.startswith("torch") and any(
@@ -222,7 +233,7 @@ def _private_torch_reads(tree):
             base = node.value
             while isinstance(base, ast.Attribute):
                 base = base.value
-            if isinstance(base, ast.Name) and base.id == "torch" \
+            if isinstance(base, ast.Name) and base.id in bases \
                     and "__spec__" not in ast.unparse(node):   # importlib's, not torch's
                 out.append((node.lineno, ast.unparse(node)))
     return out
@@ -235,7 +246,18 @@ TABLED = (os.path.join("shm", "_torch.py"), os.path.join("queue", "_records.py")
           os.path.join("run", "_program.py"), "_doctor.py", os.path.join("proc", "_zygote.py"),
           os.path.join("proc", "_inherit.py"), os.path.join("proc", "_child.py"),
           os.path.join("data", "_compat.py"), os.path.join("data", "_loader.py"),
-          os.path.join("data", "_single.py"))
+          os.path.join("data", "_single.py"), "distributed.py", "parallel.py",
+          *(os.path.join("dist", n) for n in ("_args.py", "_backend.py", "_buffers.py", "_dist.py",
+                                              "_fastpath.py", "_group.py", "_hier.py", "_nccl.py",
+                                              "_profile.py", "_reduce.py", "_uncompiled.py",
+                                              "_work.py")))
+
+
+def test_the_private_reads_check_sees_aliases():
+    tree = ast.parse("import torch.distributed as dist\n"
+                     "from torch.distributed import distributed_c10d as c10d\n"
+                     "a = dist._x\nb = c10d._world.pg_map\nc = dist.all_reduce\n")
+    assert _private_torch_reads(tree) == [(3, "dist._x"), (4, "c10d._world")]
 
 
 @pytest.mark.parametrize("name", TABLED)

@@ -58,8 +58,6 @@ def when_imported(name, fn):
         sys.meta_path.insert(0, _finder)
 
 
-
-
 def pending():
     """The names of the modules that hooks still wait for."""
     return list(_callbacks)

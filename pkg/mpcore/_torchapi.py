@@ -102,7 +102,7 @@ TM_NAMES = ("Process", "Queue", "SimpleQueue", "JoinableQueue", "Pool", "get_con
              "ProcessRaisedException", "ProcessExitedException")
 _FASTPATH = ("send", "recv", "broadcast", "gather", "scatter", "all_to_all_single")
 _FUNCOL = ("all_reduce", "all_gather_single", "reduce_scatter_single", "wait_tensor")
-_C10D = "torch.distributed.distributed_c10d"
+C10D = "torch.distributed.distributed_c10d"
 _FC = "torch.distributed._functional_collectives"
 
 
@@ -159,7 +159,8 @@ def _rows():
          "StatefulDataLoader", False),
         ("torchdata.stateful_dataloader.stateful_dataloader.StatefulDataLoader", "replace",
          "class", "StatefulDataLoader", False),
-        # distributed backend (_backend.py, distributed.py, _hier.py, _dist.py)
+        # distributed backend (dist/_backend.py, dist/_group.py, dist/_profile.py,
+        # distributed.py, dist/_hier.py, dist/_dist.py)
         ("torch.distributed.Backend.register_backend", "read", "params:extended_api,devices",
          "distributed backend", False),
         ("torch.distributed.Backend._plugins", "read", "exists", "distributed backend", False),
@@ -170,22 +171,22 @@ def _rows():
           for n in ("AllreduceOptions", "AllreduceCoalescedOptions", "ReduceOptions",
                     "BroadcastOptions", "AllgatherOptions", "GatherOptions", "ScatterOptions",
                     "ReduceScatterOptions", "AllToAllOptions", "BarrierOptions")),
-        (f"{_C10D}._world", "read", "attrs:default_pg,pg_map,pg_group_ranks",
+        (f"{C10D}._world", "read", "attrs:default_pg,pg_map,pg_group_ranks",
          "distributed backend", False),
-        (f"{_C10D}._get_default_group", "read", "callable", "distributed backend", False),
-        (f"{_C10D}._process_group_name", "replace", "params:ranks,use_hashed_name",
+        (f"{C10D}._get_default_group", "read", "callable", "distributed backend", False),
+        (f"{C10D}._process_group_name", "replace", "params:ranks,use_hashed_name",
          "distributed backend", False),
-        (f"{_C10D}._set_pg_timeout", "replace", "params:timeout,group",
+        (f"{C10D}._set_pg_timeout", "replace", "params:timeout,group",
          "distributed backend", True),
-        (f"{_C10D}.split_group", "replace", "callable", "distributed backend", True),
+        (f"{C10D}.split_group", "replace", "callable", "distributed backend", True),
         ("torch.distributed.split_group", "replace", "callable", "distributed backend", True),
         ("torch.distributed.device_mesh.split_group", "replace", "callable",
          "distributed backend", True),
-        (f"{_C10D}.BackendConfig", "replace", "class", "distributed backend", False),
-        (f"{_C10D}.monitored_barrier", "replace", "callable", "distributed backend", False),
+        (f"{C10D}.BackendConfig", "replace", "class", "distributed backend", False),
+        (f"{C10D}.monitored_barrier", "replace", "callable", "distributed backend", False),
         ("torch.distributed.monitored_barrier", "replace", "callable", "distributed backend",
          False),
-        # NOTE [ The backend runs uncompiled ] in _backend.py: set_code_exec_strategy
+        # NOTE [ The backend runs uncompiled ] in dist/_uncompiled.py: set_code_exec_strategy
         # where torch has it (2.7 on), else skip_code
         ("torch._dynamo.eval_frame.set_code_exec_strategy", "read", "callable",
          "distributed backend", True),
@@ -197,16 +198,18 @@ def _rows():
         ("torch.nn.parallel.DistributedDataParallel", "replace", "class", "DDP", False),
         ("torch.nn.parallel.distributed.DistributedDataParallel", "replace", "class", "DDP",
          False),
-        # collective fast paths (_fastpath.py)
+        ("torch.distributed._register_comm_hook", "read", "callable", "DDP", False),
+        ("torch.distributed.ProcessGroupGloo._Options", "read", "class", "DDP", True),
+        # collective fast paths (dist/_fastpath.py)
         ("torch._C._has_torch_function", "read", "callable", "collective fast paths", False),
         ("torch._C._autograd._profiler_enabled", "read", "callable", "collective fast paths",
          False),
         ("torch._C._len_torch_dispatch_stack", "read", "callable", "collective fast paths",
          False),
-        (f"{_C10D}._resolve_process_group", "read", "callable", "collective fast paths", False),
+        (f"{C10D}._resolve_process_group", "read", "callable", "collective fast paths", False),
     )
     for n in _FASTPATH:
-        yield (f"{_C10D}.{n}", "replace", "same params", "collective fast paths", False)
+        yield (f"{C10D}.{n}", "replace", "same params", "collective fast paths", False)
         yield (f"torch.distributed.{n}", "replace", "same params", "collective fast paths",
                False)
     for n in _FUNCOL:
@@ -215,12 +218,12 @@ def _rows():
         (f"{_FC}.DeviceMesh", "read", "class", "functional collective fast paths", False),
         (f"{_FC}.AsyncCollectiveTensor", "read", "attrs:elem,completed,trigger_wait",
          "functional collective fast paths", False),
-        # profiler events (_backend.py, NOTE [ Collectives in the profiler ])
+        # profiler events (dist/_profile.py, NOTE [ Collectives in the profiler ])
         ("torch._C._autograd._record_function_with_args_enter", "read", "callable",
          "profiler events", False),
         ("torch.ops.profiler._call_end_callbacks_on_jit_fut", "read", "exists",
          "profiler events", False),
-        # torchrun launch (_torchrun.py)
+        # torchrun launch (run/_torchrun.py)
         ("torch.distributed.run.get_args_parser", "read", "callable", "torchrun launch", False),
         ("torch.distributed.run.config_from_args", "read", "callable", "torchrun launch", False),
         ("torch.distributed.run.parse_min_max_nnodes", "read", "callable", "torchrun launch",
@@ -540,6 +543,29 @@ _ABSENT = object()
 def _is_ours(value):
     mod = getattr(getattr(value, "__func__", value), "__module__", None)
     return isinstance(mod, str) and (mod == "mpcore" or mod.startswith("mpcore."))
+
+
+class swapped:
+    """`with swapped(target, new):` new in place of torch's attribute at
+    target for the block, torch's again after it: a replace() that lasts one
+    call.  The row is checked as get() checks it, and Missing is raised when
+    the check fails, since the caller relies on the swap."""
+
+    def __init__(self, target, new):
+        self._target, self._new = target, new
+
+    def __enter__(self):
+        self._old = get(self._target)
+        owner_name, self._name = self._target.rsplit(".", 1)
+        self._owner = _resolve(owner_name)
+        setattr(self._owner, self._name, self._new)
+        row = _row(self._target)
+        row.status, row.why = "replaced", None
+        return self._old
+
+    def __exit__(self, *exc):
+        setattr(self._owner, self._name, self._old)
+        return False
 
 
 def original(target):

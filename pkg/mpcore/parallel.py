@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
-from .dist import _backend, _buffers, _group, _profile, _reduce, _uncompiled
+from . import _torchapi
+from .dist import _backend, _buffers, _collectives, _profile, _reduce, _uncompiled
 
 __all__ = ["DistributedDataParallel"]
 
@@ -81,7 +82,7 @@ def _hook(hooks, bucket):
         return hook(state, bucket)
     group = hooks.group
     t = bucket.buffer()
-    code = (_group.NCCL_DTYPES if t.device.type == "cuda" else _reduce.DTYPES).get(t.dtype)
+    code = (_collectives.NCCL_DTYPES if t.device.type == "cuda" else _reduce.DTYPES).get(t.dtype)
     if code is None or not t.is_contiguous():
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         return default_hooks.allreduce_hook(None, bucket)
@@ -156,7 +157,8 @@ class DistributedDataParallel(_TorchDDP):
                 group = pg._cuda("DistributedDataParallel")
         if group is not None:
             self._mpcore_hooks = _Hooks(group, pg if devices == {"cpu"} else None)
-            dist._register_comm_hook(self.reducer, self._mpcore_hooks, _hook)
+            _torchapi.get("torch.distributed._register_comm_hook")(self.reducer, self._mpcore_hooks,
+                                                                   _hook)
 
     def register_comm_hook(self, state, hook):
         hooks = getattr(self, "_mpcore_hooks", None)   # None while torch's __init__ runs
@@ -200,7 +202,8 @@ class DistributedDataParallel(_TorchDDP):
                 data.setdefault(key, os.environ.get(env, "N/A"))
             # the threads gloo's group takes by default (its options')
             data.setdefault("gloo_num_threads",
-                            getattr(dist.ProcessGroupGloo._Options(), "_threads", 2))
+                            getattr(_torchapi.get("torch.distributed.ProcessGroupGloo._Options")(),
+                                    "_threads", 2))
         return data
 
     def __getstate__(self):

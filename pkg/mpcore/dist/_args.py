@@ -3,6 +3,7 @@ stand-ins for tensors that are not contiguous, a gather's or scatter's one
 plain list, and the checks whose errors name what was wrong."""
 import torch
 
+
 def nbytes(t):
     return t.numel() * t.element_size()
 

@@ -7,7 +7,6 @@ torch routes to it (dist.*, functional collectives, DTensor, FSDP, DDP,
 (_buffers.py), the Work types (_work.py), the profiler's events
 (_profile.py), the arguments' checks (_args.py).
 """
-import functools
 import hashlib
 import sys
 
@@ -15,7 +14,9 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as _c10d
 
 from .. import _torchapi
+from .._torchapi import C10D
 from . import _dist
+from ._collectives import Collectives
 from ._group import ProcessGroupMpcore
 from ._uncompiled import run_uncompiled
 from ._work import AllOf, Done, Work
@@ -50,7 +51,7 @@ def _set_pg_timeout(timeout, group=None):
     group is its own backend ])."""
     pg = group
     if pg is None and _c10d.is_initialized():
-        pg = _c10d._get_default_group()
+        pg = _torchapi.get(f"{C10D}._get_default_group")()
     if isinstance(pg, ProcessGroupMpcore):
         pg.set_timeout(timeout)
         return None
@@ -87,13 +88,14 @@ def _split_group(parent_pg=None, split_ranks=None, timeout=None, pg_options=None
     split's ranks, which every member of the split knows alike."""
     parent = parent_pg
     if parent is None and _c10d.is_initialized():
-        parent = _c10d._get_default_group()
+        parent = _torchapi.get(f"{C10D}._get_default_group")()
     if not isinstance(parent, ProcessGroupMpcore):
         return _torch_split_group(parent_pg, split_ranks, timeout, pg_options, group_desc,
                                   backend)
     if not split_ranks:
         raise ValueError("split_ranks cannot be None or empty")
-    to_group = _c10d._world.pg_group_ranks.get(parent)
+    world = _torchapi.get(f"{C10D}._world")
+    to_group = world.pg_group_ranks.get(parent)
     if to_group is None:
         raise ValueError(f"Group {parent} is not registered")
     me = to_group.get(_c10d.get_rank())
@@ -123,15 +125,11 @@ def _split_group(parent_pg=None, split_ranks=None, timeout=None, pg_options=None
     ranks = [to_global[r] for r in mine]
     key = f"{parent.group_name}/split{parent._split_count}/{ranks}"
     name = hashlib.sha1(key.encode(), usedforsecurity=False).hexdigest()
-    hashed = _c10d._process_group_name
-    _c10d._process_group_name = lambda ranks, use_hashed_name: name
-    try:
+    with _torchapi.swapped(f"{C10D}._process_group_name", lambda ranks, use_hashed_name: name):
         return _c10d.new_group(ranks, timeout=timeout,
-                               backend=backend or _c10d._world.pg_map[parent][0],
+                               backend=backend or world.pg_map[parent][0],
                                pg_options=pg_options, use_local_synchronization=True,
                                group_desc=group_desc)
-    finally:
-        _c10d._process_group_name = hashed
 
 
 _torch_split_group = None
@@ -161,16 +159,17 @@ def register():
     if "MPCORE" not in _torchapi.get("torch.distributed.Backend._plugins"):
         dist.Backend.register_backend("mpcore", _create_extended, extended_api=True,
                                       devices=["cpu"])
-        run_uncompiled(ProcessGroupMpcore, Work, _dist.Work, Done, AllOf, _create_extended)
-    if _torch_set_pg_timeout is None and hasattr(_c10d, "_set_pg_timeout"):
-        _torch_set_pg_timeout = _c10d._set_pg_timeout
-        _c10d._set_pg_timeout = functools.wraps(_torch_set_pg_timeout)(_set_pg_timeout)
-    if _torch_split_group is None and hasattr(_c10d, "split_group"):
-        _torch_split_group = _c10d.split_group
-        split = functools.wraps(_torch_split_group)(_split_group)
-        _c10d.split_group = dist.split_group = split   # NOTE [ Splitting a group ]
-        mesh = sys.modules.get("torch.distributed.device_mesh")
-        if getattr(mesh, "split_group", None) is _torch_split_group:
-            mesh.split_group = split
+        run_uncompiled(ProcessGroupMpcore, Collectives, Work, _dist.Work, Done, AllOf,
+                       _create_extended)
+    if _torch_set_pg_timeout is None:
+        _torch_set_pg_timeout = _torchapi.replace(f"{C10D}._set_pg_timeout", _set_pg_timeout,
+                                                  wraps=True)
+    if _torch_split_group is None:   # NOTE [ Splitting a group ]
+        _torch_split_group = _torchapi.replace(f"{C10D}.split_group", _split_group, wraps=True)
+        if _torch_split_group is not None:
+            _torchapi.replace("torch.distributed.split_group", _split_group)
+            mesh = sys.modules.get("torch.distributed.device_mesh")
+            if getattr(mesh, "split_group", None) is _torch_split_group:
+                _torchapi.replace("torch.distributed.device_mesh.split_group", _split_group)
     from . import _fastpath
     _fastpath.install()   # NOTE [ A fast path for torch's module functions ]

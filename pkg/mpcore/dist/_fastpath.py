@@ -105,6 +105,8 @@ from ._group import ProcessGroupMpcore
 from ._reduce import CORE_ROWS, RED
 from ._uncompiled import run_uncompiled
 
+_WORLD = _torchapi.find(f"{_torchapi.C10D}._world")   # None only outside the torch window
+_resolve_process_group = _torchapi.find(f"{_torchapi.C10D}._resolve_process_group")
 _TORCH = {}   # key (the function's name, "funcol." before a functional one's) -> torch's
 _has_torch_function = _torchapi.get("torch._C._has_torch_function")
 # what observes a call (NOTE [ Fast paths nobody sees ])
@@ -129,7 +131,7 @@ def _group(group):
     sees ]); else None."""
     if _compiling() or _profiling() or _modes():
         return None
-    g = _c10d._world.default_pg if group is None else group
+    g = _WORLD.default_pg if group is None else group
     if type(g) is _PG and g.shm is not None and g._batch is None:
         return g
     return None
@@ -140,7 +142,7 @@ def _plain(t):
 
 
 def send(tensor, dst=None, group=None, tag=0, group_dst=None):
-    g = _c10d._world.default_pg if group is None else group   # _group(), _plain(), inline
+    g = _WORLD.default_pg if group is None else group   # _group(), _plain(), inline
     if (not (_compiling() or _profiling() or _modes())
             and type(g) is _PG and g.shm is not None and g._batch is None and group_dst is None
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
@@ -152,7 +154,7 @@ def send(tensor, dst=None, group=None, tag=0, group_dst=None):
 
 
 def recv(tensor, src=None, group=None, tag=0, group_src=None):
-    g = _c10d._world.default_pg if group is None else group   # _group(), _plain(), inline
+    g = _WORLD.default_pg if group is None else group   # _group(), _plain(), inline
     if (not (_compiling() or _profiling() or _modes())
             and type(g) is _PG and g.shm is not None and g._batch is None and group_src is None
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
@@ -250,7 +252,7 @@ def _fc_group(group):
         else:
             return None
         try:
-            group = _c10d._resolve_process_group(name)
+            group = _resolve_process_group(name)
         except (RuntimeError, ValueError):
             return None
     return _region(group)

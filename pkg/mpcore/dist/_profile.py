@@ -7,7 +7,6 @@ import queue
 import threading
 
 import torch
-from torch.distributed import distributed_c10d as _c10d
 
 from .. import _torchapi
 
@@ -82,6 +81,7 @@ _TITLES = {
     "send": "send", "recv": "recv", "recv_anysource": "recvAnySource",
 }
 
+_WORLD = _torchapi.find(f"{_torchapi.C10D}._world")   # None only outside the torch window
 profiling = _torchapi.get("torch._C._autograd._profiler_enabled")
 inside = threading.local()   # .on: a recorded call runs on this thread; .events: its _Events
 recording = 0                # recorded calls running, in every thread
@@ -145,7 +145,7 @@ os.register_at_fork(after_in_child=_ender._after_fork)
 def _backend_name(pg):
     """The name torch reports for pg's backend (dist.get_backend), its CPU
     one for a device map."""
-    entry = _c10d._world.pg_map.get(pg)
+    entry = _WORLD.pg_map.get(pg)
     name = str(entry[0]) if entry else "mpcore"
     for pair in name.split(","):
         if pair.startswith("cpu:"):

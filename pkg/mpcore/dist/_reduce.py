@@ -44,12 +44,12 @@ def _tables():
 DTYPES, OPS = _tables()
 # (torch dtype, RedOpType) -> (dtype code, op code) of what the core reduces itself
 CORE = {(dt, red): (dc, oc) for dt, dc in DTYPES.items() for red, oc in OPS.items()
-         if (red != RED.AVG or dt.is_floating_point)
-         and (red not in (RED.BAND, RED.BOR, RED.BXOR) or not dt.is_floating_point)}
+        if (red != RED.AVG or dt.is_floating_point)
+        and (red not in (RED.BAND, RED.BOR, RED.BXOR) or not dt.is_floating_point)}
 # the same by dtype, then by the op's value (hashing a pybind enum costs more than indexing)
 CORE_ROWS = {dt: tuple(CORE.get((dt, r)) for r in sorted(RED.__members__.values(),
-                                                        key=lambda r: r.value))
-              for dt in DTYPES}
+                                                      key=lambda r: r.value))
+             for dt in DTYPES}
 assert all(r.value == i for i, r in enumerate(sorted(RED.__members__.values(),
                                                      key=lambda r: r.value)))
 FLOATS = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
