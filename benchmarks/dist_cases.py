@@ -550,7 +550,7 @@ def register(cases):
          row_notes=_op_notes, timeout_s=120.0,
          note="t = torch.full(16 MB of float32); dist.all_reduce(t): a tensor made anew for "
               "each call, as gradients averaged by hand after zero_grad(set_to_none=True) are "
-              "(NOTE [ Memory reduced again and again ] in _backend.py); time per call, the "
+              "(NOTE [ Memory reduced again and again ] in dist/_buffers.py); time per call, the "
               f"making included; {side}. Target >= {TARGETS[16 * MB]:g}x.")
     _add("c10d-funcol-allreduce-4k", "c10d functional all_reduce 4 KB + wait", "us",
          funcol_row, {"jobs": [("funcol", 4 * KB)], "nbytes": 4 * KB}, row_notes=_op_notes,

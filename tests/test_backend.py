@@ -1,4 +1,4 @@
-"""mpcore's torch.distributed backend (ProcessGroupMpcore, _backend.py),
+"""mpcore's torch.distributed backend (ProcessGroupMpcore, dist/_group.py),
 result for result against torch's own gloo.
 
 Ranks are started once per module: pools of 2 and 4 rank processes that
@@ -1294,7 +1294,7 @@ def test_the_group_is_its_own_backend(pool2):
 
 def test_monitored_barrier(pool):
     # NOTE [ monitored_barrier ] in distributed.py, NOTE [ monitored_barrier's
-    # protocol ] in _backend.py: gloo's error, naming the first rank that did not come
+    # protocol ] in dist/_group.py: gloo's error, naming the first rank that did not come
     res = pool.run("monitored")
     assert res[1:] == ["all came"] * (pool.world - 1), res
     assert res[0].startswith("RuntimeError: [Rank 0]: Rank 1 failed to pass monitoredBarrier "

@@ -9,7 +9,7 @@ One program (PARITY) runs on 2 ranks with gloo (the reference), with
 mpcore asked for by name, and asking for gloo under `mpcore run`; each
 test compares a check's record with gloo's run of the same check, never
 with a list written here.  NOTE [ Fast paths nobody sees ] in
-_fastpath.py and NOTE [ Collectives in the profiler ] in _backend.py say
+_fastpath.py and NOTE [ Collectives in the profiler ] in _profile.py say
 what mpcore does for it; NOTE [ One start per stack ] in _ranks.py how the
 runs are shared.
 """

@@ -7,6 +7,8 @@ names (a leading underscore): modules talk through public members."""
 import ast
 import os
 
+from test_csrc_layers import find_cycle  # the same search, over modules
+
 PKG = os.environ.get("MPCORE_PKG") or os.path.join(os.path.dirname(__file__), "..", "pkg", "mpcore")
 
 # NOTE [ Layers of the package ] in pkg/mpcore/__init__.py, from the bottom
@@ -90,34 +92,6 @@ def graph(pkg=PKG):
     for ext in EXTENSIONS:
         edges.setdefault(ext, {})
     return edges
-
-
-def find_cycle(edges):
-    """A list of modules forming a cycle (first == last), or None."""
-    WHITE, GREY, BLACK = 0, 1, 2
-    colour = {n: WHITE for n in edges}
-    stack = []
-
-    def visit(n):
-        colour[n] = GREY
-        stack.append(n)
-        for m in sorted(edges[n]):
-            if colour.get(m, BLACK) == GREY:
-                return stack[stack.index(m):] + [m]
-            if colour.get(m) == WHITE:
-                found = visit(m)
-                if found:
-                    return found
-        stack.pop()
-        colour[n] = BLACK
-        return None
-
-    for n in sorted(edges):
-        if colour[n] == WHITE:
-            found = visit(n)
-            if found:
-                return found
-    return None
 
 
 def layer_of(module):

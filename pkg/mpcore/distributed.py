@@ -6,7 +6,7 @@ moves CPU tensors between the ranks of one machine over shared memory.
     dist.all_reduce(t)                       # torch's own function; mpcore's backend serves it
 
 Importing this module registers the backend "mpcore" with torch
-(ProcessGroupMpcore, _backend.py).  The collectives here are torch's own
+(ProcessGroupMpcore, dist/_group.py).  The collectives here are torch's own
 functions: every call reaches the backend through torch, as do functional
 collectives, DTensor, FSDP and DDP.
 
@@ -15,7 +15,7 @@ Through init_process_group here, and everywhere under `mpcore run`, a
 group asked for with "gloo" or with no backend on a machine without an
 accelerator gets "mpcore" ("cpu:gloo" in a device map too); "nccl" stays
 torch's own.  "cpu:mpcore,cuda:nccl" is one group for both (NOTE [ CUDA
-tensors in an mpcore group ] in _backend.py).  The one place that decides is torch's
+tensors in an mpcore group ] in dist/_collectives.py).  The one place that decides is torch's
 BackendConfig, which every group's creation (init_process_group,
 new_group, new_subgroups, DeviceMesh, torch's internals asking for gloo)
 goes through: install() makes it translate the names it resolves, both

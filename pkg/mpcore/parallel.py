@@ -100,7 +100,7 @@ def _hook(hooks, bucket):
         op = 1  # avg: the division is folded into the sum's one pass
     if hooks.pg is not None and _profile.profiling():
         # as torch's reducer, through the group's method, which records the
-        # bucket's event (NOTE [ Collectives in the profiler ] in _backend.py)
+        # bucket's event (NOTE [ Collectives in the profiler ] in dist/_profile.py)
         if op:
             t.div_(group.world)
         o = dist.AllreduceOptions()
@@ -191,7 +191,7 @@ class DistributedDataParallel(_TorchDDP):
 
     def _get_ddp_logging_data(self):
         # the backend the program asked for (NOTE [ The name the group answers
-        # to ] in _backend.py), and what torch's logger records for gloo
+        # to ] in dist/_group.py), and what torch's logger records for gloo
         data = super()._get_ddp_logging_data()
         pg = self.process_group
         if (isinstance(pg, _backend.ProcessGroupMpcore) and data.get("backend_name") == "mpcore"

@@ -352,7 +352,7 @@ class _Lane:
         self.queue = collections.deque()
         # `with self.lock` is `with self.cond` without threading.Condition's
         # Python-level __enter__/__exit__ (NOTE [ The backend's cost per
-        # call ] in _backend.py): three of them per call
+        # call ] in _group.py): three of them per call
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
         self.thread = None

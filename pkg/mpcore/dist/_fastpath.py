@@ -5,7 +5,7 @@ group, and the functional wait_tensor, with one for their results.
 
 NOTE [ A fast path for torch's module functions ]
 torch's dispatcher is the way into the backend (NOTE [ The backend is a
-ProcessGroup ] in _backend.py), and these six functions are the exception,
+ProcessGroup ] in _group.py), and these six functions are the exception,
 for what measurement showed.  On one rank, with a 4 KB float32 tensor, the
 core's own gather takes 1.3 us, and torch's dist.gather 12 us: its checks,
 its options object, its logging wrapper and the group's method cost about
@@ -79,7 +79,7 @@ observe it:
 - a TorchFunctionMode is active (_has_torch_function, as before);
 - torch's profiler runs on this thread (torch.autograd._profiler_enabled),
   so that the backend records the call's events (NOTE [ Collectives in the
-  profiler ] in _backend.py).
+  profiler ] in _profile.py).
 Then a functional collective goes through the dispatcher (the modes see
 _c10d_functional's ops, the profiler records them) to the group's method,
 and a dist.* call through torch's Python function to the group's method,
