@@ -79,7 +79,7 @@ from torch.distributed import ReduceOp
 from .. import _torchapi
 from . import _dist
 from ._args import Dense
-from ._reduce import CORE
+from ._reduce import core_codes
 from ._work import Done, Work
 
 AllgatherOptions = _torchapi.get("torch._C._distributed_c10d.AllgatherOptions")
@@ -282,7 +282,7 @@ class HierGroup:
                     or t.numel() == 0
                     or (avg and not t.is_floating_point())):
                 return None
-            codes = CORE.get((t.dtype, base))
+            codes = core_codes(t.dtype, base)
             if codes is None:
                 return None
             plans.append((codes[0], codes[1], _GLOO_OPS[base], avg))

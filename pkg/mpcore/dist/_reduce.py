@@ -42,16 +42,27 @@ def _tables():
 
 
 DTYPES, OPS = _tables()
-# (torch dtype, RedOpType) -> (dtype code, op code) of what the core reduces itself
-CORE = {(dt, red): (dc, oc) for dt, dc in DTYPES.items() for red, oc in OPS.items()
-        if (red != RED.AVG or dt.is_floating_point)
-        and (red not in (RED.BAND, RED.BOR, RED.BXOR) or not dt.is_floating_point)}
-# the same by dtype, then by the op's value (hashing a pybind enum costs more than indexing)
-CORE_ROWS = {dt: tuple(CORE.get((dt, r)) for r in sorted(RED.__members__.values(),
-                                                      key=lambda r: r.value))
+# What the core reduces itself, the one table of it: torch dtype -> (dtype
+# code, op code) or None for each RedOpType by its value (hashing a pybind
+# enum costs more than indexing); core_codes() reads it by (dtype, op).
+_CORE = {(dt, red): (dc, oc) for dt, dc in DTYPES.items() for red, oc in OPS.items()
+         if (red != RED.AVG or dt.is_floating_point)
+         and (red not in (RED.BAND, RED.BOR, RED.BXOR) or not dt.is_floating_point)}
+CORE_ROWS = {dt: tuple(_CORE.get((dt, r)) for r in sorted(RED.__members__.values(),
+                                                       key=lambda r: r.value))
              for dt in DTYPES}
+del _CORE
 assert all(r.value == i for i, r in enumerate(sorted(RED.__members__.values(),
                                                      key=lambda r: r.value)))
+
+
+def core_codes(dtype, red):
+    """(dtype code, op code) when the core reduces dtype by red (a
+    RedOpType) itself, else None."""
+    row = CORE_ROWS.get(dtype)
+    return None if row is None else row[red.value]
+
+
 FLOATS = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
 BITWISE = (RED.BAND, RED.BOR, RED.BXOR)
 
