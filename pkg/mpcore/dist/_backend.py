@@ -3,9 +3,10 @@ name "mpcore", whose creator makes a group's ProcessGroupMpcore (_group.py),
 and what it changes in torch for its groups (_set_pg_timeout, split_group,
 asyncOp before torch 2.7); it serves every collective of every group that
 torch routes to it (dist.*, functional collectives, DTensor, FSDP, DDP,
-...).  The group's parts: what the core reduces (_reduce.py), group buffers
-(_buffers.py), the Work types (_work.py), the profiler's events
-(_profile.py), the arguments' checks (_args.py).
+...).  The group's parts: its collectives (_collectives.py), what the core
+reduces (_reduce.py), group buffers (_buffers.py), the Work types
+(_work.py), the profiler's events (_profile.py), the arguments' checks
+(_args.py); what runs uncompiled under torch.compile (_uncompiled.py).
 """
 import hashlib
 import sys
