@@ -308,7 +308,11 @@ def decode(refs, payload):
     if len(refs) == 1 and type(payload) is bytes and payload[:4] == _RECORD_TAG:
         receive = _receive_record
         if receive is None:   # torch not served here yet: read it all the same
-            from ..shm import _torch  # noqa: F401  (gives the core torch's objects)
+            # torch first: its import serves it (queue/_serve.py), which
+            # imports shm/_torch whole; then _torch, which gives the core
+            # torch's objects where nothing served it.
+            import torch  # noqa: F401
+            from ..shm import _torch  # noqa: F401
             receive = _core.tensor_from_record
         obj = receive(refs, payload)
         if obj is not None:
