@@ -43,6 +43,7 @@ between ranks' memory as before, so the result never depends on the
 choice.  Without memory for a buffer the storage stays where it is.
 """
 import collections
+import functools
 import weakref
 
 import torch
@@ -74,14 +75,10 @@ def into_buffer(s):
     return b
 
 
-def in_buffer(method, buf, *args):
-    """method(*args, buf): a core call whose last arguments are the timeout
-    (which the group's run appends) and then the group buffer."""
-    return method(*args, buf)
-
-
-def all_to_all_in(core, out, inp, send, recv, buf, timeout):
-    core.all_to_all(out.data_ptr(), inp.data_ptr(), send, recv, timeout, buf)
+def with_buffer(call, buf):
+    """The core's call, given the group buffer buf by name when there is one
+    (the group's run appends the timeout to its arguments)."""
+    return call if buf is None else functools.partial(call, buffer=buf)
 
 
 def buffer_of(t):

@@ -14,7 +14,7 @@ from torch.distributed import ReduceOp
 
 from .. import _torchapi
 from ._args import ALIGN, Dense, check_cpu, nbytes, plain_list, same_shapes
-from ._buffers import BUFFER_MIN, all_to_all_in, buffer_of, in_buffer
+from ._buffers import BUFFER_MIN, buffer_of, with_buffer
 from ._profile import profiled, profiling, recorded_as
 from ._reduce import BITWISE, CORE_ROWS, DTYPES, FLOATS, OPS, RED, check_op, op_name, reduce_stack
 from ._work import Done, checked, done
@@ -83,10 +83,7 @@ class Collectives:
             if codes is not None and t.is_cpu and t.is_contiguous():
                 buf = buffer_of(t) if t.nbytes >= BUFFER_MIN else None
                 if opts.asyncOp:
-                    if buf is None:
-                        return shm.run(True, tensors, shm.core.all_reduce, t.data_ptr(),
-                                       t.numel(), codes[0], codes[1], keep=(t,))
-                    return shm.run(True, tensors, in_buffer, shm.core.all_reduce, buf,
+                    return shm.run(True, tensors, with_buffer(shm.core.all_reduce, buf),
                                    t.data_ptr(), t.numel(), codes[0], codes[1], keep=(t,))
                 if shm._queued:
                     shm.drain()
@@ -237,7 +234,7 @@ class Collectives:
             if codes is not None and t.is_cpu and t.is_contiguous() and 0 <= root < self._world:
                 buf = buffer_of(t) if t.nbytes >= BUFFER_MIN else None
                 if opts.asyncOp:
-                    return shm.run(True, tensors, in_buffer, shm.core.reduce, buf, t.data_ptr(),
+                    return shm.run(True, tensors, with_buffer(shm.core.reduce, buf), t.data_ptr(),
                                    t.numel(), codes[0], codes[1], root, keep=(t,))
                 if shm._queued:
                     shm.drain()
@@ -354,7 +351,7 @@ class Collectives:
                 and output.numel() == input.numel() * self._world
                 and output.is_contiguous() and input.is_contiguous()):   # the core's call
             buf = buffer_of(input) if input.nbytes >= BUFFER_MIN else None
-            return self._run(opts.asyncOp, [output], in_buffer, shm.core.all_gather, buf,
+            return self._run(opts.asyncOp, [output], with_buffer(shm.core.all_gather, buf),
                              output.data_ptr(), input.data_ptr(), nbytes(input),
                              keep=(input, output))
         if self._gloo is not None:
@@ -485,8 +482,8 @@ class Collectives:
             codes = row[opts.reduceOp.op.value] if row is not None else None
             if codes is not None:   # the core's call
                 buf = buffer_of(input) if input.nbytes >= BUFFER_MIN else None
-                return self._run(opts.asyncOp, [output], in_buffer, shm.core.reduce_scatter,
-                                 buf, output.data_ptr(), input.data_ptr(), output.numel(),
+                return self._run(opts.asyncOp, [output], with_buffer(shm.core.reduce_scatter, buf),
+                                 output.data_ptr(), input.data_ptr(), output.numel(),
                                  codes[0], codes[1], keep=(input, output))
         if self._gloo is not None:
             return self._gloo._reduce_scatter_base(output, input, opts)
@@ -660,14 +657,17 @@ class Collectives:
         this rank has written its own (gloo's result is then garbage)."""
         send = self._splits("input", input, input_split_sizes)
         recv = self._splits("output", output, output_split_sizes)
+        call = self.shm.core.all_to_all
         o, i, n = output.data_ptr(), input.data_ptr(), sum(send)
         if i < o + sum(recv) and o < i + n:
-            input, buf = input.clone(), None   # passed on below, which keeps it alive
-        elif n < BUFFER_MIN:
-            return self.shm.core.all_to_all, o, i, send, recv
-        else:
-            buf = buffer_of(input)
-        return all_to_all_in, self.shm.core, output, input, send, recv, buf
+            copy = input.clone()
+            call = functools.partial(call)
+            call.copy = copy   # lives as long as the call does
+            return call, o, copy.data_ptr(), send, recv
+        if n < BUFFER_MIN:
+            return call, o, i, send, recv
+        buf = buffer_of(input)   # may move input's storage: its address is read after
+        return with_buffer(call, buf), o, input.data_ptr(), send, recv
 
     def _splits(self, what, t, sizes):
         """Byte counts for each rank of a dim-0 split of t (even when sizes

@@ -42,12 +42,13 @@ def _tables():
 
 
 DTYPES, OPS = _tables()
-# What the core reduces itself, the one table of it: torch dtype -> (dtype
-# code, op code) or None for each RedOpType by its value (hashing a pybind
-# enum costs more than indexing); core_codes() reads it by (dtype, op).
-_CORE = {(dt, red): (dc, oc) for dt, dc in DTYPES.items() for red, oc in OPS.items()
-         if (red != RED.AVG or dt.is_floating_point)
-         and (red not in (RED.BAND, RED.BOR, RED.BXOR) or not dt.is_floating_point)}
+# What the core reduces itself, from the core's own table (COLL_REDUCES:
+# (dtype name, op name) -> (dtype code, op code) of every pair it reduces),
+# as torch dtype -> (dtype code, op code) or None for each RedOpType by its
+# value (hashing a pybind enum costs more than indexing); core_codes() reads
+# it by (dtype, op).
+_CORE = {(getattr(torch, d), getattr(RED, o)): tuple(codes)
+         for (d, o), codes in _core.COLL_REDUCES.items() if hasattr(torch, d)}
 CORE_ROWS = {dt: tuple(_CORE.get((dt, r)) for r in sorted(RED.__members__.values(),
                                                        key=lambda r: r.value))
              for dt in DTYPES}
