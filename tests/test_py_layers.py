@@ -209,7 +209,4 @@ def test_modules_read_no_private_names_of_others():
 
 if __name__ == "__main__":
     e = graph()
-    print(describe(e))
-    print("cycle:", find_cycle(e))
-    print("\n".join(upward(e)))
-    print("\n".join(private_reads()))
+    print("\n".join([describe(e), f"cycle: {find_cycle(e)}", *upward(e), *private_reads()]))
