@@ -1,4 +1,4 @@
-"""mpcore's torch.multiprocessing spawn API (mpcore._spawn): torch's own
+"""mpcore's torch.multiprocessing spawn API (mpcore.proc._spawn): torch's own
 spawn tests (test/test_multiprocessing_spawn.py) for the start methods
 'spawn' and 'fork', and the fault tests mpcore adds.
 
