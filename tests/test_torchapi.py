@@ -42,6 +42,35 @@ def test_window_bounds_parse_and_compare():
     assert not t.in_window("2.15.0a0") and not t.in_window("1.13.1")
 
 
+def test_at_least_compares_the_imported_torch():
+    import torch
+    from mpcore import _torchapi
+    assert _torchapi.at_least("2.6") and _torchapi.at_least(torch.__version__)
+    assert not _torchapi.at_least("99.0")
+
+
+def test_a_work_torch_alone_holds_is_kept_until_waited(monkeypatch):
+    # NOTE [ A Work only torch's C++ holds ]: where torch does not keep the
+    # Python Work alive (before 2.7), mpcore does until a wait or a future.
+    import gc
+    import torch
+    from mpcore.dist import _work
+    monkeypatch.setattr(_work, "HOLD", True)
+    monkeypatch.setattr(_work, "HELD", {})
+    t = torch.ones(2)
+    works = [_work.Done([t]), _work.AllOf([]), _work.Done([t])]
+    ids = [id(w) for w in works]
+    del works
+    gc.collect()
+    assert sorted(_work.HELD) == sorted(ids)
+    first, allof, last = (_work.HELD[i] for i in ids)
+    first.wait()
+    allof.wait()
+    assert list(_work.HELD) == [id(last)]
+    assert last.get_future().wait() == [t]
+    assert _work.HELD == {}
+
+
 def test_pyproject_declares_the_window_of_the_code():
     from mpcore import _torchapi as t
     with open(os.path.join(ROOT, "pyproject.toml")) as f:

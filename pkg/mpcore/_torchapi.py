@@ -291,6 +291,13 @@ def in_window(version=None):
     return _release(WINDOW[0]) <= v <= _release(WINDOW[1])
 
 
+def at_least(version):
+    """Whether the imported torch is `version` or newer (False when torch is
+    not imported)."""
+    v = torch_version()
+    return v is not None and _release(v) >= _release(version)
+
+
 def check_window():
     """True when mpcore may serve the imported torch; else warns once (the
     one warning of NOTE [ A feature torch cannot carry falls back ]) and

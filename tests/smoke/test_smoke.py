@@ -344,6 +344,40 @@ def test_launch_fsdp2(launched):
         assert out["fsdp2_matches_reference"] is True
 
 
+FUNCOL_AFTER_GC = """\
+import gc, json
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+alone = [dist.new_group([r]) for r in range(dist.get_world_size())][rank]
+got = []
+for i in range(3):
+    for group in (dist.group.WORLD, alone):
+        f = funcol.all_reduce(torch.full((2,), float(rank + i)), "sum", group)
+        gc.collect()      # the Work now lives in torch's C++ alone
+        got.append(funcol.wait_tensor(f).tolist())
+print("RESULT", rank, json.dumps(got), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_launch_functional_collectives_whose_work_only_torch_holds(tmp_path):
+    # NOTE [ A Work only torch's C++ holds ] in dist/_work.py: on torch 2.6
+    # a collection between the call and wait_tensor left wait_tensor waiting
+    # for ever.
+    r = run(program(tmp_path, "funcol_gc.py", FUNCOL_AFTER_GC),
+            flags=("--nproc-per-node", "2"), timeout=200)
+    ok(r)
+    got = {int(line.split()[1]): json.loads(line.split(" ", 2)[2])
+           for line in r.stdout.splitlines() if line.startswith("RESULT ")}
+    assert sorted(got) == [0, 1], r.stdout
+    for rank, vals in got.items():
+        assert vals == [v for i in range(3) for v in ([2.0 * i + 1.0] * 2, [rank + float(i)] * 2)]
+
+
 def test_launch_a_failing_rank_gets_torchruns_failure_summary(tmp_path):
     # The agent of every torch reads the failed rank's pid from the exception
     # mpcore's spawn raises (NOTE [ A failed rank's pid under both names ] in

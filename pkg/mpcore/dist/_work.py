@@ -6,10 +6,37 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from .. import _torchapi
 from . import _dist, _profile
 from ._reduce import check_op
 
 NO_TIMEOUT = datetime.timedelta(0)
+
+# NOTE [ A Work only torch's C++ holds ]
+# torch's C++ keeps the Work a call of this group returned (the functional
+# collectives' registry until wait_tensor, DDP's reducer until it takes the
+# future) while Python may drop it.  From torch 2.7 c10d keeps the Python
+# object alive with it.  Before, the Python object dies, the C++ part it
+# leaves forgets the Python methods, and its wait() waits for ever for a
+# completion only Python knew of (a functional collective hangs at the
+# first garbage collection after the call).  On such a torch each Work is
+# held in HELD until it is waited on or its future is taken, which is what
+# every C++ holder does with it.  The price: a Work a program drops without
+# ever waiting on it (async_op=True, never waited) stays alive, with its
+# tensors, until the program ends.
+HOLD = not _torchapi.at_least("2.7")
+HELD = {}
+
+
+def held(work):
+    """work, kept alive until wait() or get_future() where HOLD says so."""
+    HELD[id(work)] = work
+    return work
+
+
+def let_go(work):
+    """The end of held(work): it was waited on, or its future was taken."""
+    HELD.pop(id(work), None)
 
 
 class Work(_dist.Work, dist.Work):
@@ -28,6 +55,8 @@ class Work(_dist.Work, dist.Work):
         self._source = None
         if _profile.recording:
             self.profiler_events = getattr(_profile.inside, "events", None)
+        if HOLD:
+            held(self)
 
     def _end(self, exc=None):
         events = self.profiler_events
@@ -37,6 +66,8 @@ class Work(_dist.Work, dist.Work):
         return _dist.Work._end(self, exc)
 
     def wait(self, timeout=NO_TIMEOUT):
+        if HOLD:
+            let_go(self)
         s = _dist.seconds(timeout)
         if not s or s <= 0:
             self._run_here()
@@ -57,6 +88,11 @@ class Work(_dist.Work, dist.Work):
     def source_rank(self):
         return self._source_rank()
 
+    def get_future(self):
+        if HOLD:
+            let_go(self)
+        return _dist.Work.get_future(self)
+
     def synchronize(self):
         self.wait()
 
@@ -68,8 +104,12 @@ class Done(dist.Work):
     def __init__(self, tensors):
         dist.Work.__init__(self)
         self._tensors = tensors
+        if HOLD:
+            held(self)
 
     def wait(self, timeout=NO_TIMEOUT):
+        if HOLD:
+            let_go(self)
         return True
 
     def is_completed(self):
@@ -85,6 +125,8 @@ class Done(dist.Work):
         return self._tensors
 
     def get_future(self):
+        if HOLD:
+            let_go(self)
         fut = torch.futures.Future()
         fut.set_result(self._tensors)
         return fut
@@ -117,8 +159,12 @@ class AllOf(dist.Work):
     def __init__(self, works):
         dist.Work.__init__(self)
         self._works = works
+        if HOLD:
+            held(self)
 
     def wait(self, timeout=NO_TIMEOUT):
+        if HOLD:
+            let_go(self)
         for w in self._works:
             w.wait(timeout)
         return True
@@ -136,6 +182,8 @@ class AllOf(dist.Work):
         return [t for w in self._works for t in w.result()]
 
     def get_future(self):
+        if HOLD:
+            let_go(self)
         return torch.futures.collect_all([w.get_future() for w in self._works]).then(
             lambda fut: [t for f in fut.value() for t in f.value()])
 
