@@ -1,5 +1,5 @@
 """all_reduce across two nodes of this machine: 2 nodes x 2 ranks, mpcore's
-hierarchical groups (NOTE [ Hierarchical groups ] in mpcore/_hier.py)
+hierarchical groups (NOTE [ Hierarchical groups ] in mpcore/dist/_hier.py)
 against flat gloo, over the same veth link between two network namespaces
 (tests/_netns.py: each node has its own network and hostname).
 

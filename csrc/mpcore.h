@@ -492,7 +492,7 @@ enum { MPC_ZOP_SPAWN = 1, MPC_ZOP_STARTED, MPC_ZOP_FAILED, MPC_ZOP_EXIT };
 #define MPC_ZF_MEMFD 1u
 /* SPAWN: once the child has exited and EXIT is sent, the zygote sends the
  * requester SIGCHLD, as the kernel does to a parent (NOTE [ A child's
- * parent ] in _zygote.py). */
+ * parent ] in proc/_inherit.py). */
 #define MPC_ZF_SIGCHLD 2u
 #define MPC_ZINLINE_MAX (64u << 20) /* larger payloads must come in a memfd */
 

@@ -197,10 +197,10 @@ static PyObject *dims_tuple(int nd, const npy_intp *vals, npy_intp unit) {
 
 /* NOTE [ Tensor records in C ]
  * The per-item path of a bare tensor on a Queue (NOTE [ The per-item path
- * of a tensor ] in _tensormsg.py) is two calls: tensor_record(t) on the put
+ * of a tensor ] in queue/_records.py) is two calls: tensor_record(t) on the put
  * side and tensor_from_record(refs, payload) on the get side.  The build
  * does not link libtorch, so both reach torch only through the Python
- * objects _tensormsg hands over once (torch_hooks()); what they save is the
+ * objects shm/_torch.py hands over once (torch_hooks()); what they save is the
  * Python around those calls: about a dozen frames, lookups and tuples an
  * item, most of what a 4 KB tensor cost once the ring itself was cheap.
  *
@@ -260,7 +260,7 @@ static int trec_intern(void) {
 
 /* torch_hooks(tensor_type, dispatch_keys, plain_keys, codes, descrs, proto,
  * from_numpy, storages, new_with_weak_ptr, free_weak_ref, expired, counts,
- * swap): the torch objects of NOTE [ Tensor records in C ], as _tensormsg
+ * swap): the torch objects of NOTE [ Tensor records in C ], as shm/_torch.py
  * reads them through _torchapi's table.  swap is None where torch cannot
  * move a storage in place: tensor_record then records only tensors already
  * in a block, and move_storage raises.  Called once torch is imported;

@@ -1,4 +1,4 @@
-"""Groups across hosts (NOTE [ Hierarchical groups ] in mpcore/_hier.py), on
+"""Groups across hosts (NOTE [ Hierarchical groups ] in mpcore/dist/_hier.py), on
 two "nodes" of this machine: two network namespaces joined by a veth pair,
 each rank with a hostname of its node's (tests/_netns.py), 2 ranks per node.
 

@@ -14,7 +14,7 @@ the group's thread, so that it overlaps with the rest of backward; the hook's
 future completes when the sum is in place.  The first time the hook sees a
 bucket, it moves the bucket's storage into a group buffer in place (as
 share_memory_() moves a storage), so that from then on the ranks reduce
-straight from each other's buckets (NOTE [ Group buffers ] in coll.c); the
+straight from each other's buckets (NOTE [ Group buffers ] in coll_copy.c); the
 reducer, its views of the bucket and the gradients that are views of it
 (gradient_as_bucket_view) follow the storage.  Buckets the reducer rebuilds
 are moved when first seen; without the memory for a buffer, a bucket goes

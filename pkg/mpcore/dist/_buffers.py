@@ -1,12 +1,12 @@
 """Group buffers: CPU storage reduced again and again moved, in place, into
 shared memory the ranks read from each other (NOTE [ Group buffers ] in
-coll.c), and the core calls that take a buffer.
+coll_copy.c), and the core calls that take a buffer.
 
 NOTE [ Memory reduced again and again ]
 A large all-reduce or reduce of memory that is the rank's own copies it
 between the ranks (NOTE [ Copies between ranks' memory ] in coll.c):
 system calls that take each peer's memory map lock, and a copy into a
-scratch area.  In a group buffer (NOTE [ Group buffers ] in coll.c) the
+scratch area.  In a group buffer (NOTE [ Group buffers ] in coll_copy.c) the
 ranks read each other's data where it lies.  So a storage of BUFFER_MIN
 bytes or more that a rank reduces a second time, all-reduce and reduce
 alike (torch's DDP buckets, FSDP's and the program's own gradient

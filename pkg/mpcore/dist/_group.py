@@ -293,7 +293,7 @@ class ProcessGroupMpcore(Collectives, dist.ProcessGroup):
         gloo moves the messages by send and recv; here they are keys in the
         group's store, whose waits time out without breaking anything,
         where a point-to-point wait that times out breaks the group (NOTE
-        [ Mailboxes ] in coll.c), and rank 0 could not go on waiting for the
+        [ Mailboxes ] in coll_p2p.c), and rank 0 could not go on waiting for the
         next rank.  Each call has keys of its own (the group counts its
         calls, as gloo's tags do); rank 0 deletes each arrival as it sees it,
         and, once every rank came, the previous call's answer, which each of

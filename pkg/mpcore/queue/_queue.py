@@ -320,7 +320,7 @@ def decode(refs, payload):
     return _blocks.receive(refs, _pickle.loads, payload)
 
 
-# NOTE [ Tensor records ] in py_shm.c: type -> fn(obj) giving (refs, payload)
+# NOTE [ Tensor records ] in py_tensor.c: type -> fn(obj) giving (refs, payload)
 # or None (then obj is pickled); filled by serve_records once torch is served.
 _RECORDS = {}
 _receive_record = None

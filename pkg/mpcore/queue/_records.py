@@ -1,5 +1,5 @@
 """Bare tensors on a Queue as tensor records instead of pickles (NOTE
-[ Tensor records ] in py_shm.c).  Installed with shm/_torch.py's tensor
+[ Tensor records ] in py_tensor.c).  Installed with shm/_torch.py's tensor
 handles (queue/_serve.py), so only once torch is served.
 
 NOTE [ The per-item path of a tensor ]
@@ -11,7 +11,7 @@ Queue.get hands the record to one core call, _core.tensor_from_record, that
 redeems the ticket, checks the view and makes the tensor over the one
 storage of that byte range in this process (NOTE [ Storage identity ]).
 Both reach torch through the objects shm/_torch.py gives _core.torch_hooks
-(NOTE [ Tensor records in C ] in py_shm.c).  Everything else (Parameters,
+(NOTE [ Tensor records in C ] in py_tensor.c).  Everything else (Parameters,
 tensors that require grad, subclasses, other layouts, a tensor inside a
 list) takes the pickle path, with the same handle in other words.
 """

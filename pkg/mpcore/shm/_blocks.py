@@ -1,7 +1,7 @@
 """Shared-memory blocks on the Python side: handles for numpy arrays,
 tickets in transit, and what happens around fork.  The core keeps the one
 Block object of each block this process holds (NOTE [ One Block object per
-block ] in py_shm.c).
+block ] in py_block.c).
 """
 import os
 import sys

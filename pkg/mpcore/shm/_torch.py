@@ -56,7 +56,7 @@ def _storage_block(storage):
 # storage_over(block, offset, nbytes): the storage over bytes [offset,
 # offset + nbytes) of a block, one per byte range in a process (NOTE
 # [ Storage identity ]; its entry goes with the block: NOTE [ Storage entries
-# go with their block ] in py_shm.c).
+# go with their block ] in py_tensor.c).
 storage_over = _core.storage_over
 
 
@@ -236,7 +236,7 @@ def empty(shape, dtype, zero=False):
     return torch.empty((0,), dtype=dtype).set_(storage, 0, shape)
 
 
-# --- torch's objects for the core (NOTE [ Tensor records in C ] in py_shm.c) ---
+# --- torch's objects for the core (NOTE [ Tensor records in C ] in py_tensor.c) ---
 # Given to _core.torch_hooks last, since they are this module's names: the
 # core's storage_over, its moves and its tensor records (queue/_records.py)
 # need them.  Dtype codes of records: the index in this list, the same in
