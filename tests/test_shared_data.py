@@ -56,6 +56,18 @@ def _same(a, b):
 
 # --- the container, in this process -------------------------------------------
 
+def test_the_loaders_signature_is_torchs_and_share_dataset():
+    # Tools that rebuild a DataLoader from its parameters by name (Lightning
+    # adds its DistributedSampler so) read inspect.signature().
+    import inspect
+    from mpcore.data import DataLoader
+    torchs = inspect.signature(torch.utils.data.DataLoader.__init__).parameters
+    ours = inspect.signature(DataLoader.__init__).parameters
+    assert list(ours) == list(torchs) + ["share_dataset"]
+    assert ours["share_dataset"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert all(ours[n] == p for n, p in torchs.items())
+
+
 def test_list_reads_back_every_item_nested_arrays_and_tensors_included():
     src = _items(50)
     sl = SharedList(src)

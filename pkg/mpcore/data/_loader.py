@@ -41,6 +41,7 @@ result, and the iterator decides whether that worker mattered (torch's
 rule: a persistent worker, or one with tasks still to do).
 """
 import functools
+import inspect
 import multiprocessing as _mp
 import pickle
 import queue
@@ -74,6 +75,15 @@ else:
 _T_co = TypeVar("_T_co", covariant=True)
 
 
+def _with_keyword(fn, name, default):
+    """fn's signature with a keyword-only parameter added at its end."""
+    sig = inspect.signature(fn)
+    params = list(sig.parameters.values())
+    at = next((i for i, p in enumerate(params) if p.kind is p.VAR_KEYWORD), len(params))
+    params.insert(at, inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default))
+    return sig.replace(parameters=params)
+
+
 class DataLoader(_Base[_T_co]):
     """torch.utils.data.DataLoader, with mpcore's worker pool.
 
@@ -91,6 +101,11 @@ class DataLoader(_Base[_T_co]):
         if share_dataset:
             _shared.share_dataset(dataset)
         super().__init__(dataset, *args, **kwargs)
+
+    # What inspect.signature() shows is torch's parameters and share_dataset:
+    # tools that rebuild a loader from its arguments (Lightning, which adds
+    # a DistributedSampler so) read the parameters by name.
+    __init__.__signature__ = _with_keyword(_Base.__init__, "share_dataset", False)
 
     @property
     def multiprocessing_context(self):
