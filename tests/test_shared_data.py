@@ -139,6 +139,23 @@ def test_list_writes_are_refused(write):
     assert sl == [1, 2, 3]
 
 
+def test_dict_builds_in_a_block_that_held_other_data(monkeypatch):
+    # The arena hands back memory a freed block wrote; the key table must
+    # not take what it finds there for taken slots.
+    from mpcore.data import _shared
+    from mpcore.shm import _blocks
+    alloc = _blocks.alloc
+
+    def dirty(n):
+        b = alloc(n)
+        b.array(np.uint8, (n,), None, 0)[:] = 0xff
+        return b
+    monkeypatch.setattr(_shared._blocks, "alloc", dirty)
+    src = {f"k{i}": i for i in range(100)}
+    d = SharedDict(src)
+    assert d == src and d["k7"] == 7 and "k100" not in d
+
+
 def test_dict_finds_keys_by_value_whatever_the_process_hash():
     src = {"a": 1, 2: [1, 2], 3.5: "x", (1, "b"): {"n": np.ones(2)}, None: 0, b"k": "bytes",
            frozenset({1}): "other"}

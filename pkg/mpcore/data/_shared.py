@@ -254,6 +254,7 @@ def _build(kind, items, keys=None, what=None):
     if kind == _DICT:
         slots = block.array(np.int64, (cap,), None, table_off)
         hashes = block.array(np.int64, (cap,), None, table_off + 8 * cap)
+        slots[:] = 0   # a block may reuse memory a freed one wrote: empty slots are 0
         mask = cap - 1
         for i, k in enumerate(keys):
             h = _key_hash(k)
