@@ -227,18 +227,6 @@ def _rank_main(rank, impl, world, jobs, target_s, path):
 
 # --- the Open MPI ranks (this file run by path with --mpi-rank) ----------------
 
-def _calibrate(run, target_s, probe, lo=1, hi=10**6, rounds=3):
-    """cases.calibrate (the ranks do not import the bench's modules)."""
-    el = run(probe)
-    n = probe
-    for _ in range(rounds):
-        n = max(lo, min(hi, int(n * target_s / max(el, 1e-9))))
-        el = run(n)
-        if el >= 0.6 * target_s or n >= hi:
-            break
-    return n, el
-
-
 def _mpi_calls(MPI, np, comm, op, nbytes, threads):
     rank, world = comm.Get_rank(), comm.Get_size()
     numel = max(1, nbytes // 4)
@@ -280,6 +268,7 @@ def _mpi_calls(MPI, np, comm, op, nbytes, threads):
 def _mpi_main(jobs, target_s, threads, path):
     from mpi4py import MPI
     import numpy as np
+    from cases import calibrate   # this file's folder leads sys.path when run by path
     comm = MPI.COMM_WORLD
     out = {"library": MPI.Get_library_version().strip("\x00 \n").split(",")[0],
            "mpi4py": __import__("mpi4py").__version__, "world": comm.Get_size(),
@@ -294,7 +283,7 @@ def _mpi_main(jobs, target_s, threads, path):
     for op, nbytes in jobs:
         try:
             calls = {"mpi": _mpi_calls(MPI, np, comm, op, nbytes, threads)}
-            r = _time(calls, run, _calibrate, target_s, nbytes)
+            r = _time(calls, run, calibrate, target_s, nbytes)
         except Exception as e:
             r = {"error": f"{type(e).__name__}: {e}"}
         out["jobs_out"][_key((op, nbytes))] = r
