@@ -6,8 +6,10 @@ imports one of a layer above its own, and no module reads another's private
 names (a leading underscore): modules talk through public members."""
 import ast
 import os
+import re
 
 from test_csrc_layers import find_cycle  # the same search, over modules
+from test_csrc_lint import LONG  # the same length, for modules
 
 PKG = os.environ.get("MPCORE_PKG") or os.path.join(os.path.dirname(__file__), "..", "pkg", "mpcore")
 
@@ -205,6 +207,20 @@ def test_imports_go_downward_only():
 def test_modules_read_no_private_names_of_others():
     bad = private_reads()
     assert not bad, "private names read across modules:\n  " + "\n  ".join(bad)
+
+
+def test_long_modules_say_why_they_stay_whole():
+    # The twin of test_csrc_lint's check: a module longer than about 800
+    # lines is split along its seams, or its docstring says why it stays one.
+    bad = []
+    for name, path in sorted(modules().items()):
+        with open(path) as f:
+            text = f.read()
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        n = text.count("\n")
+        if n > LONG and not re.search(r"\bstays one module\b", doc):
+            bad.append(f"{name}: {n} lines, and its docstring does not say why it stays one module")
+    assert not bad, bad
 
 
 if __name__ == "__main__":
