@@ -594,3 +594,190 @@ print("RESULT " + json.dumps({"a": back[0]["a"].tolist(), "x": sl[1],
 ''')
     res = program_result(r)
     assert res == {"a": [0, 1, 2], "x": "x", "d": 1, "ds": "SharedList", "torch": False}, res
+
+
+# --- a dataset that travels once (NOTE [ A dataset travels once ] in _ship.py) ----------
+
+SHIP_PROGRAM = TESTS_ON_PATH + r'''
+import gc, json, multiprocessing, os, signal, sys
+import numpy as np
+import torch
+torch.set_num_threads(1)
+import mpcore
+from mpcore.data import DataLoader, _ship, get_worker_info
+from mpcore.shm import _blocks
+
+MAIN = os.getpid() if __name__ == "__main__" else None
+PICKLES = [0]
+FLAG = sys.argv[2]  # a spawned worker has its parent's argv
+
+
+def rebuild(n, t, arr, pad, how, conn):
+    if how == "kill-while-unpickling":
+        try:   # the first worker to unpickle dies in the middle of it
+            os.close(os.open(FLAG, os.O_CREAT | os.O_EXCL))
+            os.kill(os.getpid(), signal.SIGKILL)
+        except FileExistsError:
+            pass
+    ds = DS.__new__(DS)
+    ds.n, ds.t, ds.arr, ds.pad, ds.how, ds.conn = n, t, arr, pad, how, conn
+    return ds
+
+
+class DS(torch.utils.data.Dataset):
+    """A tensor (it travels as a handle), a numpy array (each worker's own),
+    3 MB of strings (so that its pickle has a segment of its own); counts
+    its pickles in the main process."""
+    def __init__(self, n, how=None, conn=None):
+        self.n, self.how, self.conn = n, how, conn
+        self.t = torch.arange(n) * 10
+        self.arr = np.zeros(1, np.int64)
+        self.pad = [f"/data/{i:07d}.jpg" for i in range(100_000)]
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if self.how == "kill-mid-epoch" and i == 40:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return torch.tensor([int(self.t[i]), int(self.arr[0]), get_worker_info().id,
+                             len(self.pad)])
+
+    def __reduce__(self):
+        if os.getpid() == MAIN:
+            PICKLES[0] += 1
+        return (rebuild, (self.n, self.t, self.arr, self.pad, self.how, self.conn))
+
+
+def init(worker_id):
+    # each worker writes its own copy of the array: no other worker sees it
+    get_worker_info().dataset.arr[0] = 100 + worker_id
+
+
+def right(batches, n):
+    rows = torch.cat(batches)
+    return (rows[:, 0].tolist() == [10 * i for i in range(n)]
+            and all(int(r[1]) == 100 + int(r[2]) for r in rows)
+            and set(rows[:, 3].tolist()) == {100_000})
+
+
+SHIPPED = []
+_pack = _ship.pack
+
+
+def pack(obj):
+    s = _pack(obj)
+    if s is not None:
+        SHIPPED.append((s._block.handle, s._nbytes))
+    return s
+
+
+_ship.pack = pack
+
+
+def settle():
+    """Two round trips to the keeper: deaths before the first are handled."""
+    for _ in range(2):
+        try:
+            mpcore._core.attach((0x5EED0001, 0, 1))
+        except mpcore.HandleError:
+            pass
+
+
+def freed():
+    """Whether the last shipment's block was freed: a block of its size
+    takes its segment again, with a later generation."""
+    gc.collect()
+    settle()
+    (seg, index, gen), nbytes = SHIPPED[-1]
+    b = _blocks.alloc(nbytes)
+    return b.handle[0] == seg and b.handle[2] > gen
+
+
+def count(make, epochs=2):
+    PICKLES[0] = 0
+    loader = make()
+    ok = all(right(list(loader), loader.dataset.n) for _ in range(epochs))
+    del loader
+    return {"pickles": PICKLES[0], "ok": ok, "freed": freed()}
+
+
+if __name__ == "__main__":
+    method = sys.argv[1]
+    kw = dict(batch_size=8, num_workers=4, multiprocessing_context=method, worker_init_fn=init)
+    res = {}
+    ds = DS(96)
+    res["loader"] = count(lambda: DataLoader(ds, **kw))
+    res["persistent"] = count(lambda: DataLoader(ds, persistent_workers=True, **kw))
+    res["recreated"] = count(lambda: DataLoader(ds, **kw), epochs=1)
+    # an fd handed to each worker (a Pipe's end): pickled per worker, as before
+    r, w = multiprocessing.Pipe(duplex=False)
+    PICKLES[0] = 0
+    loader = DataLoader(DS(96, conn=r), **kw)
+    ok = right(list(loader), 96)
+    res["per_worker"] = {"pickles": PICKLES[0], "ok": ok}
+    del loader
+    for how in ("kill-while-unpickling", "kill-mid-epoch"):
+        err = None
+        try:
+            list(DataLoader(DS(96, how=how), **kw))
+        except RuntimeError as e:
+            err = str(e)
+        res[how] = {"err": err, "freed": freed()}
+    print("RESULT " + json.dumps(res), flush=True)
+'''
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_zygote_workers_get_the_dataset_from_one_pickle(leak_check, scenario, method,
+                                                        tmp_path):
+    """4 'spawn' or 'forkserver' workers: the dataset is pickled once per
+    loader (it was once per worker), once for the whole life of persistent
+    workers, once more for a loader made again; its tensor reaches every
+    worker, its numpy array is each worker's own copy, worker_init_fn gets
+    the dataset the worker reads.  The block is freed once the workers have
+    read it, also when one is killed while unpickling or mid-epoch; a
+    dataset that hands an fd to its workers is pickled per worker, as
+    before."""
+    res = _check_program(scenario, SHIP_PROGRAM, method, str(tmp_path / "killed-one"),
+                         timeout=300)
+    assert res["loader"] == {"pickles": 2, "ok": True, "freed": True}, res
+    assert res["persistent"] == {"pickles": 1, "ok": True, "freed": True}, res
+    assert res["recreated"] == {"pickles": 1, "ok": True, "freed": True}, res
+    # the one pickle, abandoned where the fd is asked for, then one per worker
+    assert res["per_worker"] == {"pickles": 5, "ok": True}, res
+    for how in ("kill-while-unpickling", "kill-mid-epoch"):
+        assert res[how]["err"] and "killed by signal" in res[how]["err"], res
+        assert res[how]["freed"], res
+
+
+class _HoldsALock(torch.utils.data.Dataset):
+    def __init__(self):
+        import threading
+        self.lock = threading.Lock()
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return i
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_dataset_that_cannot_be_pickled_gives_torchs_error(leak_check, method):
+    """The error torch's DataLoader raises at iter() for a dataset (or
+    collate_fn) that cannot be pickled, the same type and message, and no
+    worker left behind."""
+    def errors(make):
+        out = []
+        for ds, collate in ((_HoldsALock(), None), (_Meta(8), lambda b: b)):
+            loader = make(ds, batch_size=2, num_workers=2, multiprocessing_context=method,
+                          collate_fn=collate)
+            with pytest.raises(Exception) as e:
+                iter(loader)
+            out.append((type(e.value), str(e.value)))
+        return out
+    theirs = errors(torch.utils.data.DataLoader)
+    ours = errors(mpcore.data.DataLoader)
+    assert ours == theirs, (ours, theirs)
+    assert "cannot pickle '_thread.lock' object" in theirs[0][1], theirs

@@ -57,7 +57,7 @@ from .. import _core
 from ..shm import _blocks
 from ..queue import _queue
 from ..proc import _context
-from . import _collate, _compat, _shared, _state, _worker
+from . import _collate, _compat, _shared, _ship, _state, _worker
 from ._single import SingleIter
 
 torch = _compat.torch
@@ -377,14 +377,25 @@ class _PoolIter(_state.Position, _IterBase):
         self._workers = []
         self._shutdown = False
         parent = _compat.parent_token()
+        ship = None
         try:
+            if ctx.get_start_method() != "fork":
+                # NOTE [ A dataset travels once ] (_ship.py): pickled here
+                # once, not with each worker's Process; None: per worker.
+                ship = _ship.pack((self._dataset, self._collate_fn, worker_init_fn))
             for i in range(n):
+                if ship is not None:
+                    ship.send(self._index_rings[i])
+                    dataset = collate_fn = init_fn = None
+                else:
+                    dataset, collate_fn, init_fn = (self._dataset, self._collate_fn,
+                                                    worker_init_fn)
                 w = ctx.Process(
                     target=_worker.main,
-                    args=(self._dataset_kind, self._dataset, self._index_queues[i],
-                          self._results, self._auto_collation, self._collate_fn,
-                          self._drop_last, self._base_seed, worker_init_fn, i, n,
-                          parent, self._shared_seed, saved[i]),
+                    args=(self._dataset_kind, dataset, self._index_queues[i],
+                          self._results, self._auto_collation, collate_fn,
+                          self._drop_last, self._base_seed, init_fn, i, n,
+                          parent, self._shared_seed, saved[i], ship is not None),
                     daemon=True)
                 w.start()
                 self._workers.append(w)
@@ -394,8 +405,12 @@ class _PoolIter(_state.Position, _IterBase):
                 except ProcessLookupError:  # already gone, and reaped by the zygote
                     w.join(_EXIT_CODE_WAIT)
                     raise RuntimeError(_death(w)) from None
+            if ship is not None:
+                ship.close()  # the workers' tickets keep the block until they have read it
             self._reset(loader, first_iter=True, state=state)
         except BaseException:
+            if ship is not None:
+                ship.close()
             self._shutdown_workers()
             raise
 

@@ -34,7 +34,7 @@ import time
 
 from .. import _core
 from ..queue import _queue
-from . import _collate, _compat, _state
+from . import _collate, _compat, _ship, _state
 from ._fetch import Fetcher
 
 COLLATED, PICKLED, ERROR, END, RESUME, DIED = (
@@ -96,9 +96,20 @@ def _seed(base_seed, worker_id):
 
 
 def main(kind, dataset, index_queue, result_queue, auto_collation, collate_fn, drop_last,
-         base_seed, init_fn, worker_id, num_workers, parent, shared_seed=None, state=None):
-    """A worker's whole life; `state`: its saved state, to resume from."""
+         base_seed, init_fn, worker_id, num_workers, parent, shared_seed=None, state=None,
+         shipped=False):
+    """A worker's whole life; `state`: its saved state, to resume from.
+    `shipped`: dataset, collate_fn and init_fn are not among the arguments
+    but the first message on the index queue (NOTE [ A dataset travels
+    once ] in _ship.py), unpickled before anything else, as arguments are."""
     _compat.die_with_parent(parent)
+    index_ring = _queue.ring_of(index_queue)
+    if shipped:
+        got = _ship.receive(index_ring)
+        if got is None:  # the loader has gone already
+            return
+        dataset, collate_fn, init_fn = got
+        del got
     seed = _seed(base_seed, worker_id)
     # As torch's worker loop: a DataPipe graph's random operations take the
     # seed that every worker (and every rank) shares this epoch.
@@ -110,7 +121,6 @@ def main(kind, dataset, index_queue, result_queue, auto_collation, collate_fn, d
         shared_rng.manual_seed(shared_seed)
         dataset = _compat.apply_random_seed(dataset, shared_rng)
     _compat.set_worker_info(worker_id, num_workers, seed, dataset)
-    index_ring = _queue.ring_of(index_queue)
     result_ring = _queue.ring_of(result_queue)
     fast = collate_fn is _compat.default_collate and auto_collation
 

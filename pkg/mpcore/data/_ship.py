@@ -1,0 +1,203 @@
+"""A dataset that travels once: what a 'spawn' or 'forkserver' loader's
+workers need of the main process (the dataset, collate_fn, worker_init_fn)
+pickled once into a block of shared memory that every worker unpickles
+from.  The loader's side is _loader.py's _PoolIter, the worker's
+_worker.main.
+
+NOTE [ A dataset travels once ]
+A 'spawn' or 'forkserver' worker (a zygote child, NOTE [ Zygote ] in
+proc/_zygote.py) gets its Process object pickled, arguments and all, so a
+loader of N workers pickled its dataset N times, one after the other, in
+the main process, before its first batch (torch does the same).  Instead:
+  - The main process pickles (dataset, collate_fn, worker_init_fn) once,
+    as the Process would be pickled (ForkingPickler, its default protocol,
+    with a spawning popen set, so that every reducer takes the path it
+    takes when a process is started), into one block of shared memory.
+    The workers' Process objects carry none of the three.
+  - Each worker's first message on its index ring is that block: a ticket
+    on it, and one more ticket on each block the pickle named (a tensor of
+    the dataset is moved into shared memory and travels as a handle, as
+    before; the pickle's handles are redeemed once per worker, so each
+    worker gets tickets of its own, which are interchangeable).  The
+    worker maps the block, unpickles from it (as the spawned child would:
+    before its seeds, with its process marked as inheriting), and lets the
+    block go.  The main process lets it go once every message is on its
+    ring, so the block is freed when the last worker has unpickled it.
+  - Nothing leaks on a kill, by the rules the rings already keep (NOTE
+    [ Journal ] in journal.c): a message still in a ring has its tickets
+    dropped when the ring is freed; a worker killed between taking the
+    message and redeeming a ticket has it dropped by the keeper, from its
+    journal; a worker that holds the block and dies has its hold dropped.
+  - A reducer that needs the real popen (an fd handed to the child, as a
+    Pipe's Connection, a multiprocessing Queue or a sharedctypes Value
+    need) cannot be pickled once for every worker: the one pickle is
+    abandoned where the fd is asked for, and the loader pickles per worker,
+    as before.  Any other error of the pickling is raised as it is: it is
+    the error starting the first worker gave (the same type and message as
+    torch's).
+  - Persistent workers receive it once for their whole life; a loader
+    that makes workers again (each epoch without persistent_workers, a new
+    loader, load_state_dict) pickles again, as torch does, so that a
+    change to the dataset between epochs reaches the new workers.
+Cost: one pickle, whatever the number of workers, and no copy of it per
+worker into the zygote's request; each worker still unpickles its own
+copy, so the time to its first batch still grows with the size of the
+dataset (a SharedList or SharedDict, share_dataset(), pickles as a handle:
+that is what makes it not grow).  numpy arrays travel inside the pickle and
+each worker gets its own copy, as under torch: handing out views of the
+block instead (pickle protocol 5's out-of-band buffers) would make them
+shared between workers (or read-only), which torch's workers do not see.
+"""
+import io
+import pickle
+import queue
+from multiprocessing import context as _mpctx
+from multiprocessing import process as _mpprocess
+from multiprocessing.reduction import ForkingPickler
+
+from .. import _core
+from ..shm import _blocks
+
+TAG = "mpcore-dataset"
+_CHECK_INTERVAL = 5.0
+
+
+class _NeedsPopen(BaseException):
+    """A reducer asked the spawning popen for something only a real one
+    has.  A BaseException, so that no reducer's `except Exception` takes it
+    for its own error."""
+
+
+class _OnePickle:
+    """The spawning popen while the dataset is pickled once: reducers that
+    only ask whether a process is being spawned (a Lock, a Manager's
+    proxy, an AuthenticationString) pickle as they do for a Process; one
+    that wants an fd handed to the child (DupFd) cannot be served for
+    every worker from one pickle."""
+
+    def duplicate_for_child(self, fd):
+        raise _NeedsPopen(f"fd {fd} handed to the child")
+
+    def __getattr__(self, name):
+        raise _NeedsPopen(name)
+
+
+_ONE = _OnePickle()
+
+
+class Shipment:
+    """What the workers of one loader need, pickled once into a block
+    (NOTE [ A dataset travels once ])."""
+
+    def __init__(self, block, nbytes, blocks, refs):
+        self._block = block      # the pickle's block, held here until close()
+        self._nbytes = nbytes
+        self._blocks = blocks    # the blocks the pickle has handles of, one per handle
+        self._refs = refs        # the pickle's own tickets, dropped by close()
+        self._message = pickle.dumps((TAG, nbytes, len(refs)), 4)
+        self.sent = 0
+
+    def send(self, ring):
+        """Puts the shipment on a worker's index ring: a ticket on its
+        block and one on each block its pickle names.  On failure the
+        tickets taken are dropped, and the error raised."""
+        refs = []
+        try:
+            refs.append(self._block.ticket(True))
+            for b in self._blocks:
+                refs.append(b.ticket(True))
+            ring.put(refs, self._message)
+        except BaseException:
+            for ref in refs:
+                _core.drop_ticket(ref)
+            raise
+        self.sent += 1
+
+    def close(self):
+        """Lets go of the block (the workers' tickets keep it) and drops
+        the pickle's own tickets.  Idempotent."""
+        refs, self._refs = self._refs, []
+        for ref in refs:
+            _core.drop_ticket(ref)
+        self._block = None
+        self._blocks = []
+
+
+def _drop(refs):
+    for ref in refs:
+        _core.drop_ticket(ref)
+
+
+def pack(obj):
+    """A Shipment of obj, pickled once as a Process's arguments are; None
+    when it must be pickled per worker instead (a reducer needs the real
+    popen, or the block does not fit).  An error of the pickling itself is
+    raised, the tickets it took dropped."""
+    f = io.BytesIO()
+    with _blocks.transfer() as t:
+        _mpctx.set_spawning_popen(_ONE)
+        try:
+            ForkingPickler(f).dump(obj)
+        except _NeedsPopen:
+            _drop(t.refs)
+            return None
+        except BaseException:
+            _drop(t.refs)
+            raise
+        finally:
+            _mpctx.set_spawning_popen(None)
+    refs = list(t.refs)
+    try:
+        held = {}
+        if refs:
+            held = {b.handle: b for b in _core.live_blocks()}
+        blocks = [held.get(tuple(r)) for r in refs]
+        if None in blocks:  # a handle of a block not held here: not ours to ticket again
+            _drop(refs)
+            return None
+        data = f.getbuffer()
+        nbytes = len(data)
+        try:
+            block = _blocks.alloc(nbytes)
+        except MemoryError:
+            del data
+            _drop(refs)
+            return None
+        memoryview(block)[:nbytes] = data
+        del data
+    except BaseException:
+        _drop(refs)
+        raise
+    f.close()
+    return Shipment(block, nbytes, blocks, refs)
+
+
+def receive(ring):
+    """In a worker: the object its loader shipped, the first message on
+    its index ring; None when the ring was closed first (the loader has
+    gone)."""
+    while True:
+        try:
+            refs, msg = ring.get(True, _CHECK_INTERVAL)
+            break
+        except queue.Empty:
+            continue
+        except ValueError:
+            return None
+    tag, nbytes, _ = pickle.loads(msg)
+    if tag != TAG:
+        _core.drop_journaled(refs)
+        raise RuntimeError(f"mpcore DataLoader worker: its first message is {tag!r}, "
+                           "not its dataset")
+
+    def load(_):
+        block = _blocks.attach(refs[0])
+        mv = memoryview(block)[:nbytes]
+        me = _mpprocess.current_process()
+        me._inheriting = True  # as a spawned child unpickles its Process
+        try:
+            return pickle.loads(mv)
+        finally:
+            del me._inheriting
+            mv.release()
+    return _blocks.receive(refs, load, None)
