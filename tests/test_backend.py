@@ -565,9 +565,11 @@ def job_fastpath(kind):
                 got = dist.recv(y, peer, group=m)
                 dist.send(y + 1, peer, group=m)
             fast.append(("send/recv", got == peer and y.tolist() == [float(1 - r)] * 4))
-        for what, call in (("async gather", lambda: dist.gather(
-                                x, outs, dst=members[0], group=m, async_op=True)),
-                           ("broadcast by group_src", lambda: dist.broadcast(
+        outs2 = [torch.zeros(2, 3) for _ in range(W)] if r == 0 else None
+        w = dist.gather(x, outs2, dst=members[0], group=m, async_op=True)
+        fast.append(("async gather", isinstance(w, dist.Work) and w.wait() is True and (
+            outs2 is None or all(torch.equal(a, b) for a, b in zip(outs, outs2)))))
+        for what, call in (("broadcast by group_src", lambda: dist.broadcast(
                                x, group_src=0, group=m)),
                            ("gather by group_dst", lambda: dist.gather(
                                x, outs, group_dst=0, group=m)),
@@ -609,6 +611,219 @@ def job_fastpath(kind):
     out["errors"] = errs
     dist.barrier(group=m)
     return out
+
+
+FAST_COLLECTIVES = ("all_reduce", "barrier", "all_gather", "all_gather_into_tensor",
+                    "reduce_scatter_tensor", "reduce_scatter", "all_to_all")
+
+
+def fast_collective_calls(r, W):
+    """name -> call(group, async_op): one collective on this rank's inputs
+    (the same on every run), returning (what the call returned, its
+    outputs).  Every rank can rebuild every rank's inputs from r."""
+    def mine(q, dtype=torch.float32):
+        return (torch.arange(6, dtype=dtype).reshape(2, 3) + 10 * q + 1).to(dtype)
+
+    def all_reduce(op, dtype):
+        def call(grp, async_op):
+            t = mine(r, dtype)
+            return dist.all_reduce(t, op, group=grp, async_op=async_op), [t]
+        return call
+
+    def all_gather(end_to_end):
+        def call(grp, async_op):
+            outs = (list(torch.zeros(W, 2, 3).unbind(0)) if end_to_end
+                    else [torch.zeros(2, 3) for _ in range(W)])
+            return dist.all_gather(outs, mine(r), group=grp, async_op=async_op), outs
+        return call
+
+    def gather_into(fn):
+        def call(grp, async_op):
+            out = torch.zeros(W * 2, 3)
+            return fn(out, mine(r), group=grp, async_op=async_op), [out]
+        return call
+
+    def scatter_from(fn, op=R.SUM):
+        def call(grp, async_op):
+            out = torch.zeros(2, 3)
+            inp = torch.cat([mine(r) * (q + 1) for q in range(W)])
+            return fn(out, inp, op, group=grp, async_op=async_op), [out]
+        return call
+
+    def reduce_scatter(end_to_end):
+        def call(grp, async_op):
+            out = torch.zeros(2, 3)
+            ins = [mine(r) * (q + 1) for q in range(W)]
+            if end_to_end:
+                ins = list(torch.stack(ins).unbind(0))
+            return dist.reduce_scatter(out, ins, group=grp, async_op=async_op), [out]
+        return call
+
+    def all_to_all(end_to_end):
+        def call(grp, async_op):
+            ins = [mine(r) * (q + 1) for q in range(W)]
+            outs = [torch.zeros(2, 3) for _ in range(W)]
+            if end_to_end:
+                ins = list(torch.stack(ins).unbind(0))
+                outs = list(torch.zeros(W, 2, 3).unbind(0))
+            return dist.all_to_all(outs, ins, group=grp, async_op=async_op), outs
+        return call
+
+    calls = {"all_reduce sum float32": all_reduce(R.SUM, torch.float32),
+             "all_reduce max int64": all_reduce(R.MAX, torch.int64),
+             "all_reduce product float64": all_reduce(R.PRODUCT, torch.float64),
+             "all_reduce bxor int32": all_reduce(R.BXOR, torch.int32),
+             "barrier": lambda grp, async_op: (dist.barrier(group=grp, async_op=async_op), []),
+             "all_gather": all_gather(False),
+             "all_gather end to end": all_gather(True),
+             "all_gather_into_tensor": gather_into(dist.all_gather_into_tensor),
+             "reduce_scatter_tensor": scatter_from(dist.reduce_scatter_tensor),
+             "reduce_scatter_tensor min": scatter_from(dist.reduce_scatter_tensor, R.MIN),
+             "reduce_scatter": reduce_scatter(False),
+             "reduce_scatter end to end": reduce_scatter(True),
+             "all_to_all": all_to_all(False),
+             "all_to_all end to end": all_to_all(True)}
+    if hasattr(dist, "all_gather_single"):
+        calls["all_gather_single"] = gather_into(dist.all_gather_single)
+        calls["reduce_scatter_single"] = scatter_from(dist.reduce_scatter_single)
+    return calls, mine
+
+
+def job_fastpath_collectives(kind):
+    """NOTE [ The rest of torch's collectives ] in _fastpath.py: each call,
+    blocking and async, is served without torch's function (replaced by
+    one that raises) and gives gloo's results and return types; observed
+    (a dispatch mode, a torch-function mode, the profiler) it reaches
+    torch's function; wrong arguments raise what torch's function raises."""
+    import re
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.overrides import TorchFunctionMode
+    from mpcore.dist import _fastpath
+    if GROUPS[kind] is None:
+        return "skip"
+    m, g, members = GROUPS[kind]
+    r, W = members.index(RANK), len(members)
+    names = FAST_COLLECTIVES + (("all_gather_single", "reduce_scatter_single")
+                                if hasattr(dist, "all_gather_single") else ())
+    # a deprecated alias stays torch's: it calls the name it stands for, which has one
+    out = {"installed": {n: getattr(getattr(dist, n), "_mpcore_fast", False)
+                         or getattr(getattr(dist, n), "__deprecated__", None) is not None
+                         for n in names}}
+    calls, mine = fast_collective_calls(r, W)
+
+    def form(ret):
+        return "None" if ret is None else "Work" if isinstance(ret, dist.Work) else repr(ret)
+
+    def run(call, grp, async_op):
+        ret, outs = call(grp, async_op)
+        waited = ret.wait() if async_op else None
+        return [form(ret), waited, [(str(t.dtype), t.tolist()) for t in outs]]
+
+    # the reference: gloo's, or for the list all_to_all (which gloo lacks) by hand
+    want = {}
+    for name, call in calls.items():
+        for async_op in (False, True):
+            if name.startswith("all_to_all"):
+                ret = "Work" if async_op else "None"
+                want[name, async_op] = [ret, True if async_op else None,
+                                        [("torch.float32", (mine(q) * (r + 1)).tolist())
+                                         for q in range(W)]]
+            else:
+                want[name, async_op] = run(call, g, async_op)
+    got, observed = {}, {}
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class SeenFn(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with torch_refused():
+        for name, call in calls.items():
+            for async_op in (False, True):
+                try:
+                    got[name, async_op] = run(call, m, async_op)
+                except RuntimeError as e:
+                    got[name, async_op] = str(e)
+        for how, ctx in (("dispatch mode", Seen), ("function mode", SeenFn),
+                         ("profiler", torch.autograd.profiler.profile)):
+            for name, call in calls.items():
+                if how == "function mode" and name == "barrier":
+                    continue     # torch's barrier takes no tensor: no mode sees it there
+                try:
+                    with ctx():
+                        call(m, False)
+                    observed[how, name] = "served"
+                except RuntimeError as e:
+                    observed[how, name] = str(e)
+    out["same"] = {f"{n} async={a}": got[n, a] == want[n, a] or [got[n, a], want[n, a]]
+                   for n, a in want}
+    out["observed"] = {f"{h}: {n}": v for (h, n), v in observed.items()}
+    # wrong arguments: what the fast path raises is what torch's function raises
+    t = mine(r)
+    wrong = {
+        "all_reduce of a list": lambda f: f["all_reduce"]([t], group=m),
+        "all_reduce PREMUL_SUM": lambda f: f["all_reduce"](
+            t, dist._make_nccl_premul_sum(2.0), group=m),
+        "all_gather one output short": lambda f: f["all_gather"](
+            [torch.zeros(2, 3) for _ in range(W - 1)], t, group=m),
+        "all_gather outputs of another dtype": lambda f: f["all_gather"](
+            [torch.zeros(2, 3, dtype=torch.float64) for _ in range(W)], t, group=m),
+        "all_gather_into_tensor too small": lambda f: f["all_gather_into_tensor"](
+            torch.zeros(1), t, group=m),
+        "reduce_scatter_tensor too small": lambda f: f["reduce_scatter_tensor"](
+            torch.zeros(2, 3), torch.zeros(1), group=m),
+        "reduce_scatter inputs short": lambda f: f["reduce_scatter"](
+            torch.zeros(2, 3), [t] * (W + 1), group=m),
+        "all_to_all outputs short": lambda f: f["all_to_all"](
+            [torch.zeros(2, 3)], [t] * W, group=m),
+        "barrier timeout in seconds": lambda f: f["barrier"](group=m, timeout=5),
+    }
+    torch_fns = {n: _fastpath._TORCH.get(n, getattr(dist, n)) for n in FAST_COLLECTIVES}
+    dist_fns = {n: getattr(dist, n) for n in FAST_COLLECTIVES}
+    errs = {}
+    for what, call in wrong.items():
+        said = []
+        for fns in (dist_fns, torch_fns):
+            try:
+                call(fns)
+                said.append(None)
+            except Exception as e:   # an object's address differs from call to call
+                said.append(re.sub(" at 0x[0-9a-f]+", "", f"{type(e).__name__}: {e}"))
+        errs[what] = said
+    out["errors"] = errs
+    dist.barrier(group=m)
+    return out
+
+
+def job_fastpath_timeout():
+    """Only rank 0 comes to a collective of a fresh group of the world,
+    through the fast path and through torch's function: the same error."""
+    from mpcore.dist import _fastpath
+    res = {}
+    short = datetime.timedelta(seconds=0.5)
+    for name in ("all_reduce", "all_gather_into_tensor", "barrier"):
+        for path in ("fast", "torch", "async"):
+            sub = dist.new_group(list(range(WORLD)), timeout=short)
+            if RANK == 0:
+                fn = _fastpath._TORCH.get(name, getattr(dist, name)) if path == "torch" \
+                    else getattr(dist, name)
+                args = {"all_reduce": (torch.ones(4),),
+                        "all_gather_into_tensor": (torch.zeros(4 * WORLD), torch.ones(4)),
+                        "barrier": ()}[name]
+                try:
+                    if path == "async":
+                        fn(*args, group=sub, async_op=True).wait()
+                    else:
+                        fn(*args, group=sub)
+                    res[f"{name} {path}"] = "no error"
+                except Exception as e:
+                    res[f"{name} {path}"] = f"{type(e).__name__}: {e}"
+            dist.barrier()
+            dist.destroy_process_group(sub)
+    return res
 
 
 def job_funcol_fast(kind):
@@ -1213,10 +1428,10 @@ def test_fast_path_of_module_functions(pool2, kind):
         assert res["installed"], res
         for what, ok in res["fast"]:
             assert ok is True, (r, what, res)   # served, and right, without torch's function
-        assert len(res["fast"]) == 5, res
+        assert len(res["fast"]) == 6, res
         for what, said in res["slow"]:
             assert "reached" in said, (r, what, said)   # torch's function took them
-        assert len(res["slow"]) == 5, res
+        assert len(res["slow"]) == 4, res
         assert res["order"] is True, res
         errs = res["errors"]
         assert "ValueError" in errs["send to a rank outside"], errs
@@ -1299,6 +1514,35 @@ def test_monitored_barrier(pool):
     assert res[1:] == ["all came"] * (pool.world - 1), res
     assert res[0].startswith("RuntimeError: [Rank 0]: Rank 1 failed to pass monitoredBarrier "
                              "in 500 ms"), res
+
+
+@pytest.mark.parametrize("kind", ["world", "new_group"])
+def test_fast_path_of_collectives(pool2, kind):
+    """NOTE [ The rest of torch's collectives ] in _fastpath.py: all_reduce,
+    barrier, the all-gathers, the reduce-scatters and all_to_all, blocking
+    and async, served without torch's function, with gloo's results and
+    return types; observed, torch's function serves them; wrong arguments
+    raise what torch's function raises."""
+    for r, res in enumerate(pool2.run("fastpath_collectives", kind=kind)):
+        assert all(res["installed"].values()), res["installed"]
+        bad = {k: v for k, v in res["same"].items() if v is not True}
+        assert not bad, (r, bad)     # served (torch's function raises), and right
+        assert len(res["same"]) >= 28, res["same"]
+        for what, said in res["observed"].items():
+            assert "reached" in said, (r, what, said)   # torch's function took them
+        assert len(res["observed"]) == 3 * len(res["same"]) // 2 - 1, res["observed"]
+        for what, (fast, slow) in res["errors"].items():
+            assert fast is not None and fast == slow, (r, what, fast, slow)
+
+
+def test_fast_path_timeout_as_before(pool2):
+    """A peer that never comes: the fast path's error (blocking, and from an
+    async call's wait) is the one torch's function gives."""
+    res = pool2.run("fastpath_timeout", timeout=120)[0]
+    for name in ("all_reduce", "all_gather_into_tensor", "barrier"):
+        fast, slow, asynced = (res[f"{name} {p}"] for p in ("fast", "torch", "async"))
+        assert slow.startswith("TimeoutError"), res
+        assert fast == slow == asynced, res
 
 
 @pytest.mark.parametrize("kind", ["world", "new_group"])

@@ -76,8 +76,9 @@ FEATURES = {
         "under `mpcore run`, torch.nn.parallel.DistributedDataParallel is mpcore's",
         "DistributedDataParallel is torch's own"),
     "collective fast paths": (
-        "send, recv, broadcast, gather, scatter and all_to_all_single on mpcore groups skip "
-        "torch's Python layers", "those calls take torch's layers to mpcore's backend"),
+        "send, recv, broadcast, gather, scatter, all_to_all_single, all_reduce, barrier, the "
+        "all_gathers, the reduce_scatters and all_to_all on mpcore groups skip torch's Python "
+        "layers", "those calls take torch's layers to mpcore's backend"),
     "functional collective fast paths": (
         "funcol's all_reduce, all_gather_single and reduce_scatter_single on mpcore groups "
         "skip the dispatcher's Python layers, and wait_tensor of their complete results",
@@ -85,6 +86,10 @@ FEATURES = {
     "profiler events": (
         "collectives on mpcore groups leave events in torch's profiler, named as gloo's",
         "collectives on mpcore groups leave no events of their own in torch's profiler"),
+    "observed collectives": (
+        "dist.* calls on mpcore groups reach the backend through c10d's ops, as gloo's do, "
+        "while a dispatch mode (CommDebugMode) or torch's profiler observes them",
+        "dispatch modes see the functional collectives on mpcore groups but not dist.* calls"),
     "torchrun launch": (
         "`mpcore run --nproc-per-node`: torchrun's launcher with ranks forked from the zygote",
         "`mpcore run --nproc-per-node` cannot launch"),
@@ -100,8 +105,18 @@ TM_NAMES = ("Process", "Queue", "SimpleQueue", "JoinableQueue", "Pool", "get_con
              "set_sharing_strategy", "get_sharing_strategy", "get_all_sharing_strategies",
              "spawn", "start_processes", "ProcessContext", "ProcessException",
              "ProcessRaisedException", "ProcessExitedException")
-_FASTPATH = ("send", "recv", "broadcast", "gather", "scatter", "all_to_all_single")
+_FASTPATH = ("send", "recv", "broadcast", "gather", "scatter", "all_to_all_single", "all_reduce",
+             "barrier", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+             "reduce_scatter", "all_to_all")
+_FASTPATH_NEW = ("all_gather_single", "reduce_scatter_single")   # names a newer torch has
 _FUNCOL = ("all_reduce", "all_gather_single", "reduce_scatter_single", "wait_tensor")
+# c10d's ops that dist.* calls dispatch on gloo (NOTE [ Observed calls go through the
+# dispatcher ] in dist/_profile.py)
+_C10D_OPS = ("allreduce_", "allreduce_coalesced_", "reduce_", "broadcast_", "allgather_",
+             "_allgather_base_", "allgather_coalesced_", "allgather_into_tensor_coalesced_",
+             "reduce_scatter_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_",
+             "gather_", "scatter_", "alltoall_", "alltoall_base_", "barrier", "send", "recv_",
+             "recv_any_source_")
 C10D = "torch.distributed.distributed_c10d"
 _FC = "torch.distributed._functional_collectives"
 
@@ -208,10 +223,11 @@ def _rows():
          False),
         (f"{C10D}._resolve_process_group", "read", "callable", "collective fast paths", False),
     )
-    for n in _FASTPATH:
-        yield (f"{C10D}.{n}", "replace", "same params", "collective fast paths", False)
+    for n in _FASTPATH + _FASTPATH_NEW:
+        yield (f"{C10D}.{n}", "replace", "same params", "collective fast paths",
+               n in _FASTPATH_NEW)
         yield (f"torch.distributed.{n}", "replace", "same params", "collective fast paths",
-               False)
+               n in _FASTPATH_NEW)
     for n in _FUNCOL:
         yield (f"{_FC}.{n}", "replace", "same params", "functional collective fast paths", False)
     yield from (
@@ -223,6 +239,23 @@ def _rows():
          "profiler events", False),
         ("torch.ops.profiler._call_end_callbacks_on_jit_fut", "read", "exists",
          "profiler events", False),
+        # observed collectives (dist/_profile.py, NOTE [ Observed calls go through the
+        # dispatcher ]); each c10d op is read where it is used (a torch without one keeps
+        # that call direct)
+        ("torch._dispatch.python.enable_python_dispatcher", "read", "callable",
+         "observed collectives", False),
+        ("torch._C.DispatchKey", "read", "attrs:CPU,SparseCPU", "observed collectives", False),
+        ("torch._C._distributed_c10d.ProcessGroup", "read", "class", "observed collectives",
+         False),
+        ("torch._C._distributed_c10d.ProcessGroup.unbox", "read", "callable",
+         "observed collectives", False),
+        ("torch._C._distributed_c10d.Work.boxed", "read", "callable", "observed collectives",
+         False),
+    )
+    for n in _C10D_OPS:
+        yield (f"torch.ops.c10d.{n}.default", "read", "attrs:py_impl,py_kernels,_op_dk,_schema",
+               "observed collectives", True)
+    yield from (
         # torchrun launch (run/_torchrun.py)
         ("torch.distributed.run.get_args_parser", "read", "callable", "torchrun launch", False),
         ("torch.distributed.run.config_from_args", "read", "callable", "torchrun launch", False),

@@ -96,11 +96,15 @@ and its wait_tensor 7.35 us (14.8: the complete AsyncCollectiveTensor and
 its wait cost less than torch's wait_tensor of a plain tensor and
 _are_we_tracing did)."""
 
+from datetime import timedelta as _timedelta
+
 import torch
 from torch.distributed import distributed_c10d as _c10d
 
 from .. import _hooks, _torchapi
 from ._args import plain_list
+from ._buffers import BUFFER_MIN, buffer_of, with_buffer
+from ._dist import ShmGroup
 from ._group import ProcessGroupMpcore
 from ._reduce import CORE_ROWS, RED
 from ._uncompiled import run_uncompiled
@@ -116,6 +120,11 @@ _modes = _torchapi.get("torch._C._len_torch_dispatch_stack")   # the program's a
 _Tensor = torch.Tensor
 _PG = ProcessGroupMpcore
 _FUNCOL = "torch.distributed._functional_collectives"
+_SUM = RED.SUM
+_ROWS = CORE_ROWS
+_COLLECTIVES = ShmGroup.COLLECTIVES
+_torch_empty = torch.empty
+_torch_cat = torch.cat
 
 
 def _region(g):
@@ -170,21 +179,39 @@ def recv(tensor, src=None, group=None, tag=0, group_src=None):
 
 
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
-    g = _group(group)
-    if (g is not None and not async_op and group_src is None and _plain(tensor)
+    g = _WORLD.default_pg if group is None else group   # _group(), _plain(), inline
+    if (not (_compiling() or _profiling() or _modes())
+            and type(g) is _PG and g._batch is None and group_src is None
+            and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
             and not _has_torch_function((tensor,))):
         root = g._group_ranks.get(src)
-        if root is not None:
-            g.shm.run(False, None, g.shm.core.broadcast, tensor.data_ptr(), tensor.nbytes, root)
-            return None
+        shm = g.shm
+        if root is not None and shm is not None:
+            return _call(shm, async_op, tensor, [tensor], shm.core.broadcast, tensor.data_ptr(),
+                         tensor.nbytes, root)
     return _TORCH["broadcast"](tensor, src, group, async_op, group_src)
 
 
-def _rooted(tensor, tensors, rank, group, async_op, group_rank):
+def _call(shm, async_op, keep, result, fn, *args):
+    """fn(*args, timeout) on shm, as the group's method runs the core's
+    call: at once after the collectives queued (None, as torch's function
+    returns for a blocking call), or on the group's thread (its Work, with
+    `result` and `keep`) for async_op (NOTE [ Asynchronous calls on the
+    fast path ])."""
+    if async_op:
+        return shm.run(True, result, fn, *args, keep=keep)
+    lane = shm._lanes.get(_COLLECTIVES)
+    if lane is not None and lane.queued:
+        shm.drain()
+    fn(*args, shm.timeout)
+    return None
+
+
+def _rooted(tensor, tensors, rank, group, group_rank):
     """(group, root's group rank, addresses of the root's list: 0 off the
-    root) of a blocking gather or scatter the core serves; None else."""
+    root) of a gather or scatter the core serves; None else."""
     g = _group(group)
-    if (g is None or async_op or group_rank is not None or not _plain(tensor)
+    if (g is None or group_rank is not None or not _plain(tensor)
             or _has_torch_function((tensor,))):
         return None
     root = g._group_ranks.get(0 if rank is None else rank)
@@ -194,39 +221,258 @@ def _rooted(tensor, tensors, rank, group, async_op, group_rank):
                                 g._world if g._rank == root else 0)
     if mine is None:
         return None
-    return g, root, [t.data_ptr() for t in mine] if mine else 0
+    return g, root, mine
 
 
 def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
-    call = _rooted(tensor, gather_list, dst, group, async_op, group_dst)
+    call = _rooted(tensor, gather_list, dst, group, group_dst)
     if call is None:
         return _TORCH["gather"](tensor, gather_list, dst, group, async_op, group_dst)
     g, root, outs = call
-    g.shm.run(False, None, g.shm.core.gather, outs, tensor.data_ptr(), tensor.nbytes, root)
-    return None
+    shm = g.shm
+    # the Work's result is the root's outputs' list, as the group's method's
+    return _call(shm, async_op, (tensor, outs), list(outs), shm.core.gather,
+                 [t.data_ptr() for t in outs] if outs else 0, tensor.data_ptr(), tensor.nbytes,
+                 root)
 
 
 def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
-    call = _rooted(tensor, scatter_list, src, group, async_op, group_src)
+    call = _rooted(tensor, scatter_list, src, group, group_src)
     if call is None:
         return _TORCH["scatter"](tensor, scatter_list, src, group, async_op, group_src)
     g, root, ins = call
-    g.shm.run(False, None, g.shm.core.scatter, tensor.data_ptr(), ins, tensor.nbytes, root)
-    return None
+    shm = g.shm
+    return _call(shm, async_op, (tensor, ins), [tensor], shm.core.scatter, tensor.data_ptr(),
+                 [t.data_ptr() for t in ins] if ins else 0, tensor.nbytes, root)
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
                       group=None, async_op=False):
     g = _group(group)
-    if (g is None or async_op or not _plain(output) or not _plain(input)
+    if (g is None or not _plain(output) or not _plain(input)
             or output.dtype != input.dtype or _has_torch_function((output, input))
             or not isinstance(output_split_sizes, (list, tuple, type(None)))
             or not isinstance(input_split_sizes, (list, tuple, type(None)))):
         return _TORCH["all_to_all_single"](output, input, output_split_sizes, input_split_sizes,
                                            group, async_op)
-    g.shm.run(False, None, *g._core_all_to_all(output, input, output_split_sizes or (),
-                                               input_split_sizes or ()))
+    return _call(g.shm, async_op, (input, output), [output],
+                 *g._core_all_to_all(output, input, output_split_sizes or (),
+                                     input_split_sizes or ()))
+
+
+# --- the collectives that reduce or gather (NOTE [ The rest of torch's collectives ]) ---
+
+def all_reduce(tensor, op=_SUM, group=None, async_op=False):
+    g = _WORLD.default_pg if group is None else group   # _group(), _plain(), inline
+    if (not (_compiling() or _profiling() or _modes())
+            and type(g) is _PG and g._batch is None and type(op) is RED
+            and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
+            and not _has_torch_function((tensor,))):
+        row = _ROWS.get(tensor.dtype)
+        codes = row[op.value] if row is not None else None
+        shm = g.shm
+        if codes is not None and shm is not None:
+            call = shm.core.all_reduce
+            if tensor.nbytes >= BUFFER_MIN:
+                call = with_buffer(call, buffer_of(tensor))
+            if async_op:
+                return shm.run(True, [tensor], call, tensor.data_ptr(), tensor.numel(), codes[0],
+                               codes[1], keep=(tensor,))
+            lane = shm._lanes.get(_COLLECTIVES)
+            if lane is not None and lane.queued:
+                shm.drain()
+            call(tensor.data_ptr(), tensor.numel(), codes[0], codes[1], shm.timeout)
+            return None
+    return _TORCH["all_reduce"](tensor, op, group, async_op)
+
+
+def barrier(group=None, async_op=False, device_ids=None, timeout=None):
+    g = _WORLD.default_pg if group is None else group
+    if (not (_compiling() or _profiling() or _modes())
+            and type(g) is _PG and g._batch is None and g._gloo is None and device_ids is None):
+        shm = g.shm
+        if timeout is None:
+            s = g._timeout_s
+        elif type(timeout) is _timedelta:
+            s = timeout.total_seconds()
+            s = g._timeout_s if s < 0 else s
+        else:
+            s = None
+        if shm is not None and s is not None:
+            if async_op:
+                return shm.run(True, [], _barrier, shm.core, s)
+            lane = shm._lanes.get(_COLLECTIVES)
+            if lane is not None and lane.queued:
+                shm.drain()
+            shm.core.barrier(s)
+            return None
+    return _TORCH["barrier"](group, async_op, device_ids, timeout)
+
+
+def _barrier(core, seconds, _timeout):
+    core.barrier(seconds)
+
+
+def _gathered(output, input, group):
+    """The group of an all-gather of input into output that the core
+    serves, or None."""
+    g = _group(group)
+    if (g is not None and type(output) is _Tensor and type(input) is _Tensor
+            and output.is_cpu and input.is_cpu and output.dtype is input.dtype
+            and output.is_contiguous() and input.is_contiguous()
+            and output.numel() == input.numel() * g._world
+            and not _has_torch_function((input,))):
+        return g
     return None
+
+
+def _all_gather_into(g, output, input, async_op):
+    shm = g.shm
+    call = shm.core.all_gather
+    if input.nbytes >= BUFFER_MIN:
+        call = with_buffer(call, buffer_of(input))
+    return _call(shm, async_op, (input, output), [output], call, output.data_ptr(),
+                 input.data_ptr(), input.nbytes)
+
+
+def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
+    g = _gathered(output_tensor, input_tensor, group)
+    if g is None:
+        return _TORCH["all_gather_single"](output_tensor, input_tensor, group, async_op)
+    return _all_gather_into(g, output_tensor, input_tensor, async_op)
+
+
+def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+    g = _gathered(output_tensor, input_tensor, group)
+    if g is None:
+        return _TORCH["all_gather_into_tensor"](output_tensor, input_tensor, group, async_op)
+    return _all_gather_into(g, output_tensor, input_tensor, async_op)
+
+
+def _scattered(output, input, op, group):
+    """(group, core codes) of a reduce-scatter of input into output that
+    the core serves, or None."""
+    g = _group(group)
+    if (g is not None and type(output) is _Tensor and type(input) is _Tensor and type(op) is RED
+            and output.is_cpu and input.is_cpu and output.dtype is input.dtype
+            and output.is_contiguous() and input.is_contiguous()
+            and input.numel() == output.numel() * g._world
+            and not _has_torch_function((input,))):
+        row = _ROWS.get(output.dtype)
+        codes = row[op.value] if row is not None else None
+        if codes is not None:
+            return g, codes
+    return None
+
+
+def _reduce_scatter_into(g, codes, output, input, async_op):
+    shm = g.shm
+    call = shm.core.reduce_scatter
+    if input.nbytes >= BUFFER_MIN:
+        call = with_buffer(call, buffer_of(input))
+    return _call(shm, async_op, (input, output), [output], call, output.data_ptr(),
+                 input.data_ptr(), output.numel(), codes[0], codes[1])
+
+
+def reduce_scatter_single(output, input, op=_SUM, group=None, async_op=False):
+    call = _scattered(output, input, op, group)
+    if call is None:
+        return _TORCH["reduce_scatter_single"](output, input, op, group, async_op)
+    return _reduce_scatter_into(call[0], call[1], output, input, async_op)
+
+
+def reduce_scatter_tensor(output, input, op=_SUM, group=None, async_op=False):
+    call = _scattered(output, input, op, group)
+    if call is None:
+        return _TORCH["reduce_scatter_tensor"](output, input, op, group, async_op)
+    return _reduce_scatter_into(call[0], call[1], output, input, async_op)
+
+
+def _laid(ts, like, w):
+    """For a list of w plain CPU tensors of like's dtype and shape: the
+    address of the first when they lie end to end (one buffer, rank q's
+    piece at q * like.nbytes), else 0; None for any other list."""
+    if type(ts) is not list or len(ts) != w:
+        return None
+    dtype, shape, nb = like.dtype, like.shape, like.nbytes
+    at = first = ts[0].data_ptr() if w and type(ts[0]) is _Tensor else 0
+    for t in ts:
+        if not (type(t) is _Tensor and t.is_cpu and t.dtype is dtype and t.is_contiguous()
+                and t.shape == shape):
+            return None
+        if at and t.data_ptr() != at:
+            at = 0
+        elif at:
+            at += nb
+    return first if at else 0
+
+
+def all_gather(tensor_list, tensor, group=None, async_op=False):
+    g = _group(group)
+    at = None
+    if g is not None and _plain(tensor) and not _has_torch_function((tensor,)):
+        at = _laid(tensor_list, tensor, g._world)
+    if at is None:
+        return _TORCH["all_gather"](tensor_list, tensor, group, async_op)
+    shm = g.shm
+    if at:      # the outputs are one buffer: the core writes into it
+        return _call(shm, async_op, (tensor, tensor_list), tensor_list, shm.core.all_gather,
+                     at, tensor.data_ptr(), tensor.nbytes)
+    flat = _torch_empty((g._world,) + tuple(tensor.shape), dtype=tensor.dtype)
+    return _call(shm, async_op, (tensor, flat), tensor_list, _gather_apart, shm.core, flat,
+                 tensor_list, tensor.data_ptr(), tensor.nbytes)
+
+
+def _gather_apart(core, flat, outs, addr, nbytes, timeout):
+    core.all_gather(flat.data_ptr(), addr, nbytes, timeout)
+    for t, piece in zip(outs, flat.unbind(0)):
+        t.copy_(piece)
+
+
+def reduce_scatter(output, input_list, op=_SUM, group=None, async_op=False):
+    g = _group(group)
+    at = codes = None
+    if (g is not None and _plain(output) and type(op) is RED
+            and not _has_torch_function((output,))):
+        row = _ROWS.get(output.dtype)
+        codes = row[op.value] if row is not None else None
+        if codes is not None:
+            at = _laid(input_list, output, g._world)
+    if at is None:
+        return _TORCH["reduce_scatter"](output, input_list, op, group, async_op)
+    shm = g.shm
+    flat = None if at else _torch_cat([t.view(-1) for t in input_list])
+    return _call(shm, async_op, (output, input_list, flat), [output], shm.core.reduce_scatter,
+                 output.data_ptr(), at or flat.data_ptr(), output.numel(), codes[0], codes[1])
+
+
+def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
+    g = _group(group)
+    o = i = None
+    if g is not None and type(input_tensor_list) is list and input_tensor_list:
+        first = input_tensor_list[0]
+        if (type(first) is _Tensor and first.is_cpu and first.is_contiguous()
+                and not _has_torch_function(tuple(input_tensor_list))):
+            w = g._world
+            i = _laid(input_tensor_list, first, w)
+            o = _laid(output_tensor_list, first, w) if i is not None else None
+    if o is None:
+        return _TORCH["all_to_all"](output_tensor_list, input_tensor_list, group, async_op)
+    shm = g.shm
+    sizes = [first.nbytes] * g._world
+    src = None if i else _torch_cat([t.view(-1) for t in input_tensor_list])
+    if o:
+        return _call(shm, async_op, (input_tensor_list, src), output_tensor_list,
+                     shm.core.all_to_all, o, i or src.data_ptr(), sizes, sizes)
+    flat = _torch_empty((g._world,) + tuple(first.shape), dtype=first.dtype)
+    return _call(shm, async_op, (input_tensor_list, src, flat), output_tensor_list,
+                 _to_all_apart, shm.core, flat, output_tensor_list, i or src.data_ptr(), sizes)
+
+
+def _to_all_apart(core, flat, outs, addr, sizes, timeout):
+    core.all_to_all(flat.data_ptr(), addr, sizes, sizes, timeout)
+    for t, piece in zip(outs, flat.unbind(0)):
+        t.copy_(piece)
 
 
 # --- functional collectives (NOTE [ A fast path for the functional collectives ]) -----
@@ -277,7 +523,7 @@ def _fc_codes(self, reduce_op):
     return row[red.value] if row is not None else None
 
 
-def all_reduce(self, reduceOp, group, tag=""):
+def fc_all_reduce(self, reduceOp, group, tag=""):
     g = _fc_input(self, group)
     codes = _fc_codes(self, reduceOp) if g is not None else None
     if codes is None:
@@ -288,7 +534,7 @@ def all_reduce(self, reduceOp, group, tag=""):
     return _complete(out)
 
 
-def all_gather_single(self, gather_dim, group, tag=""):
+def fc_all_gather_single(self, gather_dim, group, tag=""):
     g = _fc_input(self, group) if gather_dim == 0 else None
     if g is None or self.dim() == 0:
         return _TORCH["funcol.all_gather_single"](self, gather_dim, group, tag)
@@ -298,7 +544,7 @@ def all_gather_single(self, gather_dim, group, tag=""):
     return _complete(out)
 
 
-def reduce_scatter_single(self, reduceOp, scatter_dim, group, tag=""):
+def fc_reduce_scatter_single(self, reduceOp, scatter_dim, group, tag=""):
     g = _fc_input(self, group) if scatter_dim == 0 else None
     codes = _fc_codes(self, reduceOp) if g is not None else None
     if codes is None or self.dim() == 0 or self.shape[0] % g._world:
@@ -318,21 +564,27 @@ def _complete(t):
     return r
 
 
-def wait_tensor(tensor):
+def fc_wait_tensor(tensor):
     if (type(tensor) is _ACT and tensor.completed
             and not (_compiling() or _profiling() or _modes())):
         return tensor.elem    # what torch's wait_tensor gives for it, the same tensor
     return _TORCH["funcol.wait_tensor"](tensor)
 
 
-def _put(module, key, fn):
-    """Puts fn in place of module's function of fn's name (once), when
-    their parameters are the same; torch's function is then _TORCH[key]."""
-    torch_fn = getattr(module, fn.__name__, None)
-    if torch_fn is None or getattr(torch_fn, "_mpcore_fast", False):
+def _put(module, key, fn, name=None):
+    """Puts fn in place of module's function `name` (fn's name by default)
+    once, when their parameters are the same; torch's function is then
+    _TORCH[key].  A function torch keeps only as a deprecated alias of
+    another (all_gather_into_tensor of all_gather_single) stays torch's: it
+    calls the other through the module, so its fast path, and keeps its
+    own warning."""
+    name = name or fn.__name__
+    torch_fn = getattr(module, name, None)
+    if (torch_fn is None or getattr(torch_fn, "_mpcore_fast", False)
+            or getattr(torch_fn, "__deprecated__", None) is not None):
         return None
     # the table checks the parameters are the same (_torchapi.py)
-    if _torchapi.replace(f"{module.__name__}.{fn.__name__}", fn, wraps=True) is None:
+    if _torchapi.replace(f"{module.__name__}.{name}", fn, wraps=True) is None:
         return None    # another torch's function: its own serves every call
     _TORCH[key] = torch_fn
     fn._mpcore_fast = True
@@ -346,22 +598,30 @@ def _install_funcol(fc):
     _fc = fc
     _ACT = _torchapi.get(f"{_FUNCOL}.AsyncCollectiveTensor")
     # wait_tensor first: a result of the others is waited on by it
-    for fn in (wait_tensor, all_reduce, all_gather_single, reduce_scatter_single):
-        _put(fc, "funcol." + fn.__name__, fn)
+    for name, fn in (("wait_tensor", fc_wait_tensor), ("all_reduce", fc_all_reduce),
+                     ("all_gather_single", fc_all_gather_single),
+                     ("reduce_scatter_single", fc_reduce_scatter_single)):
+        _put(fc, "funcol." + name, fn, name)
+
+
+# torch.distributed's functions with a fast path, in _torchapi._FASTPATH's order
+_DIST = (send, recv, broadcast, gather, scatter, all_to_all_single, all_reduce, barrier,
+         all_gather, all_gather_into_tensor, all_gather_single, reduce_scatter_tensor,
+         reduce_scatter_single, reduce_scatter, all_to_all)
 
 
 def install():
     """Puts the functions above in torch.distributed's place (once), and in
     the functional collectives' once they are imported."""
     import torch.distributed as dist
-    for fn in (send, recv, broadcast, gather, scatter, all_to_all_single):
-        if _put(_c10d, fn.__name__, fn) is not None:
+    for fn in _DIST:
+        if _put(_c10d, fn.__name__, fn) is not None and hasattr(dist, fn.__name__):
             _torchapi.replace(f"torch.distributed.{fn.__name__}", fn)
     # A compiled caller traces through them to torch's function, which it
     # sees as under gloo (NOTE [ Fast paths nobody sees ]); after a graph
     # break in torch's, their own frames then run as plain Python, as
     # torch's module functions do, rather than be compiled anew.
-    run_uncompiled(send, recv, broadcast, gather, scatter, all_to_all_single)
+    run_uncompiled(*_DIST)
     _hooks.when_imported("torch._dynamo", _compiler)
     _hooks.when_imported(_FUNCOL, _install_funcol)
 

@@ -1,0 +1,164 @@
+"""What each small torch.distributed call costs on an mpcore group, next to
+the C core's own call it makes, on a group of one rank (no peer to wait
+for: what is left is the software above the core's work).
+
+    python benchmarks/fastpath_calls.py [--size BYTES] [--calls N] [--runs R] [--only a,b]
+
+NOTE [ Every small call against the core's ]
+For each operation, four ways of making the same call, timed as
+allreduce_layers.py times its levels (CPU time of the calling thread per
+call, best and median of R runs of N calls, the ways interleaved run by
+run and the order turned each run):
+- core: the C core's own call that the fast path makes
+  (group.shm.core.all_reduce(...) and so on), with its arguments made
+  once;
+- dist: the dist.* call as a program makes it (the fast path of
+  _fastpath.py where one serves it);
+- torch's path: torch's own function, the one the fast path stands in
+  front of (_fastpath._TORCH), which goes through torch's checks and
+  options to the group's method: the path before the fast path, and the
+  one an observed call takes;
+- async: the dist.* call with async_op=True and its Work's wait().
+The table gives each in us, and dist - core, the fast path's price over
+the core, and async - dist, what asking for a Work costs over a blocking
+call.  On two ranks the wall times of the same calls are the
+`mpcore bench --only mpi-...` rows' "through torch.distributed" column.
+"""
+import argparse
+import datetime
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from allreduce_layers import _free_port, measure  # noqa: E402
+
+
+def cases(dist, pg, n):
+    """{op: {way: call}} for tensors of n float32 elements."""
+    import torch
+    from mpcore.dist import _fastpath
+    shm = pg.shm
+    core, timeout, w = shm.core, shm.timeout, pg.size()
+    from mpcore import _core
+    f32, op_sum = _core.COLL_DTYPES["float32"], _core.COLL_OPS["SUM"]
+
+    def torch_fn(name):
+        return _fastpath._TORCH.get(name) or getattr(dist.distributed_c10d, name)
+
+    t = torch.zeros(n)
+    flat = torch.zeros(w * n)
+    outs = [torch.zeros(n) for _ in range(w)]
+    ins = [torch.ones(n) for _ in range(w)]
+    out1 = torch.zeros(n)
+    a2a_in, a2a_out = torch.ones(w * n), torch.zeros(w * n)
+    nb = t.nbytes
+    sizes = [nb] * w
+    SUM = dist.ReduceOp.SUM
+    out = {
+        "all_reduce": {
+            "core": lambda: core.all_reduce(t.data_ptr(), n, f32, op_sum, timeout, None),
+            "dist": lambda: dist.all_reduce(t),
+            "torch's path": lambda: torch_fn("all_reduce")(t),
+            "async": lambda: dist.all_reduce(t, async_op=True).wait()},
+        "barrier": {
+            "core": lambda: core.barrier(timeout),
+            "dist": lambda: dist.barrier(),
+            "torch's path": lambda: torch_fn("barrier")(),
+            "async": lambda: dist.barrier(async_op=True).wait()},
+        "broadcast": {
+            "core": lambda: core.broadcast(t.data_ptr(), nb, 0, timeout),
+            "dist": lambda: dist.broadcast(t, 0),
+            "torch's path": lambda: torch_fn("broadcast")(t, 0),
+            "async": lambda: dist.broadcast(t, 0, async_op=True).wait()},
+        "all_gather_into_tensor": {
+            "core": lambda: core.all_gather(flat.data_ptr(), t.data_ptr(), nb, timeout),
+            "dist": lambda: dist.all_gather_into_tensor(flat, t),
+            "torch's path": lambda: torch_fn("all_gather_into_tensor")(flat, t),
+            "async": lambda: dist.all_gather_into_tensor(flat, t, async_op=True).wait()},
+        "all_gather": {
+            "core": lambda: core.all_gather(flat.data_ptr(), t.data_ptr(), nb, timeout),
+            "dist": lambda: dist.all_gather(outs, t),
+            "torch's path": lambda: torch_fn("all_gather")(outs, t),
+            "async": lambda: dist.all_gather(outs, t, async_op=True).wait()},
+        "reduce_scatter_tensor": {
+            "core": lambda: core.reduce_scatter(out1.data_ptr(), flat.data_ptr(), n, f32, op_sum,
+                                                timeout),
+            "dist": lambda: dist.reduce_scatter_tensor(out1, flat),
+            "torch's path": lambda: torch_fn("reduce_scatter_tensor")(out1, flat),
+            "async": lambda: dist.reduce_scatter_tensor(out1, flat, async_op=True).wait()},
+        "reduce_scatter": {
+            "core": lambda: core.reduce_scatter(out1.data_ptr(), flat.data_ptr(), n, f32, op_sum,
+                                                timeout),
+            "dist": lambda: dist.reduce_scatter(out1, ins),
+            "torch's path": lambda: torch_fn("reduce_scatter")(out1, ins),
+            "async": lambda: dist.reduce_scatter(out1, ins, async_op=True).wait()},
+        "all_to_all_single": {
+            "core": lambda: core.all_to_all(a2a_out.data_ptr(), a2a_in.data_ptr(), sizes, sizes,
+                                            timeout),
+            "dist": lambda: dist.all_to_all_single(a2a_out, a2a_in),
+            "torch's path": lambda: torch_fn("all_to_all_single")(a2a_out, a2a_in),
+            "async": lambda: dist.all_to_all_single(a2a_out, a2a_in, async_op=True).wait()},
+        "all_to_all": {
+            "core": lambda: core.all_to_all(a2a_out.data_ptr(), a2a_in.data_ptr(), sizes, sizes,
+                                            timeout),
+            "dist": lambda: dist.all_to_all(outs, ins),
+            "torch's path": lambda: torch_fn("all_to_all")(outs, ins),
+            "async": lambda: dist.all_to_all(outs, ins, async_op=True).wait()},
+        "gather": {
+            "core": lambda: core.gather([o.data_ptr() for o in outs], t.data_ptr(), nb, 0,
+                                        timeout),
+            "dist": lambda: dist.gather(t, outs, 0),
+            "torch's path": lambda: torch_fn("gather")(t, outs, 0),
+            "async": lambda: dist.gather(t, outs, 0, async_op=True).wait()},
+    }
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", type=int, default=4096, help="bytes of float32 (default 4096)")
+    ap.add_argument("--calls", type=int, default=20000, help="calls per run")
+    ap.add_argument("--runs", type=int, default=7, help="runs per way")
+    ap.add_argument("--only", default="", help="operations, comma-separated (default: all)")
+    args = ap.parse_args(argv)
+
+    import warnings
+
+    import torch
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    import mpcore.distributed  # noqa: F401  (registers the backend)
+
+    warnings.simplefilter("ignore", FutureWarning)   # the *_tensor names are deprecated
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    dist.init_process_group("mpcore", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    results = {}
+    try:
+        pg = dist.group.WORLD
+        if getattr(pg, "shm", None) is None:
+            sys.exit(f"the default group ({type(pg).__qualname__}) has no shared-memory group")
+        ops = cases(dist, pg, args.size // 4)
+        only = [o for o in args.only.split(",") if o]
+        for op, ways in ops.items():
+            if not only or op in only:
+                results[op] = measure(ways, args.calls, args.runs)
+    finally:
+        dist.destroy_process_group()
+
+    print(f"{args.size} bytes float32 on an mpcore group of one rank; torch {torch.__version__}; "
+          f"best (median) of {args.runs} runs of {args.calls} calls, CPU us per call; load "
+          f"average {os.getloadavg()[0]:.1f}")
+    print(f"  {'operation':<24s} {'core':>13s} {'dist':>13s} {'torch s path':>13s} "
+          f"{'async+wait':>13s} {'dist-core':>9s} {'async-dist':>10s}")
+    for op, r in results.items():
+        cells = " ".join(f"{r[k][0]:6.2f} ({r[k][1]:4.2f})"
+                         for k in ("core", "dist", "torch's path", "async"))
+        print(f"  {op:<24s} {cells} {r['dist'][0] - r['core'][0]:+9.2f} "
+              f"{r['async'][0] - r['dist'][0]:+10.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
