@@ -27,6 +27,12 @@ metadata in miniature); each read touches every field.
   batch, for the large dataset and one 100 times smaller, after one untimed
   loader (the zygote's start on mpcore's side); the dataset is built (and
   converted) before the clock.
+- shared-start-plain: as shared-start, on the plain list on both sides
+  (the dataset left as it is), the large dataset only: 4 workers and 1;
+  on mpcore's side also 4 workers with the dataset pickled per worker, as
+  mpcore did before it pickled it once (NOTE [ A dataset travels once ] in
+  mpcore/data/_ship.py); and what one pickle and one unpickle of the
+  dataset cost, which the times to first batch are made of.
 - shared-item: reading random items, a plain list's on torch's side, a
   SharedList's on mpcore's.
 - shared-epoch: one epoch's items per second, 4 fork workers, torch's
@@ -250,11 +256,11 @@ def _mem_notes(row):
 
 # --- start-up ----------------------------------------------------------------------
 
-def _first_batch(cls, ds, **kw):
+def _first_batch(cls, ds, num_workers=WORKERS, **kw):
     with _c._quiet():
         t0 = time.perf_counter()
-        loader = cls(ds, batch_size=BATCH, num_workers=WORKERS, multiprocessing_context="spawn",
-                     **kw)
+        loader = cls(ds, batch_size=BATCH, num_workers=num_workers,
+                     multiprocessing_context="spawn", **kw)
         it = iter(loader)
         next(it)
         el = time.perf_counter() - t0
@@ -297,6 +303,72 @@ def _start_notes(row):
     if row.get("ratio") is not None:
         out.append(f"target >= {START_TARGET:g}x: "
                    f"{'met' if row['ratio'] >= START_TARGET else 'MISSED'}")
+    return out
+
+
+# --- start-up of a dataset left as it is -------------------------------------------
+
+def _pickle_costs(ds):
+    """(ms to pickle ds once, ms to unpickle it once, the same with the
+    collector paused, bytes), as a loader's Process pickles its arguments."""
+    import io
+    from multiprocessing.reduction import ForkingPickler
+    t0 = time.perf_counter()
+    f = io.BytesIO()
+    ForkingPickler(f).dump(ds)
+    t1 = time.perf_counter()
+    data = f.getbuffer()
+    pickle.loads(data)
+    t2 = time.perf_counter()
+    gc.disable()  # as mpcore's workers unpickle it
+    try:
+        pickle.loads(data)
+    finally:
+        gc.enable()
+    t3 = time.perf_counter()
+    return (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3, len(data)
+
+
+def shared_start_plain(env, target_s, n=None):
+    """NOTE [ The shared-dataset rows ]: shared-start-plain."""
+    n = n or MEM_ITEMS
+    cls = _c._loader_cls(env)
+    _first_batch(cls, _dataset(env, make_items(64)))     # untimed: the zygote's start
+    ds = _dataset(env, make_items(n))
+    gc.collect()
+    res = {"items": n, "workers": WORKERS}
+    (res["pickle_ms"], res["unpickle_ms"], res["unpickle_paused_ms"],
+     res["pickle_bytes"]) = _pickle_costs(ds)
+    res["one_worker_ms"] = _first_batch(cls, ds, num_workers=1) * 1e3
+    res["large_ms"] = _first_batch(cls, ds) * 1e3
+    if env.mpcore is not None:
+        # mpcore as it was: the dataset pickled with each worker's Process
+        from mpcore.data import _ship
+        pack, _ship.pack = _ship.pack, lambda obj: None
+        try:
+            res["per_worker_ms"] = _first_batch(cls, ds) * 1e3
+        finally:
+            _ship.pack = pack
+    return _c.Measurement(res["large_ms"], 1, res["large_ms"] / 1e3, res)
+
+
+def _start_plain_notes(row):
+    ex = {impl: _c._best_row_extra(row, impl) for impl in _c.IMPLS}
+    t, m = ex["torch"], ex["mpcore"]
+    out = []
+    side = m or t
+    if side:
+        out.append(f"one pickle of the dataset {side['pickle_ms']:.4g} ms "
+                   f"({_mb(side['pickle_bytes'])}), one unpickle {side['unpickle_ms']:.4g} ms "
+                   f"({side['unpickle_paused_ms']:.4g} ms with the collector paused, as "
+                   "mpcore's workers do)")
+    if t:
+        out.append(f"torch: 1 worker {t['one_worker_ms']:.4g} ms, {t['workers']} workers "
+                   f"{t['large_ms']:.4g} ms")
+    if m:
+        out.append(f"mpcore: 1 worker {m['one_worker_ms']:.4g} ms, {m['workers']} workers "
+                   f"{m['large_ms']:.4g} ms; pickled per worker (as before) "
+                   f"{m['per_worker_ms']:.4g} ms")
     return out
 
 
@@ -357,6 +429,14 @@ def register(cases):
              "batch, the dataset built before the clock, after one untimed loader. torch: the "
              "plain list; mpcore: share_dataset=True. Targets: >= 20x; mpcore's large dataset "
              "within 1.5x of one 100x smaller.")
+    cases.add_case(
+        "shared-start-plain", f"Dataset of {MEM_ITEMS:,} dicts left as it is, spawn, {WORKERS} "
+        "workers: first batch", "ms", False, shared_start_plain, row_notes=_start_plain_notes,
+        timeout_s=900.0, in_quick=False, own_child=True,
+        note="As shared-start, both sides on the plain list (no share_dataset): mpcore pickles "
+             "the dataset once for all the workers (NOTE [ A dataset travels once ] in "
+             "mpcore/data/_ship.py), torch once per worker; each worker still unpickles its own "
+             "copy. Also: 1 worker, and mpcore pickling per worker as it did before.")
     cases.add_case(
         "shared-item", f"Random item of a {ITEM_ITEMS:,}-dict list (torch: plain list; mpcore: "
         "SharedList)", "us", False, shared_item,

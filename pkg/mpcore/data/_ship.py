@@ -47,7 +47,16 @@ that is what makes it not grow).  numpy arrays travel inside the pickle and
 each worker gets its own copy, as under torch: handing out views of the
 block instead (pickle protocol 5's out-of-band buffers) would make them
 shared between workers (or read-only), which torch's workers do not see.
+
+NOTE [ Unpickling with the collector paused ]
+Unpickling a dataset of Python objects makes containers by the million,
+and the cyclic collector runs every few hundred of them, each full pass
+over all that were made so far: unpickling 200,000 small dicts took 473 ms
+with the collector running and 141 ms with it paused.  The worker pauses
+it while it unpickles what its loader shipped (nothing it makes then is
+garbage yet), and starts it again after, as it was.
 """
+import gc
 import io
 import pickle
 import queue
@@ -195,9 +204,13 @@ def receive(ring):
         mv = memoryview(block)[:nbytes]
         me = _mpprocess.current_process()
         me._inheriting = True  # as a spawned child unpickles its Process
+        collecting = gc.isenabled()
+        gc.disable()  # NOTE [ Unpickling with the collector paused ]
         try:
             return pickle.loads(mv)
         finally:
+            if collecting:
+                gc.enable()
             del me._inheriting
             mv.release()
     return _blocks.receive(refs, load, None)
