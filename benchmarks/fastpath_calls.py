@@ -86,6 +86,17 @@ def cases(dist, pg, n):
             "dist": lambda: dist.reduce_scatter_tensor(out1, flat),
             "torch's path": lambda: torch_fn("reduce_scatter_tensor")(out1, flat),
             "async": lambda: dist.reduce_scatter_tensor(out1, flat, async_op=True).wait()},
+        "all_gather_single": {
+            "core": lambda: core.all_gather(flat.data_ptr(), t.data_ptr(), nb, timeout),
+            "dist": lambda: dist.all_gather_single(flat, t),
+            "torch's path": lambda: torch_fn("all_gather_single")(flat, t),
+            "async": lambda: dist.all_gather_single(flat, t, async_op=True).wait()},
+        "reduce_scatter_single": {
+            "core": lambda: core.reduce_scatter(out1.data_ptr(), flat.data_ptr(), n, f32, op_sum,
+                                                timeout),
+            "dist": lambda: dist.reduce_scatter_single(out1, flat),
+            "torch's path": lambda: torch_fn("reduce_scatter_single")(out1, flat),
+            "async": lambda: dist.reduce_scatter_single(out1, flat, async_op=True).wait()},
         "reduce_scatter": {
             "core": lambda: core.reduce_scatter(out1.data_ptr(), flat.data_ptr(), n, f32, op_sum,
                                                 timeout),
@@ -111,6 +122,8 @@ def cases(dist, pg, n):
             "torch's path": lambda: torch_fn("gather")(t, outs, 0),
             "async": lambda: dist.gather(t, outs, 0, async_op=True).wait()},
     }
+    if not hasattr(dist, "all_gather_single"):   # an older torch
+        del out["all_gather_single"], out["reduce_scatter_single"]
     return out
 
 

@@ -102,10 +102,10 @@ import torch
 from torch.distributed import distributed_c10d as _c10d
 
 from .. import _hooks, _torchapi
-from ._args import plain_list
 from ._buffers import BUFFER_MIN, buffer_of, with_buffer
-from ._dist import ShmGroup
+from ._dist import ShmGroup, _Lane, _nbytes
 from ._group import ProcessGroupMpcore
+from ._work import Work as _Work
 from ._reduce import CORE_ROWS, RED
 from ._uncompiled import run_uncompiled
 
@@ -123,6 +123,7 @@ _FUNCOL = "torch.distributed._functional_collectives"
 _SUM = RED.SUM
 _ROWS = CORE_ROWS
 _COLLECTIVES = ShmGroup.COLLECTIVES
+_SMALL = _Lane.SMALL
 _torch_empty = torch.empty
 _torch_cat = torch.cat
 
@@ -134,24 +135,12 @@ def _region(g):
     return None
 
 
-def _group(group):
-    """The mpcore group a call names (None: the default group), when it
-    has a region and nothing observes the call (NOTE [ Fast paths nobody
-    sees ]); else None."""
-    if _compiling() or _profiling() or _modes():
-        return None
-    g = _WORLD.default_pg if group is None else group
-    if type(g) is _PG and g.shm is not None and g._batch is None:
-        return g
-    return None
-
-
 def _plain(t):
     return type(t) is _Tensor and t.is_cpu and t.is_contiguous()
 
 
 def send(tensor, dst=None, group=None, tag=0, group_dst=None):
-    g = _WORLD.default_pg if group is None else group   # _group(), _plain(), inline
+    g = _WORLD.default_pg if group is None else group   # unobserved, _region(), _plain(), inline
     if (not (_compiling() or _profiling() or _modes())
             and type(g) is _PG and g.shm is not None and g._batch is None and group_dst is None
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
@@ -163,7 +152,7 @@ def send(tensor, dst=None, group=None, tag=0, group_dst=None):
 
 
 def recv(tensor, src=None, group=None, tag=0, group_src=None):
-    g = _WORLD.default_pg if group is None else group   # _group(), _plain(), inline
+    g = _WORLD.default_pg if group is None else group   # unobserved, _region(), _plain(), inline
     if (not (_compiling() or _profiling() or _modes())
             and type(g) is _PG and g.shm is not None and g._batch is None and group_src is None
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
@@ -179,7 +168,7 @@ def recv(tensor, src=None, group=None, tag=0, group_src=None):
 
 
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
-    g = _WORLD.default_pg if group is None else group   # _group(), _plain(), inline
+    g = _WORLD.default_pg if group is None else group   # unobserved, _region(), _plain(), inline
     if (not (_compiling() or _profiling() or _modes())
             and type(g) is _PG and g._batch is None and group_src is None
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
@@ -187,8 +176,15 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
         root = g._group_ranks.get(src)
         shm = g.shm
         if root is not None and shm is not None:
-            return _call(shm, async_op, tensor, [tensor], shm.core.broadcast, tensor.data_ptr(),
-                         tensor.nbytes, root)
+            if async_op:
+                return _queue(shm, [tensor], shm.core.broadcast,
+                              (tensor.data_ptr(), tensor.nbytes, root), tensor,
+                              tensor.nbytes <= _SMALL)
+            lane = shm._lanes.get(_COLLECTIVES)
+            if lane is not None and lane.queued:
+                shm.drain()
+            shm.core.broadcast(tensor.data_ptr(), tensor.nbytes, root, shm.timeout)
+            return None
     return _TORCH["broadcast"](tensor, src, group, async_op, group_src)
 
 
@@ -199,7 +195,7 @@ def _call(shm, async_op, keep, result, fn, *args):
     `result` and `keep`) for async_op (NOTE [ Asynchronous calls on the
     fast path ])."""
     if async_op:
-        return shm.run(True, result, fn, *args, keep=keep)
+        return _queue(shm, result, fn, args, keep)
     lane = shm._lanes.get(_COLLECTIVES)
     if lane is not None and lane.queued:
         shm.drain()
@@ -207,21 +203,59 @@ def _call(shm, async_op, keep, result, fn, *args):
     return None
 
 
+def _queue(shm, result, fn, args, keep, small=None):
+    """The Work of fn(*args, timeout) queued on the group's collectives
+    lane, as ShmGroup.run(True, ...) queues it (NOTE [ Asynchronous calls
+    on the fast path ]); small: whether the call is small for the lane
+    (_Lane.SMALL), from the result's bytes when not given."""
+    work = _Work(result)
+    lane = work._lane = shm._lanes.get(_COLLECTIVES) or shm._lane(_COLLECTIVES)
+    lane.put((work, fn, args, keep), _nbytes(result) <= _SMALL if small is None else small)
+    return work
+
+
+def _pieces(ts, like, w):
+    """ts as the core takes a list of w pieces, for a list of w plain CPU
+    tensors of like's dtype and shape: the first's address when they lie
+    end to end (rank q's piece at q * like.nbytes), else the list of their
+    addresses; None for any other list."""
+    if type(ts) is not list or len(ts) != w:
+        return None
+    dtype, shape = like.dtype, like.shape
+    addrs = []
+    for t in ts:
+        if not (type(t) is _Tensor and t.is_cpu and t.dtype is dtype and t.is_contiguous()
+                and t.shape == shape):
+            return None
+        addrs.append(t.data_ptr())
+    at = first = addrs[0]
+    nb = like.nbytes
+    if not (first and nb):
+        return addrs
+    for a in addrs:
+        if a != at:
+            return addrs
+        at += nb
+    return first
+
+
 def _rooted(tensor, tensors, rank, group, group_rank):
-    """(group, root's group rank, addresses of the root's list: 0 off the
-    root) of a gather or scatter the core serves; None else."""
-    g = _group(group)
-    if (g is None or group_rank is not None or not _plain(tensor)
-            or _has_torch_function((tensor,))):
-        return None
-    root = g._group_ranks.get(0 if rank is None else rank)
-    if root is None:
-        return None
-    mine = plain_list([tensors] if tensors else [], tensor,
-                                g._world if g._rank == root else 0)
-    if mine is None:
-        return None
-    return g, root, mine
+    """(group, root's group rank, the root's list as the core takes it: 0
+    off the root) of a gather or scatter the core serves; None else."""
+    g = _WORLD.default_pg if group is None else group   # unobserved, _region(), _plain(), inline
+    if (not (_compiling() or _profiling() or _modes())
+            and type(g) is _PG and g._batch is None and g.shm is not None and group_rank is None
+            and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
+            and not _has_torch_function((tensor,))):
+        root = g._group_ranks.get(0 if rank is None else rank)
+        if root is None:
+            return None
+        if root != g._rank:
+            return None if tensors else (g, root, 0)
+        mine = _pieces(tensors, tensor, g._world)
+        if mine is not None:
+            return g, root, mine
+    return None
 
 
 def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
@@ -231,9 +265,8 @@ def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group
     g, root, outs = call
     shm = g.shm
     # the Work's result is the root's outputs' list, as the group's method's
-    return _call(shm, async_op, (tensor, outs), list(outs), shm.core.gather,
-                 [t.data_ptr() for t in outs] if outs else 0, tensor.data_ptr(), tensor.nbytes,
-                 root)
+    return _call(shm, async_op, (tensor, gather_list), gather_list if outs else [],
+                 shm.core.gather, outs, tensor.data_ptr(), tensor.nbytes, root)
 
 
 def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
@@ -242,28 +275,41 @@ def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, gro
         return _TORCH["scatter"](tensor, scatter_list, src, group, async_op, group_src)
     g, root, ins = call
     shm = g.shm
-    return _call(shm, async_op, (tensor, ins), [tensor], shm.core.scatter, tensor.data_ptr(),
-                 [t.data_ptr() for t in ins] if ins else 0, tensor.nbytes, root)
+    return _call(shm, async_op, (tensor, scatter_list), [tensor], shm.core.scatter,
+                 tensor.data_ptr(), ins, tensor.nbytes, root)
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
                       group=None, async_op=False):
-    g = _group(group)
-    if (g is None or not _plain(output) or not _plain(input)
-            or output.dtype != input.dtype or _has_torch_function((output, input))
-            or not isinstance(output_split_sizes, (list, tuple, type(None)))
-            or not isinstance(input_split_sizes, (list, tuple, type(None)))):
-        return _TORCH["all_to_all_single"](output, input, output_split_sizes, input_split_sizes,
-                                           group, async_op)
-    return _call(g.shm, async_op, (input, output), [output],
-                 *g._core_all_to_all(output, input, output_split_sizes or (),
-                                     input_split_sizes or ()))
+    g = _WORLD.default_pg if group is None else group   # unobserved, _region(), _plain(), inline
+    if (not (_compiling() or _profiling() or _modes())
+            and type(g) is _PG and g._batch is None and g.shm is not None
+            and type(output) is _Tensor and type(input) is _Tensor
+            and output.is_cpu and input.is_cpu and output.dtype is input.dtype
+            and output.is_contiguous() and input.is_contiguous()
+            and not _has_torch_function((output, input))):
+        shm = g.shm
+        n, m, w = input.nbytes, output.nbytes, g._world
+        o, i = output.data_ptr(), input.data_ptr()
+        if (not output_split_sizes and not input_split_sizes and n < BUFFER_MIN
+                and input.dim() and output.dim() and not input.shape[0] % w
+                and not output.shape[0] % w and (i >= o + m or o >= i + n)):
+            # even splits, apart, not in a group buffer: the sizes are the bytes' shares
+            return _call(shm, async_op, (input, output), [output], shm.core.all_to_all,
+                         o, i, [n // w] * w, [m // w] * w)
+        if (isinstance(output_split_sizes, (list, tuple, type(None)))
+                and isinstance(input_split_sizes, (list, tuple, type(None)))):
+            return _call(shm, async_op, (input, output), [output],
+                         *g._core_all_to_all(output, input, output_split_sizes or (),
+                                             input_split_sizes or ()))
+    return _TORCH["all_to_all_single"](output, input, output_split_sizes, input_split_sizes,
+                                       group, async_op)
 
 
 # --- the collectives that reduce or gather (NOTE [ The rest of torch's collectives ]) ---
 
 def all_reduce(tensor, op=_SUM, group=None, async_op=False):
-    g = _WORLD.default_pg if group is None else group   # _group(), _plain(), inline
+    g = _WORLD.default_pg if group is None else group   # unobserved, _region(), _plain(), inline
     if (not (_compiling() or _profiling() or _modes())
             and type(g) is _PG and g._batch is None and type(op) is RED
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
@@ -276,8 +322,9 @@ def all_reduce(tensor, op=_SUM, group=None, async_op=False):
             if tensor.nbytes >= BUFFER_MIN:
                 call = with_buffer(call, buffer_of(tensor))
             if async_op:
-                return shm.run(True, [tensor], call, tensor.data_ptr(), tensor.numel(), codes[0],
-                               codes[1], keep=(tensor,))
+                return _queue(shm, [tensor], call,
+                              (tensor.data_ptr(), tensor.numel(), codes[0], codes[1]), tensor,
+                              tensor.nbytes <= _SMALL)
             lane = shm._lanes.get(_COLLECTIVES)
             if lane is not None and lane.queued:
                 shm.drain()
@@ -297,10 +344,10 @@ def barrier(group=None, async_op=False, device_ids=None, timeout=None):
             s = timeout.total_seconds()
             s = g._timeout_s if s < 0 else s
         else:
-            s = None
+            s = None     # torch's options take a timedelta only: its error
         if shm is not None and s is not None:
             if async_op:
-                return shm.run(True, [], _barrier, shm.core, s)
+                return _queue(shm, [], _barrier, (shm.core, s), None, True)
             lane = shm._lanes.get(_COLLECTIVES)
             if lane is not None and lane.queued:
                 shm.drain()
@@ -313,114 +360,93 @@ def _barrier(core, seconds, _timeout):
     core.barrier(seconds)
 
 
-def _gathered(output, input, group):
-    """The group of an all-gather of input into output that the core
-    serves, or None."""
-    g = _group(group)
-    if (g is not None and type(output) is _Tensor and type(input) is _Tensor
-            and output.is_cpu and input.is_cpu and output.dtype is input.dtype
-            and output.is_contiguous() and input.is_contiguous()
-            and output.numel() == input.numel() * g._world
-            and not _has_torch_function((input,))):
-        return g
-    return None
-
-
-def _all_gather_into(g, output, input, async_op):
-    shm = g.shm
-    call = shm.core.all_gather
-    if input.nbytes >= BUFFER_MIN:
-        call = with_buffer(call, buffer_of(input))
-    return _call(shm, async_op, (input, output), [output], call, output.data_ptr(),
-                 input.data_ptr(), input.nbytes)
-
-
-def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
-    g = _gathered(output_tensor, input_tensor, group)
-    if g is None:
-        return _TORCH["all_gather_single"](output_tensor, input_tensor, group, async_op)
-    return _all_gather_into(g, output_tensor, input_tensor, async_op)
-
-
-def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
-    g = _gathered(output_tensor, input_tensor, group)
-    if g is None:
-        return _TORCH["all_gather_into_tensor"](output_tensor, input_tensor, group, async_op)
-    return _all_gather_into(g, output_tensor, input_tensor, async_op)
-
-
-def _scattered(output, input, op, group):
-    """(group, core codes) of a reduce-scatter of input into output that
-    the core serves, or None."""
-    g = _group(group)
-    if (g is not None and type(output) is _Tensor and type(input) is _Tensor and type(op) is RED
-            and output.is_cpu and input.is_cpu and output.dtype is input.dtype
-            and output.is_contiguous() and input.is_contiguous()
-            and input.numel() == output.numel() * g._world
-            and not _has_torch_function((input,))):
-        row = _ROWS.get(output.dtype)
-        codes = row[op.value] if row is not None else None
-        if codes is not None:
-            return g, codes
-    return None
-
-
-def _reduce_scatter_into(g, codes, output, input, async_op):
-    shm = g.shm
-    call = shm.core.reduce_scatter
-    if input.nbytes >= BUFFER_MIN:
-        call = with_buffer(call, buffer_of(input))
-    return _call(shm, async_op, (input, output), [output], call, output.data_ptr(),
-                 input.data_ptr(), output.numel(), codes[0], codes[1])
-
-
-def reduce_scatter_single(output, input, op=_SUM, group=None, async_op=False):
-    call = _scattered(output, input, op, group)
-    if call is None:
-        return _TORCH["reduce_scatter_single"](output, input, op, group, async_op)
-    return _reduce_scatter_into(call[0], call[1], output, input, async_op)
-
-
-def reduce_scatter_tensor(output, input, op=_SUM, group=None, async_op=False):
-    call = _scattered(output, input, op, group)
-    if call is None:
-        return _TORCH["reduce_scatter_tensor"](output, input, op, group, async_op)
-    return _reduce_scatter_into(call[0], call[1], output, input, async_op)
-
-
-def _laid(ts, like, w):
-    """For a list of w plain CPU tensors of like's dtype and shape: the
-    address of the first when they lie end to end (one buffer, rank q's
-    piece at q * like.nbytes), else 0; None for any other list."""
-    if type(ts) is not list or len(ts) != w:
-        return None
-    dtype, shape, nb = like.dtype, like.shape, like.nbytes
-    at = first = ts[0].data_ptr() if w and type(ts[0]) is _Tensor else 0
-    for t in ts:
-        if not (type(t) is _Tensor and t.is_cpu and t.dtype is dtype and t.is_contiguous()
-                and t.shape == shape):
+def _all_gather_base(key):
+    """all_gather_single (or all_gather_into_tensor, torch's name for it
+    before), with torch's function _TORCH[key]."""
+    def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
+        g = _WORLD.default_pg if group is None else group   # unobserved, _region(), _plain(), inline
+        if (not (_compiling() or _profiling() or _modes())
+                and type(g) is _PG and g._batch is None and g.shm is not None
+                and type(output_tensor) is _Tensor and type(input_tensor) is _Tensor
+                and output_tensor.is_cpu and input_tensor.is_cpu
+                and output_tensor.dtype is input_tensor.dtype
+                and output_tensor.is_contiguous() and input_tensor.is_contiguous()
+                and output_tensor.numel() == input_tensor.numel() * g._world
+                and not _has_torch_function((input_tensor,))):
+            shm = g.shm
+            call, n = shm.core.all_gather, input_tensor.nbytes
+            if n >= BUFFER_MIN:
+                call = with_buffer(call, buffer_of(input_tensor))
+            if async_op:
+                return _queue(shm, [output_tensor], call,
+                              (output_tensor.data_ptr(), input_tensor.data_ptr(), n),
+                              (input_tensor, output_tensor), n * g._world <= _SMALL)
+            lane = shm._lanes.get(_COLLECTIVES)
+            if lane is not None and lane.queued:
+                shm.drain()
+            call(output_tensor.data_ptr(), input_tensor.data_ptr(), n, shm.timeout)
             return None
-        if at and t.data_ptr() != at:
-            at = 0
-        elif at:
-            at += nb
-    return first if at else 0
+        return _TORCH[key](output_tensor, input_tensor, group, async_op)
+    all_gather_single.__name__ = all_gather_single.__qualname__ = key
+    return all_gather_single
+
+
+def _reduce_scatter_base(key):
+    """reduce_scatter_single (or reduce_scatter_tensor, torch's name for it
+    before), with torch's function _TORCH[key]."""
+    def reduce_scatter_single(output, input, op=_SUM, group=None, async_op=False):
+        g = _WORLD.default_pg if group is None else group   # unobserved, _region(), _plain(), inline
+        if (not (_compiling() or _profiling() or _modes())
+                and type(g) is _PG and g._batch is None and g.shm is not None
+                and type(output) is _Tensor and type(input) is _Tensor and type(op) is RED
+                and output.is_cpu and input.is_cpu and output.dtype is input.dtype
+                and output.is_contiguous() and input.is_contiguous()
+                and input.numel() == output.numel() * g._world
+                and not _has_torch_function((input,))):
+            row = _ROWS.get(output.dtype)
+            codes = row[op.value] if row is not None else None
+            if codes is not None:
+                shm = g.shm
+                call = shm.core.reduce_scatter
+                if input.nbytes >= BUFFER_MIN:
+                    call = with_buffer(call, buffer_of(input))
+                if async_op:
+                    return _queue(shm, [output], call, (output.data_ptr(), input.data_ptr(),
+                                                        output.numel(), codes[0], codes[1]),
+                                  (input, output))
+                lane = shm._lanes.get(_COLLECTIVES)
+                if lane is not None and lane.queued:
+                    shm.drain()
+                call(output.data_ptr(), input.data_ptr(), output.numel(), codes[0], codes[1],
+                     shm.timeout)
+                return None
+        return _TORCH[key](output, input, op, group, async_op)
+    reduce_scatter_single.__name__ = reduce_scatter_single.__qualname__ = key
+    return reduce_scatter_single
+
+
+all_gather_single = _all_gather_base("all_gather_single")
+all_gather_into_tensor = _all_gather_base("all_gather_into_tensor")
+reduce_scatter_single = _reduce_scatter_base("reduce_scatter_single")
+reduce_scatter_tensor = _reduce_scatter_base("reduce_scatter_tensor")
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
-    g = _group(group)
-    at = None
-    if g is not None and _plain(tensor) and not _has_torch_function((tensor,)):
-        at = _laid(tensor_list, tensor, g._world)
-    if at is None:
-        return _TORCH["all_gather"](tensor_list, tensor, group, async_op)
-    shm = g.shm
-    if at:      # the outputs are one buffer: the core writes into it
-        return _call(shm, async_op, (tensor, tensor_list), tensor_list, shm.core.all_gather,
-                     at, tensor.data_ptr(), tensor.nbytes)
-    flat = _torch_empty((g._world,) + tuple(tensor.shape), dtype=tensor.dtype)
-    return _call(shm, async_op, (tensor, flat), tensor_list, _gather_apart, shm.core, flat,
-                 tensor_list, tensor.data_ptr(), tensor.nbytes)
+    g = _WORLD.default_pg if group is None else group   # unobserved, _region(), _plain(), inline
+    if (not (_compiling() or _profiling() or _modes())
+            and type(g) is _PG and g._batch is None and g.shm is not None
+            and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
+            and not _has_torch_function((tensor,))):
+        outs = _pieces(tensor_list, tensor, g._world)
+        if outs is not None:
+            shm = g.shm
+            if type(outs) is int:   # one buffer: the core writes into it
+                return _call(shm, async_op, (tensor, tensor_list), tensor_list,
+                             shm.core.all_gather, outs, tensor.data_ptr(), tensor.nbytes)
+            flat = _torch_empty((g._world,) + tuple(tensor.shape), dtype=tensor.dtype)
+            return _call(shm, async_op, (tensor, flat), tensor_list, _gather_apart, shm.core,
+                         flat, tensor_list, tensor.data_ptr(), tensor.nbytes)
+    return _TORCH["all_gather"](tensor_list, tensor, group, async_op)
 
 
 def _gather_apart(core, flat, outs, addr, nbytes, timeout):
@@ -430,43 +456,45 @@ def _gather_apart(core, flat, outs, addr, nbytes, timeout):
 
 
 def reduce_scatter(output, input_list, op=_SUM, group=None, async_op=False):
-    g = _group(group)
-    at = codes = None
-    if (g is not None and _plain(output) and type(op) is RED
+    g = _WORLD.default_pg if group is None else group   # unobserved, _region(), _plain(), inline
+    if (not (_compiling() or _profiling() or _modes())
+            and type(g) is _PG and g._batch is None and g.shm is not None and type(op) is RED
+            and type(output) is _Tensor and output.is_cpu and output.is_contiguous()
             and not _has_torch_function((output,))):
         row = _ROWS.get(output.dtype)
         codes = row[op.value] if row is not None else None
-        if codes is not None:
-            at = _laid(input_list, output, g._world)
-    if at is None:
-        return _TORCH["reduce_scatter"](output, input_list, op, group, async_op)
-    shm = g.shm
-    flat = None if at else _torch_cat([t.view(-1) for t in input_list])
-    return _call(shm, async_op, (output, input_list, flat), [output], shm.core.reduce_scatter,
-                 output.data_ptr(), at or flat.data_ptr(), output.numel(), codes[0], codes[1])
+        ins = _pieces(input_list, output, g._world) if codes is not None else None
+        if ins is not None:
+            shm = g.shm
+            flat = None if type(ins) is int else _torch_cat([t.view(-1) for t in input_list])
+            return _call(shm, async_op, (output, input_list, flat), [output],
+                         shm.core.reduce_scatter, output.data_ptr(),
+                         ins if flat is None else flat.data_ptr(), output.numel(), codes[0],
+                         codes[1])
+    return _TORCH["reduce_scatter"](output, input_list, op, group, async_op)
 
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
-    g = _group(group)
-    o = i = None
-    if g is not None and type(input_tensor_list) is list and input_tensor_list:
-        first = input_tensor_list[0]
-        if (type(first) is _Tensor and first.is_cpu and first.is_contiguous()
-                and not _has_torch_function(tuple(input_tensor_list))):
-            w = g._world
-            i = _laid(input_tensor_list, first, w)
-            o = _laid(output_tensor_list, first, w) if i is not None else None
-    if o is None:
-        return _TORCH["all_to_all"](output_tensor_list, input_tensor_list, group, async_op)
-    shm = g.shm
-    sizes = [first.nbytes] * g._world
-    src = None if i else _torch_cat([t.view(-1) for t in input_tensor_list])
-    if o:
-        return _call(shm, async_op, (input_tensor_list, src), output_tensor_list,
-                     shm.core.all_to_all, o, i or src.data_ptr(), sizes, sizes)
-    flat = _torch_empty((g._world,) + tuple(first.shape), dtype=first.dtype)
-    return _call(shm, async_op, (input_tensor_list, src, flat), output_tensor_list,
-                 _to_all_apart, shm.core, flat, output_tensor_list, i or src.data_ptr(), sizes)
+    g = _WORLD.default_pg if group is None else group   # unobserved, _region(), _plain(), inline
+    if (not (_compiling() or _profiling() or _modes())
+            and type(g) is _PG and g._batch is None and g.shm is not None
+            and type(input_tensor_list) is list and input_tensor_list
+            and not _has_torch_function(tuple(input_tensor_list))):
+        first, w = input_tensor_list[0], g._world
+        ins = _pieces(input_tensor_list, first, w) if type(first) is _Tensor else None
+        outs = _pieces(output_tensor_list, first, w) if ins is not None else None
+        if outs is not None:
+            shm = g.shm
+            sizes = [first.nbytes] * w
+            src = None if type(ins) is int else _torch_cat([t.view(-1) for t in input_tensor_list])
+            at = ins if src is None else src.data_ptr()
+            if type(outs) is int:
+                return _call(shm, async_op, (input_tensor_list, src), output_tensor_list,
+                             shm.core.all_to_all, outs, at, sizes, sizes)
+            flat = _torch_empty((w,) + tuple(first.shape), dtype=first.dtype)
+            return _call(shm, async_op, (input_tensor_list, src, flat), output_tensor_list,
+                         _to_all_apart, shm.core, flat, output_tensor_list, at, sizes)
+    return _TORCH["all_to_all"](output_tensor_list, input_tensor_list, group, async_op)
 
 
 def _to_all_apart(core, flat, outs, addr, sizes, timeout):
