@@ -296,6 +296,7 @@ class Work:
 
 
 _futures = threading.Lock()   # orders a Work's future against its completion
+_get_ident = threading.get_ident
 
 
 class _Lane:
@@ -356,6 +357,7 @@ class _Lane:
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
         self.thread = None
+        self.ident = None      # the thread's (get_ident() is cheaper than current_thread())
         self.queued = 0
         self.running = False   # a call of this lane runs (on its thread or a waiter's)
         self.polling = False   # the thread waits with POLL_S timeouts
@@ -367,11 +369,12 @@ class _Lane:
             if self.thread is None:
                 self.thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
                 self.thread.start()
+                self.ident = self.thread.ident
             self.queued += 1
             self.queue.append(item)
             if small:
                 self.last_put = time.monotonic()
-            here = threading.current_thread() is self.thread
+            here = _get_ident() == self.ident
             if not (here or small and self.polling):
                 self.cond.notify()
         if here:   # a callback on the lane's thread (NOTE [ Callbacks that call again ])
@@ -411,7 +414,7 @@ class _Lane:
                 self._wake()
 
     def run_if_next(self, work):
-        if threading.current_thread() is self.thread:
+        if _get_ident() == self.ident:
             return self.drain(work)   # NOTE [ Callbacks that call again ]
         with self.lock:
             if not self.queue or self.queue[0][0] is not work:
@@ -476,7 +479,7 @@ class _Lane:
             self.queue.append(None)
             self.cond.notify_all()
         self.thread.join()
-        self.thread = None
+        self.thread = self.ident = None
 
 
 class ShmGroup:

@@ -68,6 +68,13 @@ class Work(_dist.Work, dist.Work):
     def wait(self, timeout=NO_TIMEOUT):
         if HOLD:
             let_go(self)
+        if timeout is NO_TIMEOUT:   # no timeout: what follows, without reading one
+            if not self._done:
+                self._run_here()
+                self._wait_done()
+            if self._exc is not None:
+                raise self._exc
+            return True
         s = _dist.seconds(timeout)
         if not s or s <= 0:
             self._run_here()
