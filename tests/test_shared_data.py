@@ -16,8 +16,8 @@ import torch
 
 import mpcore
 from mpcore.data import SharedDict, SharedList, share_dataset
-from conftest import (TESTS_ON_PATH, fresh_env, memory_amounts, program_result, run_in_memcg,
-                      scaled)
+from conftest import (TESTS_ON_PATH, fresh_env, memory_amounts, program_result, require,
+                      run_in_memcg, scaled)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -535,6 +535,71 @@ def test_the_memory_row_shows_every_variant_and_judges_both_targets():
     assert "1,800 MB / 700 MB / 1,700 MB / 1,300 MB" in table, table
     assert "2.7% of torch's (target <= 5%): met" in table, table
     assert "1.30x one copy" in table and "MISSED" not in table, table
+
+
+def _mem_row_doc(figures, one_copy, items=2_000_000, workers=4):
+    """A bench JSON document with a shared-mem row whose growths (MB) are
+    `figures`: {(side, variant): (USS growth, PSS growth)}."""
+    from mpcore.bench import cases, runner
+    mb = 2**20
+
+    def variant(uss, pss):
+        return {"large": {"uss_workers": (uss + 50) * mb, "pss_total": (pss + 200) * mb,
+                          "uss_main": mb, "epoch_s": 2.0},
+                "small": {"uss_workers": 50 * mb, "pss_total": 200 * mb, "uss_main": mb,
+                          "epoch_s": 0.1},
+                "uss_growth": uss * mb, "pss_growth": pss * mb}
+    res = {}
+    for side, main in (("torch", "plain"), ("mpcore", "converted")):
+        ex = {"items": items, "small_items": items // 1000, "workers": workers,
+              "one_copy": one_copy * mb}
+        for (s, v), (uss, pss) in figures.items():
+            if s == side:
+                ex[v] = variant(uss, pss)
+        res[side] = [{"case": "shared-mem", "impl": side, "value": ex[main]["uss_growth"] / mb,
+                      "n": items, "elapsed_s": 2.0, "extra": ex}]
+    return json.loads(json.dumps({"rows": [runner.summarize(cases.CASES["shared-mem"], res)]}))
+
+
+def test_the_memory_chart_draws_the_rows_four_variants(tmp_path):
+    """benchmarks/plot_shared_mem.py: the chart of a bench JSON's shared-mem
+    row shows each variant's two growths and one copy, as text; a JSON
+    without the row is an error that says which row to run."""
+    import importlib.util
+    require(importlib.util.find_spec("matplotlib") is not None,
+            "the chart is drawn with matplotlib (mpcore[bench])")
+    from mpcore.bench import plot_shared_mem
+    doc = _mem_row_doc({("torch", "plain"): (704, 1577), ("torch", "numpy"): (3, 681),
+                        ("mpcore", "plain"): (702, 1576), ("mpcore", "converted"): (0, 257)},
+                       875)
+    path = tmp_path / "mem.json"
+    path.write_text(json.dumps(doc))
+    out = tmp_path / "mem.svg"
+    assert plot_shared_mem.main([str(path), str(out)]) == 0
+    svg = out.read_text()
+    for text in ("704 MB", "3 MB", "702 MB", "0 MB", "1,577 MB", "681 MB", "1,576 MB",
+                 "257 MB", "one copy of the dataset: 875 MB", "torch, plain list",
+                 "torch, detectron2-style numpy", "mpcore, plain list",
+                 "mpcore, share_dataset=True", "2,000,000 small dicts"):
+        assert text in svg, text
+    (tmp_path / "none.json").write_text(json.dumps({"rows": []}))
+    assert plot_shared_mem.main([str(tmp_path / "none.json"), str(tmp_path / "x.svg")]) == 1
+    with pytest.raises(ValueError, match="--only shared-mem"):
+        plot_shared_mem.figures({"rows": []})
+
+
+def test_the_readmes_memory_chart_shows_the_figures_of_its_json():
+    """docs/shared-mem.svg was drawn from docs/shared-mem.json: each of the
+    JSON's figures is in it (rounded as the chart writes them)."""
+    from mpcore.bench import plot_shared_mem
+    docs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs")
+    with open(os.path.join(docs, "shared-mem.json")) as f:
+        figs, one, items, workers = plot_shared_mem.figures(json.load(f))
+    with open(os.path.join(docs, "shared-mem.svg")) as f:
+        svg = f.read()
+    for uss, pss in figs.values():
+        assert f">{uss:,.0f} MB<" in svg and f">{pss:,.0f} MB<" in svg, (uss, pss)
+    assert f"one copy of the dataset: {one:,.0f} MB" in svg and f"{items:,} small dicts" in svg
 
 
 def test_empty_containers_and_unusual_arrays_and_tensors():
