@@ -690,13 +690,14 @@ def rebuild(n, t, arr, pad, how, conn):
 
 
 class DS(torch.utils.data.Dataset):
-    """A tensor (it travels as a handle), a numpy array (each worker's own),
+    """A tensor (it travels as a handle), a numpy array of 800 KB (each
+    worker's own),
     3 MB of strings (so that its pickle has a segment of its own); counts
     its pickles in the main process."""
     def __init__(self, n, how=None, conn=None):
         self.n, self.how, self.conn = n, how, conn
         self.t = torch.arange(n) * 10
-        self.arr = np.zeros(1, np.int64)
+        self.arr = np.zeros(100_000, np.int64)  # large enough for a Queue to share it
         self.pad = [f"/data/{i:07d}.jpg" for i in range(100_000)]
 
     def __len__(self):

@@ -44,9 +44,12 @@ worker into the zygote's request; each worker still unpickles its own
 copy, so the time to its first batch still grows with the size of the
 dataset (a SharedList or SharedDict, share_dataset(), pickles as a handle:
 that is what makes it not grow).  numpy arrays travel inside the pickle and
-each worker gets its own copy, as under torch: handing out views of the
-block instead (pickle protocol 5's out-of-band buffers) would make them
-shared between workers (or read-only), which torch's workers do not see.
+each worker gets its own copy, as under torch (one already in mpcore memory
+travels as a handle, as before): handing out views of the block instead
+(pickle protocol 5's out-of-band buffers) would make them shared between
+workers (or read-only), which torch's workers do not see.  Tensors are
+shared already: torch moves a dataset's tensors into shared memory when it
+sends them to 'spawn' workers, and so does mpcore, into its blocks.
 
 NOTE [ Unpickling with the collector paused ]
 Unpickling a dataset of Python objects makes containers by the million,
@@ -60,6 +63,7 @@ import gc
 import io
 import pickle
 import queue
+import sys
 from multiprocessing import context as _mpctx
 from multiprocessing import process as _mpprocess
 from multiprocessing.reduction import ForkingPickler
@@ -132,6 +136,17 @@ class Shipment:
         self._blocks = []
 
 
+def _reduce_ndarray(arr):
+    """A numpy array as a Process's pickle has it: by handle where it lives
+    in mpcore memory already, else inside the pickle, so that each worker
+    gets its own copy.  (The pickle is taken inside a transfer, to collect
+    its tickets, where mpcore's reducer would copy a large array into
+    shared memory, as for a Queue, and the workers would share it.)"""
+    if not arr.dtype.hasobject and _blocks.array_block(arr)[0] is not None:
+        return _blocks.reduce_ndarray(arr)
+    return arr.__reduce_ex__(4)
+
+
 def _drop(refs):
     for ref in refs:
         _core.drop_ticket(ref)
@@ -143,10 +158,14 @@ def pack(obj):
     popen, or the block does not fit).  An error of the pickling itself is
     raised, the tickets it took dropped."""
     f = io.BytesIO()
+    p = ForkingPickler(f)
+    np = sys.modules.get("numpy")
+    if np is not None and np.ndarray in p.dispatch_table:
+        p.dispatch_table[np.ndarray] = _reduce_ndarray
     with _blocks.transfer() as t:
         _mpctx.set_spawning_popen(_ONE)
         try:
-            ForkingPickler(f).dump(obj)
+            p.dump(obj)
         except _NeedsPopen:
             _drop(t.refs)
             return None
