@@ -5,7 +5,7 @@ for: what is left is the software above the core's work).
     python benchmarks/fastpath_calls.py [--size BYTES] [--calls N] [--runs R] [--only a,b]
 
 NOTE [ Every small call against the core's ]
-For each operation, four ways of making the same call, timed as
+For each operation, five ways of making the same call, timed as
 allreduce_layers.py times its levels (CPU time of the calling thread per
 call, best and median of R runs of N calls, the ways interleaved run by
 run and the order turned each run):
@@ -18,11 +18,14 @@ run and the order turned each run):
   front of (_fastpath._TORCH), which goes through torch's checks and
   options to the group's method: the path before the fast path, and the
   one an observed call takes;
-- async: the dist.* call with async_op=True and its Work's wait().
+- async: the dist.* call with async_op=True and its Work's wait();
+- torch's async: the same through torch's function and the group's
+  method, as before the fast path.
 The table gives each in us, and dist - core, the fast path's price over
 the core, and async - dist, what asking for a Work costs over a blocking
-call.  On two ranks the wall times of the same calls are the
-`mpcore bench --only mpi-...` rows' "through torch.distributed" column.
+call.  On two ranks the wall times of all_reduce, barrier and broadcast
+through torch.distributed next to the core's and Open MPI's are the
+`mpcore bench --only mpi-2r-...` rows.
 """
 import argparse
 import datetime
@@ -59,68 +62,80 @@ def cases(dist, pg, n):
             "core": lambda: core.all_reduce(t.data_ptr(), n, f32, op_sum, timeout, None),
             "dist": lambda: dist.all_reduce(t),
             "torch's path": lambda: torch_fn("all_reduce")(t),
-            "async": lambda: dist.all_reduce(t, async_op=True).wait()},
+            "async": lambda: dist.all_reduce(t, async_op=True).wait(),
+            "torch's async": lambda: torch_fn("all_reduce")(t, async_op=True).wait()},
         "barrier": {
             "core": lambda: core.barrier(timeout),
             "dist": lambda: dist.barrier(),
             "torch's path": lambda: torch_fn("barrier")(),
-            "async": lambda: dist.barrier(async_op=True).wait()},
+            "async": lambda: dist.barrier(async_op=True).wait(),
+            "torch's async": lambda: torch_fn("barrier")(async_op=True).wait()},
         "broadcast": {
             "core": lambda: core.broadcast(t.data_ptr(), nb, 0, timeout),
             "dist": lambda: dist.broadcast(t, 0),
             "torch's path": lambda: torch_fn("broadcast")(t, 0),
-            "async": lambda: dist.broadcast(t, 0, async_op=True).wait()},
+            "async": lambda: dist.broadcast(t, 0, async_op=True).wait(),
+            "torch's async": lambda: torch_fn("broadcast")(t, 0, async_op=True).wait()},
         "all_gather_into_tensor": {
             "core": lambda: core.all_gather(flat.data_ptr(), t.data_ptr(), nb, timeout),
             "dist": lambda: dist.all_gather_into_tensor(flat, t),
             "torch's path": lambda: torch_fn("all_gather_into_tensor")(flat, t),
-            "async": lambda: dist.all_gather_into_tensor(flat, t, async_op=True).wait()},
+            "async": lambda: dist.all_gather_into_tensor(flat, t, async_op=True).wait(),
+            "torch's async": lambda: torch_fn("all_gather_into_tensor")(flat, t, async_op=True).wait()},
         "all_gather": {
             "core": lambda: core.all_gather(flat.data_ptr(), t.data_ptr(), nb, timeout),
             "dist": lambda: dist.all_gather(outs, t),
             "torch's path": lambda: torch_fn("all_gather")(outs, t),
-            "async": lambda: dist.all_gather(outs, t, async_op=True).wait()},
+            "async": lambda: dist.all_gather(outs, t, async_op=True).wait(),
+            "torch's async": lambda: torch_fn("all_gather")(outs, t, async_op=True).wait()},
         "reduce_scatter_tensor": {
             "core": lambda: core.reduce_scatter(out1.data_ptr(), flat.data_ptr(), n, f32, op_sum,
                                                 timeout),
             "dist": lambda: dist.reduce_scatter_tensor(out1, flat),
             "torch's path": lambda: torch_fn("reduce_scatter_tensor")(out1, flat),
-            "async": lambda: dist.reduce_scatter_tensor(out1, flat, async_op=True).wait()},
+            "async": lambda: dist.reduce_scatter_tensor(out1, flat, async_op=True).wait(),
+            "torch's async": lambda: torch_fn("reduce_scatter_tensor")(out1, flat, async_op=True).wait()},
         "all_gather_single": {
             "core": lambda: core.all_gather(flat.data_ptr(), t.data_ptr(), nb, timeout),
             "dist": lambda: dist.all_gather_single(flat, t),
             "torch's path": lambda: torch_fn("all_gather_single")(flat, t),
-            "async": lambda: dist.all_gather_single(flat, t, async_op=True).wait()},
+            "async": lambda: dist.all_gather_single(flat, t, async_op=True).wait(),
+            "torch's async": lambda: torch_fn("all_gather_single")(flat, t, async_op=True).wait()},
         "reduce_scatter_single": {
             "core": lambda: core.reduce_scatter(out1.data_ptr(), flat.data_ptr(), n, f32, op_sum,
                                                 timeout),
             "dist": lambda: dist.reduce_scatter_single(out1, flat),
             "torch's path": lambda: torch_fn("reduce_scatter_single")(out1, flat),
-            "async": lambda: dist.reduce_scatter_single(out1, flat, async_op=True).wait()},
+            "async": lambda: dist.reduce_scatter_single(out1, flat, async_op=True).wait(),
+            "torch's async": lambda: torch_fn("reduce_scatter_single")(out1, flat, async_op=True).wait()},
         "reduce_scatter": {
             "core": lambda: core.reduce_scatter(out1.data_ptr(), flat.data_ptr(), n, f32, op_sum,
                                                 timeout),
             "dist": lambda: dist.reduce_scatter(out1, ins),
             "torch's path": lambda: torch_fn("reduce_scatter")(out1, ins),
-            "async": lambda: dist.reduce_scatter(out1, ins, async_op=True).wait()},
+            "async": lambda: dist.reduce_scatter(out1, ins, async_op=True).wait(),
+            "torch's async": lambda: torch_fn("reduce_scatter")(out1, ins, async_op=True).wait()},
         "all_to_all_single": {
             "core": lambda: core.all_to_all(a2a_out.data_ptr(), a2a_in.data_ptr(), sizes, sizes,
                                             timeout),
             "dist": lambda: dist.all_to_all_single(a2a_out, a2a_in),
             "torch's path": lambda: torch_fn("all_to_all_single")(a2a_out, a2a_in),
-            "async": lambda: dist.all_to_all_single(a2a_out, a2a_in, async_op=True).wait()},
+            "async": lambda: dist.all_to_all_single(a2a_out, a2a_in, async_op=True).wait(),
+            "torch's async": lambda: torch_fn("all_to_all_single")(a2a_out, a2a_in, async_op=True).wait()},
         "all_to_all": {
             "core": lambda: core.all_to_all(a2a_out.data_ptr(), a2a_in.data_ptr(), sizes, sizes,
                                             timeout),
             "dist": lambda: dist.all_to_all(outs, ins),
             "torch's path": lambda: torch_fn("all_to_all")(outs, ins),
-            "async": lambda: dist.all_to_all(outs, ins, async_op=True).wait()},
+            "async": lambda: dist.all_to_all(outs, ins, async_op=True).wait(),
+            "torch's async": lambda: torch_fn("all_to_all")(outs, ins, async_op=True).wait()},
         "gather": {
             "core": lambda: core.gather([o.data_ptr() for o in outs], t.data_ptr(), nb, 0,
                                         timeout),
             "dist": lambda: dist.gather(t, outs, 0),
             "torch's path": lambda: torch_fn("gather")(t, outs, 0),
-            "async": lambda: dist.gather(t, outs, 0, async_op=True).wait()},
+            "async": lambda: dist.gather(t, outs, 0, async_op=True).wait(),
+            "torch's async": lambda: torch_fn("gather")(t, outs, 0, async_op=True).wait()},
     }
     if not hasattr(dist, "all_gather_single"):   # an older torch
         del out["all_gather_single"], out["reduce_scatter_single"]
@@ -163,13 +178,13 @@ def main(argv=None):
     print(f"{args.size} bytes float32 on an mpcore group of one rank; torch {torch.__version__}; "
           f"best (median) of {args.runs} runs of {args.calls} calls, CPU us per call; load "
           f"average {os.getloadavg()[0]:.1f}")
-    print(f"  {'operation':<24s} {'core':>13s} {'dist':>13s} {'torch s path':>13s} "
-          f"{'async+wait':>13s} {'dist-core':>9s} {'async-dist':>10s}")
+    ways = ("core", "dist", "torch's path", "async", "torch's async")
+    print(f"  {'operation':<23s}" + "".join(f"{w:>15s}" for w in ways)
+          + f"{'dist-core':>10s}{'async-dist':>11s}")
     for op, r in results.items():
-        cells = " ".join(f"{r[k][0]:6.2f} ({r[k][1]:4.2f})"
-                         for k in ("core", "dist", "torch's path", "async"))
-        print(f"  {op:<24s} {cells} {r['dist'][0] - r['core'][0]:+9.2f} "
-              f"{r['async'][0] - r['dist'][0]:+10.2f}")
+        cells = "".join(f"{r[k][0]:7.2f} ({r[k][1]:5.2f})" for k in ways)
+        print(f"  {op:<23s}{cells}{r['dist'][0] - r['core'][0]:+10.2f}"
+              f"{r['async'][0] - r['dist'][0]:+11.2f}")
     return 0
 
 

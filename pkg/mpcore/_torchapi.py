@@ -222,6 +222,8 @@ def _rows():
         ("torch._C._len_torch_dispatch_stack", "read", "callable", "collective fast paths",
          False),
         (f"{C10D}._resolve_process_group", "read", "callable", "collective fast paths", False),
+        # the default group without _World.default_pg's property call
+        (f"{C10D}._world._default_pg", "read", "exists", "collective fast paths", False),
     )
     for n in _FASTPATH + _FASTPATH_NEW:
         yield (f"{C10D}.{n}", "replace", "same params", "collective fast paths",

@@ -110,6 +110,7 @@ from ._reduce import CORE_ROWS, RED
 from ._uncompiled import run_uncompiled
 
 _WORLD = _torchapi.find(f"{_torchapi.C10D}._world")   # None only outside the torch window
+_torchapi.find(f"{_torchapi.C10D}._world._default_pg")   # read as _WORLD._default_pg
 _resolve_process_group = _torchapi.find(f"{_torchapi.C10D}._resolve_process_group")
 _TORCH = {}   # key (the function's name, "funcol." before a functional one's) -> torch's
 _has_torch_function = _torchapi.get("torch._C._has_torch_function")
@@ -122,6 +123,8 @@ _PG = ProcessGroupMpcore
 _FUNCOL = "torch.distributed._functional_collectives"
 _SUM = RED.SUM
 _ROWS = CORE_ROWS
+_SUMS = {dt: row[RED.SUM.value] for dt, row in CORE_ROWS.items() if row[RED.SUM.value]}
+_FEW = BUFFER_MIN // 16   # fewer elements than this are under BUFFER_MIN bytes in any dtype
 _COLLECTIVES = ShmGroup.COLLECTIVES
 _SMALL = _Lane.SMALL
 _torch_empty = torch.empty
@@ -140,7 +143,7 @@ def _plain(t):
 
 
 def send(tensor, dst=None, group=None, tag=0, group_dst=None):
-    g = _WORLD.default_pg if group is None else group   # unobserved, _region(), _plain(), inline
+    g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
     if (not (_compiling() or _profiling() or _modes())
             and type(g) is _PG and g.shm is not None and g._batch is None and group_dst is None
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
@@ -152,7 +155,7 @@ def send(tensor, dst=None, group=None, tag=0, group_dst=None):
 
 
 def recv(tensor, src=None, group=None, tag=0, group_src=None):
-    g = _WORLD.default_pg if group is None else group   # unobserved, _region(), _plain(), inline
+    g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
     if (not (_compiling() or _profiling() or _modes())
             and type(g) is _PG and g.shm is not None and g._batch is None and group_src is None
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
@@ -168,7 +171,7 @@ def recv(tensor, src=None, group=None, tag=0, group_src=None):
 
 
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
-    g = _WORLD.default_pg if group is None else group   # unobserved, _region(), _plain(), inline
+    g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
     if (not (_compiling() or _profiling() or _modes())
             and type(g) is _PG and g._batch is None and group_src is None
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
@@ -242,7 +245,7 @@ def _pieces(ts, like, w):
 def _rooted(tensor, tensors, rank, group, group_rank):
     """(group, root's group rank, the root's list as the core takes it: 0
     off the root) of a gather or scatter the core serves; None else."""
-    g = _WORLD.default_pg if group is None else group   # unobserved, _region(), _plain(), inline
+    g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
     if (not (_compiling() or _profiling() or _modes())
             and type(g) is _PG and g._batch is None and g.shm is not None and group_rank is None
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
@@ -281,7 +284,7 @@ def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, gro
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
                       group=None, async_op=False):
-    g = _WORLD.default_pg if group is None else group   # unobserved, _region(), _plain(), inline
+    g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
     if (not (_compiling() or _profiling() or _modes())
             and type(g) is _PG and g._batch is None and g.shm is not None
             and type(output) is _Tensor and type(input) is _Tensor
@@ -309,32 +312,34 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
 # --- the collectives that reduce or gather (NOTE [ The rest of torch's collectives ]) ---
 
 def all_reduce(tensor, op=_SUM, group=None, async_op=False):
-    g = _WORLD.default_pg if group is None else group   # unobserved, _region(), _plain(), inline
+    g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
     if (not (_compiling() or _profiling() or _modes())
             and type(g) is _PG and g._batch is None and type(op) is RED
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
             and not _has_torch_function((tensor,))):
-        row = _ROWS.get(tensor.dtype)
-        codes = row[op.value] if row is not None else None
+        if op is _SUM:    # an enum's .value costs more than the rest of a row's read
+            codes = _SUMS.get(tensor.dtype)
+        else:
+            row = _ROWS.get(tensor.dtype)
+            codes = row[op.value] if row is not None else None
         shm = g.shm
         if codes is not None and shm is not None:
-            call = shm.core.all_reduce
-            if tensor.nbytes >= BUFFER_MIN:
+            call, n = shm.core.all_reduce, tensor.numel()
+            if n >= _FEW and tensor.nbytes >= BUFFER_MIN:
                 call = with_buffer(call, buffer_of(tensor))
             if async_op:
-                return _queue(shm, [tensor], call,
-                              (tensor.data_ptr(), tensor.numel(), codes[0], codes[1]), tensor,
-                              tensor.nbytes <= _SMALL)
+                return _queue(shm, [tensor], call, (tensor.data_ptr(), n, codes[0], codes[1]),
+                              tensor, tensor.nbytes <= _SMALL)
             lane = shm._lanes.get(_COLLECTIVES)
             if lane is not None and lane.queued:
                 shm.drain()
-            call(tensor.data_ptr(), tensor.numel(), codes[0], codes[1], shm.timeout)
+            call(tensor.data_ptr(), n, codes[0], codes[1], shm.timeout)
             return None
     return _TORCH["all_reduce"](tensor, op, group, async_op)
 
 
 def barrier(group=None, async_op=False, device_ids=None, timeout=None):
-    g = _WORLD.default_pg if group is None else group
+    g = _WORLD._default_pg if group is None else group
     if (not (_compiling() or _profiling() or _modes())
             and type(g) is _PG and g._batch is None and g._gloo is None and device_ids is None):
         shm = g.shm
@@ -364,7 +369,7 @@ def _all_gather_base(key):
     """all_gather_single (or all_gather_into_tensor, torch's name for it
     before), with torch's function _TORCH[key]."""
     def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
-        g = _WORLD.default_pg if group is None else group   # unobserved, _region(), _plain(), inline
+        g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
         if (not (_compiling() or _profiling() or _modes())
                 and type(g) is _PG and g._batch is None and g.shm is not None
                 and type(output_tensor) is _Tensor and type(input_tensor) is _Tensor
@@ -395,7 +400,7 @@ def _reduce_scatter_base(key):
     """reduce_scatter_single (or reduce_scatter_tensor, torch's name for it
     before), with torch's function _TORCH[key]."""
     def reduce_scatter_single(output, input, op=_SUM, group=None, async_op=False):
-        g = _WORLD.default_pg if group is None else group   # unobserved, _region(), _plain(), inline
+        g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
         if (not (_compiling() or _profiling() or _modes())
                 and type(g) is _PG and g._batch is None and g.shm is not None
                 and type(output) is _Tensor and type(input) is _Tensor and type(op) is RED
@@ -403,12 +408,15 @@ def _reduce_scatter_base(key):
                 and output.is_contiguous() and input.is_contiguous()
                 and input.numel() == output.numel() * g._world
                 and not _has_torch_function((input,))):
-            row = _ROWS.get(output.dtype)
-            codes = row[op.value] if row is not None else None
+            if op is _SUM:
+                codes = _SUMS.get(output.dtype)
+            else:
+                row = _ROWS.get(output.dtype)
+                codes = row[op.value] if row is not None else None
             if codes is not None:
                 shm = g.shm
                 call = shm.core.reduce_scatter
-                if input.nbytes >= BUFFER_MIN:
+                if input.numel() >= _FEW and input.nbytes >= BUFFER_MIN:
                     call = with_buffer(call, buffer_of(input))
                 if async_op:
                     return _queue(shm, [output], call, (output.data_ptr(), input.data_ptr(),
@@ -432,7 +440,7 @@ reduce_scatter_tensor = _reduce_scatter_base("reduce_scatter_tensor")
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
-    g = _WORLD.default_pg if group is None else group   # unobserved, _region(), _plain(), inline
+    g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
     if (not (_compiling() or _profiling() or _modes())
             and type(g) is _PG and g._batch is None and g.shm is not None
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
@@ -456,13 +464,16 @@ def _gather_apart(core, flat, outs, addr, nbytes, timeout):
 
 
 def reduce_scatter(output, input_list, op=_SUM, group=None, async_op=False):
-    g = _WORLD.default_pg if group is None else group   # unobserved, _region(), _plain(), inline
+    g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
     if (not (_compiling() or _profiling() or _modes())
             and type(g) is _PG and g._batch is None and g.shm is not None and type(op) is RED
             and type(output) is _Tensor and output.is_cpu and output.is_contiguous()
             and not _has_torch_function((output,))):
-        row = _ROWS.get(output.dtype)
-        codes = row[op.value] if row is not None else None
+        if op is _SUM:
+            codes = _SUMS.get(output.dtype)
+        else:
+            row = _ROWS.get(output.dtype)
+            codes = row[op.value] if row is not None else None
         ins = _pieces(input_list, output, g._world) if codes is not None else None
         if ins is not None:
             shm = g.shm
@@ -475,7 +486,7 @@ def reduce_scatter(output, input_list, op=_SUM, group=None, async_op=False):
 
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
-    g = _WORLD.default_pg if group is None else group   # unobserved, _region(), _plain(), inline
+    g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
     if (not (_compiling() or _profiling() or _modes())
             and type(g) is _PG and g._batch is None and g.shm is not None
             and type(input_tensor_list) is list and input_tensor_list
