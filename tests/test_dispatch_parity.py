@@ -268,8 +268,23 @@ def compiled_all_to_all(x):
     return out + 1
 
 
+def compiled_all_reduce(x):
+    y = x * 2
+    dist.all_reduce(y)
+    return y + 1
+
+
+def compiled_all_gather(x):
+    y = x * 2
+    outs = [torch.empty_like(y) for _ in range(WORLD)]
+    dist.all_gather(outs, y)
+    return torch.stack(outs) + 1
+
+
 check("compiled/broadcast")(lambda: graphs(compiled_broadcast))
 check("compiled/all_to_all_single")(lambda: graphs(compiled_all_to_all))
+check("compiled/all_reduce")(lambda: graphs(compiled_all_reduce))
+check("compiled/all_gather")(lambda: graphs(compiled_all_gather))
 
 finish()
 '''
@@ -376,7 +391,8 @@ def test_async_work_as_gloo(runs, mode, world, op):
 
 
 @pytest.mark.parametrize("mode,world", RUNS)
-@pytest.mark.parametrize("check", ["compiled/broadcast", "compiled/all_to_all_single"])
+@pytest.mark.parametrize("check", ["compiled/broadcast", "compiled/all_to_all_single",
+                                   "compiled/all_reduce", "compiled/all_gather"])
 def test_compiled_as_gloo(runs, mode, world, check):
     """torch.compile traces a dist.* call on an mpcore group as on gloo's:
     the same result, graph breaks and graphs (the fast path steps aside
