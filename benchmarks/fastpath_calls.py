@@ -30,6 +30,7 @@ through torch.distributed next to the core's and Open MPI's are the
 import argparse
 import datetime
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -142,13 +143,86 @@ def cases(dist, pg, n):
     return out
 
 
+def _p2p_rank(rank, port, n, calls, runs, size, out):
+    """A 4 KB ping-pong between two ranks, dist.send/recv against the core's
+    send/recv, interleaved run by run: wall us per round trip (best,
+    median) on rank 0."""
+    import time
+    import torch
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    import mpcore.distributed  # noqa: F401
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("mpcore", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    shm = dist.group.WORLD.shm
+    core, timeout, peer = shm.core, shm.timeout, 1 - rank
+    t = torch.zeros(size // 4)
+    addr, nb = t.data_ptr(), t.nbytes
+
+    def via_dist():
+        if rank == 0:
+            dist.send(t, 1)
+            dist.recv(t, 1)
+        else:
+            dist.recv(t, 0)
+            dist.send(t, 0)
+
+    def via_core():
+        if rank == 0:
+            core.send(addr, nb, peer, 0, timeout)
+            core.recv(addr, nb, peer, 0, timeout)
+        else:
+            core.recv(addr, nb, peer, 0, timeout)
+            core.send(addr, nb, peer, 0, timeout)
+    ways = {"core": via_core, "dist": via_dist}
+    per = {k: [] for k in ways}
+    for r in range(runs + 1):
+        for name in (ways if r % 2 else list(ways)[::-1]):
+            core.barrier(timeout)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                ways[name]()
+            if r:           # the first run warms up
+                per[name].append((time.perf_counter() - t0) / calls * 1e6)
+    if rank == 0:
+        out.put({k: (min(v), statistics.median(v)) for k, v in per.items()})
+    dist.destroy_process_group()
+
+
+def p2p(calls, runs, size):
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    ps = [ctx.Process(target=_p2p_rank, args=(r, port, 2, calls, runs, size, out))
+          for r in range(2)]
+    for p in ps:
+        p.start()
+    res = out.get(timeout=600)
+    for p in ps:
+        p.join(60)
+    print(f"send/recv ping-pong of {size} bytes between 2 ranks, wall us per round trip, best "
+          f"(median) of {runs} runs of {calls}, interleaved; load average "
+          f"{os.getloadavg()[0]:.1f}")
+    for k, (best, med) in res.items():
+        print(f"  {k:<6s} {best:7.2f} ({med:.2f})")
+    print(f"  dist - core: {res['dist'][0] - res['core'][0]:+.2f} us per round trip "
+          "(two sends and two receives)")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", type=int, default=4096, help="bytes of float32 (default 4096)")
     ap.add_argument("--calls", type=int, default=20000, help="calls per run")
     ap.add_argument("--runs", type=int, default=7, help="runs per way")
     ap.add_argument("--only", default="", help="operations, comma-separated (default: all)")
+    ap.add_argument("--p2p", action="store_true",
+                    help="instead: a send/recv ping-pong between two ranks, dist.* and the core's")
     args = ap.parse_args(argv)
+    if args.p2p:
+        p2p(args.calls, args.runs, args.size)
+        return 0
 
     import warnings
 

@@ -1,35 +1,127 @@
-"""torch.distributed's send, recv, broadcast, gather, scatter and
-all_to_all_single, and the functional all_reduce, all_gather_single and
-reduce_scatter_single, each with a fast path to the core for an mpcore
-group, and the functional wait_tensor, with one for their results.
+"""torch.distributed's send, recv, broadcast, gather, scatter,
+all_to_all_single, all_reduce, barrier, all_gather, all_gather_single (or
+all_gather_into_tensor), reduce_scatter_single (or reduce_scatter_tensor),
+reduce_scatter and all_to_all, and the functional all_reduce,
+all_gather_single and reduce_scatter_single, each with a fast path to the
+core for an mpcore group, and the functional wait_tensor, with one for
+their results.
 
 NOTE [ A fast path for torch's module functions ]
 torch's dispatcher is the way into the backend (NOTE [ The backend is a
-ProcessGroup ] in _group.py), and these six functions are the exception,
-for what measurement showed.  On one rank, with a 4 KB float32 tensor, the
-core's own gather takes 1.3 us, and torch's dist.gather 12 us: its checks,
-its options object, its logging wrapper and the group's method cost about
-10 us, where the same ranks' all-reduce costs under 6.  dist.recv makes a
-Work and waits on it, on top of the receive's 2 us.  The core's broadcast
-takes 0.4 us, dist.broadcast 7.4.  gloo's own calls being fast at that
-size (160 to 290 us), these were the rows that stayed under 30x gloo.
+ProcessGroup ] in _group.py), and torch's module functions are the
+exception, for what measurement showed: first six of them (the rest
+followed, NOTE [ The rest of torch's collectives ]).  On one rank, with a
+4 KB float32 tensor, the core's own gather takes 1.3 us, and torch's
+dist.gather 12 us: its checks, its options object, its logging wrapper and
+the group's method cost about 10 us, where the same ranks' all-reduce
+costs under 6.  dist.recv makes a Work and waits on it, on top of the
+receive's 2 us.  The core's broadcast takes 0.4 us, dist.broadcast 7.4.
+gloo's own calls being fast at that size (160 to 290 us), these were the
+rows that stayed under 30x gloo.
 
 So each function here first looks for the case the core serves as it
 stands: the group is mpcore's (the default one when `group` is None) and
 has a shared-memory region, the tensors are plain contiguous CPU tensors
-(type torch.Tensor, no torch-function mode active), the call is blocking,
-ranks are given as global ranks of the group, and, for point-to-point
-calls, the lane that keeps their order is idle.  Then it calls the core
-directly, as the group's method would, and returns what torch's function
-returns.  Anything else goes to torch's function unchanged, which checks
-the arguments and raises its own errors.  The result never depends on the
-path: the core's call is the same one the group's method makes.  Each is
-installed only where torch's function has the same parameters (another
-torch's keeps its own).  Measured after it, on one rank: dist.gather
-4.8 us; on two ranks (`mpcore bench --only c10d-...-4k`), at 4 KB, world
-group: gather 53x gloo, scatter 101x, broadcast 103x, all_to_all_single
-57x, a send/recv ping-pong 42x (7x before; with the core's own p2p made
-cheaper, NOTE [ Wakes only for sleepers ] in sync.c).
+(type torch.Tensor, no torch-function mode active), ranks are given as
+global ranks of the group, and, for point-to-point calls, the lane that
+keeps their order is idle.  Then it calls the core directly, as the
+group's method would, and returns what torch's function returns; an
+asynchronous call is queued as the group's method queues it (NOTE
+[ Asynchronous calls on the fast path ]).  Anything else goes to torch's
+function unchanged, which checks the arguments and raises its own errors.
+The result never depends on the path: the core's call is the same one the
+group's method makes.  Each is installed only where torch's function has
+the same parameters (another torch's keeps its own).  Measured after it,
+on one rank: dist.gather 4.8 us; on two ranks (`mpcore bench --only
+c10d-...-4k`), at 4 KB, world group: gather 53x gloo, scatter 101x,
+broadcast 103x, all_to_all_single 57x, a send/recv ping-pong 42x (7x
+before; with the core's own p2p made cheaper, NOTE [ Wakes only for
+sleepers ] in sync.c).
+
+NOTE [ The rest of torch's collectives ]
+A small collective is what latency-bound programs make (metrics and loss
+synchronisation, barriers, tensor parallelism on the CPU), and on one rank
+at 4 KB the core's own call takes 0.2 to 0.6 us where torch's functions
+took 6 to 40 us before reaching it: dist.all_reduce 6.4 us for the core's
+0.53 (torch's function 2.5 to 3.2 with its AllreduceOptions, the group's
+method 3.0 to 3.5 with reading opts.reduceOp.op and making the Work,
+benchmarks/allreduce_layers.py), dist.barrier 5.6 for 0.21, dist.all_gather
+of a list 19.5, dist.reduce_scatter of a list 22.7, dist.all_to_all of
+lists 41 (CPU time per call, best of 5 runs, `python
+benchmarks/fastpath_calls.py`).  On two ranks that put all_reduce 4 KB
+and barrier behind Open MPI (`mpcore bench --only mpi-2r-...`: 12.5 us
+through torch for the core's 2.8 and Open MPI's 5.0; barrier 8.2 for 0.8
+and 0.8).
+
+So all_reduce, barrier, all_gather, all_gather_single (and
+all_gather_into_tensor), reduce_scatter_single (and reduce_scatter_tensor),
+reduce_scatter and all_to_all have fast paths too, with the same checks
+and the same stepping aside (NOTE [ Fast paths nobody sees ]), each
+written out inline: at this size every Python call and attribute read
+counts (about 0.1 us each on these cores: the observers' three checks
+0.15 us, the group's 0.17, the tensor's 0.27, the op's row 0.23; a
+RedOpType's .value alone 0.1, so SUM is taken by identity; _World's
+default_pg property 0.15 where its attribute takes 0.03).  What each
+serves, and torch's function the rest:
+- all_reduce: an op that is a RedOpType the core reduces for the tensor's
+  dtype (PREMUL_SUM, complex tensors and the rest go to torch's function,
+  and so to the group's method, which reduces them in torch);
+- barrier: no device_ids, a timeout that is None or a timedelta, a group
+  that is not served by gloo (it takes no tensor, so a torch-function mode
+  does not see it in torch's either);
+- all_gather_single and reduce_scatter_single: two tensors of one dtype
+  whose sizes agree as the group's method requires, an op as all_reduce's;
+- all_gather, reduce_scatter and all_to_all: lists of the group's size of
+  plain tensors of the input's dtype and shape.  A list laid end to end in
+  memory (views of one tensor, list(x.unbind(0))) goes to the core as one
+  address; otherwise all_gather gathers into one new tensor and copies
+  each piece out, and reduce_scatter and all_to_all concatenate the inputs
+  first, as the group's methods do, for the same results.
+On a torch where all_gather_into_tensor and reduce_scatter_tensor are
+deprecated aliases of the *_single functions, they stay torch's: they call
+the fast path of the name they stand for through the module and warn as
+torch's do, for about 1.5 us more than the *_single call.  Measured after
+it, CPU time per call on one rank, 4 KB, over the core's own call (best
+of 7 runs, interleaved, two cores at load 2.7; on these shared cores
+whole runs go twice as slow at times, so only figures of one run compare):
+all_reduce +1.14 us (1.70 for the core's 0.56), barrier +0.54 (0.79 for
+0.24), broadcast +1.19 (1.75 for 0.56), all_gather_single +1.73 (2.36
+for 0.63), reduce_scatter_single +2.40, gather +2.66, all_to_all_single
++3.13 (its split sizes and overlap checked too), and of lists laid apart
+all_gather +2.64, reduce_scatter +2.95, all_to_all +3.68;
+all_gather_into_tensor +3.32 and reduce_scatter_tensor +3.66 through
+torch's deprecated aliases.  Through torch's function (the path before,
+and the one an observed call takes) the same calls cost 6.79, 6.23, 8.02,
+7.12, 9.50, 10.44, 10.57, 24.4, 25.9 and 44.6 us.  The bench script's
+own two-rank mode (`--p2p`) times a send/recv ping-pong: dist.* 12.75 us a
+round trip against the core's 5.20 at load 2.6, about 1.9 us a call over
+the core's (two sends and two receives a round trip).
+
+NOTE [ Asynchronous calls on the fast path ]
+With async_op=True the fast path makes the same checks and queues the
+core's call on the group's collectives lane, as the group's method does
+(ShmGroup.run(True, ...)): the same Work, run on the group's thread or by
+the thread that waits for it (NOTE [ A waiter runs its own call ] in
+_dist.py), in the order of the calls.  It never runs the call on the
+caller's thread at once: a rank that posts an asynchronous all_reduce and
+then a send, whose peer receives first and then all-reduces, would wait
+in the all_reduce for a peer that waits for its send.  What the fast path
+saves is torch's layers (dist.all_reduce(t, async_op=True).wait() 6.78
+us against 11.78 through torch's function and the group's method, in the
+run above; barrier 5.47 against 11.30, broadcast 7.65 against 13.19);
+what is left over a blocking call, +5.08 us for all_reduce (+4.68 for
+barrier, +4.7 to +6.5 for the others), is the Work and the lane, all
+Python: a
+profile of dist.all_reduce(t, async_op=True).wait() puts a fifth of it in
+making the Work (torch's Work base, the latch, its fields: 1.2 us alone),
+a quarter in queueing it (the lane's lock, its deque, the clock the poller
+reads) and over half in the waiter taking and running it (the lane's lock
+twice, the Work's end under the futures' lock, the latch).  Reading the
+thread's ident rather than current_thread() (0.08 us against 0.16, twice a
+call) and not reading a timeout in Work.wait() when none is given (0.19
+us) took about 0.35 us off; a microsecond over the blocking call would
+take a Work and a lane in C (a Work torch's C++ can hold is a pybind
+subclass of torch's, made through its Python constructor).
 
 NOTE [ A fast path for the functional collectives ]
 torch.distributed._functional_collectives (what DTensor and FSDP2's
@@ -55,7 +147,8 @@ nothing), and funcol.wait_tensor, also put in torch's place, returns the
 tensor inside such a complete one at once; what torch's wait_tensor does
 with it, through the subclass's __torch_dispatch__, costs far more than
 the collective (54 us of CPU on two busy cores, where making the tensor
-takes 3.1 us).  Everything else goes to torch's function.  Measured after it, 4 KB all_reduce + wait: 12.6 us on one rank;
+takes 3.1 us).  Everything else goes to torch's function.  Measured after
+it, 4 KB all_reduce + wait: 12.6 us on one rank;
 on two (`mpcore bench --only c10d-funcol-allreduce-4k`) 13.6 to 20 us, 52x
 to 75x gloo (4.5x before; the figures are of the plain tensor it returned
 then, NOTE [ Fast paths nobody sees ] has the ones after).
@@ -83,9 +176,8 @@ observe it:
 Then a functional collective goes through the dispatcher (the modes see
 _c10d_functional's ops, the profiler records them) to the group's method,
 and a dist.* call through torch's Python function to the group's method,
-as for any group torch keeps in Python.  What a dispatch mode sees of a
-dist.* call on gloo but not on mpcore's group (c10d's own ops) is in that
-note.  Measured CPU time per check, on two busy cores: is_compiling 75 ns,
+which then goes through c10d's op as gloo's group does (NOTE [ Observed
+calls go through the dispatcher ] in _profile.py).  Measured CPU time per check, on two busy cores: is_compiling 75 ns,
 _profiler_enabled 50 ns, _len_torch_dispatch_stack 52 ns (the Python-key
 test of the thread's key set, 102 ns; _are_we_tracing, which the
 functional fast path called before, 840 ns).  Measured after it, CPU time
