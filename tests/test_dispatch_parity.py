@@ -1,7 +1,8 @@
 """What observes collectives sees the same of an mpcore group as of gloo's:
 torch's profiler (the backend's events, by name, shapes, asynchrony and
-count, and the functional collectives' dispatcher ops), CommDebugMode's
-counts of the functional collectives, torch.compile's graphs and graph
+count, c10d's ops of dist.* calls and the functional collectives'
+dispatcher ops), CommDebugMode's counts of dist.* calls and of the
+functional collectives, torch.compile's graphs and graph
 breaks, and what asynchronous calls return (AsyncCollectiveTensor from the
 functional collectives, a Work that behaves as gloo's from dist.*).
 
@@ -136,6 +137,26 @@ def _():
     return events(lambda: steps(2))
 
 
+
+
+def dispatched(fn):
+    """What torch's dispatcher shows of fn's calls: CommDebugMode's counts
+    of c10d's ops, and the profiler's c10d:: events (name, count)."""
+    with CommDebugMode() as mode:
+        fn()
+    prof = torch.autograd.profiler.profile()
+    with prof:
+        fn()
+    return {"counts": {str(k): v for k, v in mode.get_comm_counts().items()},
+            "events": sorted([e.name, e.count] for e in prof.function_events
+                             if e.name.startswith("c10d::"))}
+
+
+for name, fn in PROFILED.items():
+    if not name.startswith("funcol/"):
+        check("dispatch/" + name)(lambda fn=fn: dispatched(fn))
+
+
 check("profile/kineto/all_reduce")(lambda: events(lambda: dist.all_reduce(mine()), kineto=True))
 check("profile/kineto/funcol/all_reduce")(lambda: events(
     lambda: funcol.wait_tensor(funcol.all_reduce(mine(), "sum", G)), kineto=True))
@@ -245,6 +266,27 @@ for name, fn in WORKS.items():
     check("work/" + name)(lambda fn=fn: facts(fn()))
 
 
+@check("dispatch/values")
+def _():
+    """Results of dist.* calls made under CommDebugMode (which the group
+    then serves through c10d's ops)."""
+    with CommDebugMode():
+        a = mine()
+        dist.all_reduce(a, op=dist.ReduceOp.MAX)
+        b = mine()
+        dist.broadcast(b, 1)
+        c = torch.empty(4 * WORLD)
+        dist.all_gather_into_tensor(c, mine())
+        d = torch.empty(2)
+        dist.reduce_scatter_tensor(d, torch.arange(2.0 * WORLD) * (RANK + 1), op=dist.ReduceOp.MIN)
+        e = torch.empty(2 * WORLD)
+        dist.all_to_all_single(e, torch.arange(2.0 * WORLD) + 100 * RANK)
+        f = [torch.empty(4) for _ in range(WORLD)]
+        dist.all_gather(f, mine())
+        w = dist.all_reduce(mine(), async_op=True)
+    return {"values": [a, b, c, d, e, f], "work": facts(w)}
+
+
 def graphs(fn):
     """What torch.compile made of fn: its result, graph breaks, graphs."""
     from torch._dynamo.utils import counters
@@ -312,6 +354,11 @@ WORK_CHECKS = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_in
                "barrier", "isend_irecv", "isend_irecv_any_source")
 
 
+# the dist.* calls of PROFILED (the functional collectives' and DDP's checks aside)
+DISPATCH_CHECKS = ["dispatch/" + c[len("profile/"):] for c in PROFILE_CHECKS
+                   if not c.startswith(("profile/funcol/", "profile/kineto/", "profile/ddp"))]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return RankRuns(tmp_path_factory, "parity", PARITY, timeout=360)
@@ -353,6 +400,42 @@ def test_comm_debug_mode_counts_as_gloo(runs, mode, world):
         assert got[r]["counts"] == ref[r]["counts"], (mode, r, got[r]["counts"])
         assert got[r]["total"] == ref[r]["total"]
         same(got[r]["values"], ref[r]["values"], f"{mode} rank {r} values")
+
+
+@pytest.mark.parametrize("check", DISPATCH_CHECKS)
+def test_gloo_dispatches_c10d_ops(runs, check):
+    """The reference is not empty: on gloo every dist.* call shows c10d's
+    op in the profiler, and CommDebugMode counts the collectives."""
+    for r, got in enumerate(gloo(runs, check)):
+        if check == "dispatch/recv_any_source" and r == 0:
+            continue    # rank 0 only sends there
+        assert got["events"], (r, got)
+        if not check.startswith(("dispatch/send", "dispatch/recv", "dispatch/isend",
+                                 "dispatch/batch", "dispatch/barrier")):
+            assert sum(got["counts"].values()) >= 1, (r, got)
+
+
+@pytest.mark.parametrize("mode,world", RUNS)
+@pytest.mark.parametrize("check", DISPATCH_CHECKS)
+def test_dist_calls_dispatched_as_gloo(runs, mode, world, check):
+    """A dist.* call on an mpcore group goes through c10d's op while a
+    dispatch mode or the profiler observes it (NOTE [ Observed calls go
+    through the dispatcher ] in _profile.py): CommDebugMode counts it under
+    gloo's keys, and the profiler records gloo's c10d:: events."""
+    ref, got = gloo(runs, check), runs.get(mode, world).value(check)
+    for r in range(world):
+        assert got[r] == ref[r], f"{mode} rank {r} {check}:\n got {got[r]}\nwant {ref[r]}"
+
+
+@pytest.mark.parametrize("mode,world", RUNS)
+def test_dispatched_calls_give_gloos_results(runs, mode, world):
+    """Calls served through c10d's ops give gloo's results, and an async
+    one a Work that answers as gloo's."""
+    ref, got = gloo(runs, "dispatch/values"), runs.get(mode, world).value("dispatch/values")
+    for r in range(world):
+        same(got[r]["values"], ref[r]["values"], f"{mode} rank {r} values")
+        for k in ("is_work", "wait", "completed", "exception", "future", "source_rank"):
+            assert got[r]["work"][k] == ref[r]["work"][k], (mode, r, k, got[r]["work"])
 
 
 @pytest.mark.parametrize("mode,world", RUNS)

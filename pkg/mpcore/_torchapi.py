@@ -253,6 +253,9 @@ def _rows():
          "observed collectives", False),
         ("torch._C._distributed_c10d.Work.boxed", "read", "callable", "observed collectives",
          False),
+        ("torch._C._distributed_c10d.Work.unbox", "read", "callable", "observed collectives",
+         False),
+        ("torch.classes.c10d.ReduceOp", "read", "callable", "observed collectives", True),
     )
     for n in _C10D_OPS:
         yield (f"torch.ops.c10d.{n}.default", "read", "attrs:py_impl,py_kernels,_op_dk,_schema",

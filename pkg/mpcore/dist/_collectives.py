@@ -15,7 +15,7 @@ from torch.distributed import ReduceOp
 from .. import _torchapi
 from ._args import ALIGN, Dense, check_cpu, nbytes, plain_list, same_shapes
 from ._buffers import BUFFER_MIN, buffer_of, with_buffer
-from ._profile import profiled, profiling, recorded_as
+from ._profile import modes, observed, profiling, recorded_as
 from ._reduce import BITWISE, CORE_ROWS, DTYPES, FLOATS, OPS, RED, check_op, op_name, reduce_stack
 from ._work import Done, checked, done
 
@@ -59,8 +59,8 @@ def cuda_routed(method):
     def call(self, *args):
         if _HAVE_TORCH_NCCL and _on_cuda(args):
             return getattr(self._torch_nccl_pg(), name)(*args)
-        if profiling():
-            return profiled(self, name, method, args, {})
+        if profiling() or modes():
+            return observed(self, name, method, args)
         return method(self, *args)
     return call
 
@@ -372,7 +372,7 @@ class Collectives:
 
     # torch's other name for _allgather_base:
     # recorded as it, and not routed to torch's NCCL group
-    all_gather_single = recorded_as("_allgather_base")(
+    all_gather_single = recorded_as("_allgather_base", "all_gather_single")(
         _allgather_base.__wrapped__)
 
     @cuda_routed
@@ -429,7 +429,7 @@ class Collectives:
 
     # torch's other name for allgather_into_tensor_coalesced:
     # recorded as it, and not routed to torch's NCCL group
-    all_gather_single_coalesced = recorded_as("allgather_into_tensor_coalesced")(
+    all_gather_single_coalesced = recorded_as("allgather_into_tensor_coalesced", "all_gather_single_coalesced")(
         allgather_into_tensor_coalesced.__wrapped__)
 
     def _chain(self, calls, async_op, result):
@@ -498,7 +498,7 @@ class Collectives:
 
     # torch's other name for _reduce_scatter_base:
     # recorded as it, and not routed to torch's NCCL group
-    reduce_scatter_single = recorded_as("_reduce_scatter_base")(
+    reduce_scatter_single = recorded_as("_reduce_scatter_base", "reduce_scatter_single")(
         _reduce_scatter_base.__wrapped__)
 
     def _reduce_scatter_flat(self, output, flat, red, async_op, result):
@@ -538,7 +538,7 @@ class Collectives:
 
     # torch's other name for reduce_scatter_tensor_coalesced:
     # recorded as it, and not routed to torch's NCCL group
-    reduce_scatter_single_coalesced = recorded_as("reduce_scatter_tensor_coalesced")(
+    reduce_scatter_single_coalesced = recorded_as("reduce_scatter_tensor_coalesced", "reduce_scatter_single_coalesced")(
         reduce_scatter_tensor_coalesced.__wrapped__)
 
     # -- gather, scatter ---------------------------------------------------------------------
@@ -646,7 +646,7 @@ class Collectives:
 
     # torch's other name for alltoall_base:
     # recorded as it, and not routed to torch's NCCL group
-    all_to_all_single = recorded_as("alltoall_base")(
+    all_to_all_single = recorded_as("alltoall_base", "all_to_all_single")(
         alltoall_base.__wrapped__)
 
     def _core_all_to_all(self, output, input, output_split_sizes, input_split_sizes):

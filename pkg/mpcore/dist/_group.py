@@ -15,7 +15,11 @@ every rank reaches at the same call), and returns a Work with torch's
 surface.  A call with asyncOp false runs at once on the caller's thread
 (after what the group has queued); one with asyncOp true runs on the
 group's thread, in the order asked for.  Point-to-point calls always run
-on the group's thread, since torch gives them no asyncOp.
+on the group's thread, since torch gives them no asyncOp.  While a
+dispatch mode or torch's profiler observes a call, a method goes the C++
+ProcessGroup's way instead, through c10d's op, and comes back to itself
+from the op's CPU kernel (NOTE [ Observed calls go through the
+dispatcher ] in _profile.py).
 
 NOTE [ The group is its own backend ]
 A C++ ProcessGroup lists the Backends registered on it, one per device;
