@@ -40,10 +40,13 @@ the main process, before its first batch (torch does the same).  Instead:
     loader, load_state_dict) pickles again, as torch does, so that a
     change to the dataset between epochs reaches the new workers.
 Cost: one pickle, whatever the number of workers, and no copy of it per
-worker into the zygote's request; each worker still unpickles its own
-copy, so the time to its first batch still grows with the size of the
-dataset (a SharedList or SharedDict, share_dataset(), pickles as a handle:
-that is what makes it not grow).  numpy arrays travel inside the pickle and
+worker into the zygote's request.  Once freed, the block's segment stays
+with the main process for reuse, as every freed large block's does (within
+the arena's cache budget, NOTE [ Blocks and references ] in arena.c): the
+next loader's shipment of the same dataset takes it again.  Each worker
+still unpickles its own copy, so the time to its first batch still grows
+with the size of the dataset (a SharedList or SharedDict, share_dataset(),
+pickles as a handle: that is what makes it not grow).  numpy arrays travel inside the pickle and
 each worker gets its own copy, as under torch (one already in mpcore memory
 travels as a handle, as before): handing out views of the block instead
 (pickle protocol 5's out-of-band buffers) would make them shared between
