@@ -847,3 +847,38 @@ def test_a_dataset_that_cannot_be_pickled_gives_torchs_error(leak_check, method)
     ours = errors(mpcore.data.DataLoader)
     assert ours == theirs, (ours, theirs)
     assert "cannot pickle '_thread.lock' object" in theirs[0][1], theirs
+
+
+def _freed(handle, nbytes):
+    """Whether the block `handle` of `nbytes` bytes, made here, was freed: a
+    new block of its size takes its segment again, with a later generation."""
+    import gc
+    from mpcore.shm import _blocks
+    gc.collect()
+    b = _blocks.alloc(nbytes)
+    return b.handle[0] == handle[0] and b.handle[2] > handle[2]
+
+
+def test_a_shipment_is_read_back_and_freed_with_its_ring_when_no_worker_took_it():
+    """The shipment's tickets travel with the messages: one read back gives
+    the object (its tensor the same memory); one never taken is dropped
+    when its ring is freed, and then nothing holds the block."""
+    from mpcore.data import _ship
+    from mpcore.queue import _queue
+    ds = {"t": torch.arange(1000), "pad": [f"/data/{i:07d}.jpg" for i in range(100_000)],
+          "arr": np.arange(100_000)}
+    s = _ship.pack(ds)
+    handle, nbytes = s._block.handle, s._nbytes
+    taken, left = _queue.Queue(capacity=64 << 10), _queue.Queue(capacity=64 << 10)
+    s.send(_queue.ring_of(taken))
+    s.send(_queue.ring_of(left))
+    s.close()
+    got = _ship.receive(_queue.ring_of(taken))
+    assert got["pad"] == ds["pad"] and torch.equal(got["t"], ds["t"])
+    assert got["t"].data_ptr() == ds["t"].data_ptr()      # one storage in one process
+    assert np.array_equal(got["arr"], ds["arr"]) and not np.shares_memory(got["arr"], ds["arr"])
+    from mpcore.shm import _blocks
+    held = _blocks.alloc(nbytes)   # the message left in a ring holds the block: another one
+    assert held.handle[0] != handle[0]
+    del left
+    assert _freed(handle, nbytes)
