@@ -313,7 +313,7 @@ def observed(self, name, method, args, kwargs=None, called=None):
              and (called in _routes or _ALIASES.get(called) in _routes) else None)
     if kwargs:
         if route is not None and set(kwargs) == {"opts"}:
-            args = tuple(args) + (kwargs["opts"],)
+            args, kwargs = tuple(args) + (kwargs["opts"],), None
         else:
             route = None
     if route is not None and called in _DIRECT:
@@ -325,10 +325,19 @@ def observed(self, name, method, args, kwargs=None, called=None):
         return method(self, *args, **(kwargs or {}))
     if call is not None and call[0] is self:
         # torch's C++ method, on its way to the op, called another of the
-        # group's methods (one name calling the other): its C++ too
+        # group's methods (one name calling the other): its C++ too, once
+        # per name.  A name called again means torch's C++ could not be
+        # reached past the override (a pybind11 that skips no namesake):
+        # no call is routed from then on, and this one is served here.
+        if called in call[3]:
+            _routes.clear()
+            _torchapi.mark("torch._C._distributed_c10d.ProcessGroup", "wrong shape",
+                           "its methods call the group's Python overrides back")
+            return method(self, *args, **(kwargs or {}))
+        call[3].add(called)
         return route(self, *args)
     outer = call, getattr(inside, "held", None)
-    inside.call, inside.held = (self, method.__name__, args), []
+    inside.call, inside.held = (self, method.__name__, args, {called}), []
     try:
         with _python_dispatcher():
             return route(self, *args)
