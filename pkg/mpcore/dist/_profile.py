@@ -253,42 +253,39 @@ def recorded_as(name, called=None):
 # a group without a region (gloo's group underneath dispatches them).
 # Unobserved calls take the direct way as before.
 
-# c10d's op -> (the group's method, the op's arguments it takes in order, its options'
-# class, {option: the op's argument}); the method's call is method(*those, options)
+# c10d's op -> (the group's method, the op's arguments after the group that
+# the method takes before its options, its options' class): the method is
+# called with the op's tensors (its arguments before the group), those, and
+# options made of the op's arguments of _FIELDS' names (which differ from
+# torch to torch: each is read by name where the op has it)
 _OPS = {
-    "allreduce_": ("allreduce", (0,), "AllreduceOptions",
-                   {"reduceOp": 2, "sparseIndices": 3, "asyncOp": 4, "timeout": 5}),
-    "allreduce_coalesced_": ("allreduce_coalesced", (0,), "AllreduceCoalescedOptions",
-                             {"reduceOp": 2, "asyncOp": 3, "timeout": 4}),
-    "reduce_": ("reduce", (0,), "ReduceOptions",
-                {"reduceOp": 2, "rootRank": 3, "rootTensor": 4, "asyncOp": 5, "timeout": 6}),
-    "broadcast_": ("broadcast", (0,), "BroadcastOptions",
-                   {"rootRank": 2, "rootTensor": 3, "asyncOp": 4, "timeout": 5}),
-    "allgather_": ("allgather", (0, 1), "AllgatherOptions", {"asyncOp": 3, "timeout": 4}),
-    "_allgather_base_": ("_allgather_base", (0, 1), "AllgatherOptions",
-                         {"asyncOp": 3, "timeout": 4}),
-    "allgather_coalesced_": ("allgather_coalesced", (0, 1), "AllgatherOptions",
-                             {"asyncOp": 3}),
-    "allgather_into_tensor_coalesced_": ("allgather_into_tensor_coalesced", (0, 1),
-                                         "AllgatherOptions", {"asyncOp": 3}),
-    "reduce_scatter_": ("reduce_scatter", (0, 1), "ReduceScatterOptions",
-                        {"reduceOp": 3, "asyncOp": 4, "timeout": 5}),
-    "_reduce_scatter_base_": ("_reduce_scatter_base", (0, 1), "ReduceScatterOptions",
-                              {"reduceOp": 3, "asyncOp": 4, "timeout": 5}),
-    "reduce_scatter_tensor_coalesced_": ("reduce_scatter_tensor_coalesced", (0, 1),
-                                         "ReduceScatterOptions",
-                                         {"reduceOp": 3, "asyncOp": 4, "timeout": 5}),
-    "gather_": ("gather", (0, 1), "GatherOptions", {"rootRank": 3, "asyncOp": 4, "timeout": 5}),
-    "scatter_": ("scatter", (0, 1), "ScatterOptions",
-                 {"rootRank": 3, "asyncOp": 4, "timeout": 5}),
-    "alltoall_": ("alltoall", (0, 1), "AllToAllOptions", {"asyncOp": 3, "timeout": 4}),
-    "alltoall_base_": ("alltoall_base", (0, 1, 3, 4), "AllToAllOptions",
-                       {"asyncOp": 5, "timeout": 6}),
-    "barrier": ("barrier", (), "BarrierOptions", {"device_ids": 2, "asyncOp": 3, "timeout": 4}),
-    "send": ("send", (0, 2, 3), None, {}),
-    "recv_": ("recv", (0, 2, 3), None, {}),
-    "recv_any_source_": ("recv_anysource", (0, 2), None, {}),
+    "allreduce_": ("allreduce", (), "AllreduceOptions"),
+    "allreduce_coalesced_": ("allreduce_coalesced", (), "AllreduceCoalescedOptions"),
+    "reduce_": ("reduce", (), "ReduceOptions"),
+    "broadcast_": ("broadcast", (), "BroadcastOptions"),
+    "allgather_": ("allgather", (), "AllgatherOptions"),
+    "_allgather_base_": ("_allgather_base", (), "AllgatherOptions"),
+    "allgather_coalesced_": ("allgather_coalesced", (), "AllgatherOptions"),
+    "allgather_into_tensor_coalesced_": ("allgather_into_tensor_coalesced", (),
+                                         "AllgatherOptions"),
+    "reduce_scatter_": ("reduce_scatter", (), "ReduceScatterOptions"),
+    "_reduce_scatter_base_": ("_reduce_scatter_base", (), "ReduceScatterOptions"),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter_tensor_coalesced", (),
+                                         "ReduceScatterOptions"),
+    "gather_": ("gather", (), "GatherOptions"),
+    "scatter_": ("scatter", (), "ScatterOptions"),
+    "alltoall_": ("alltoall", (), "AllToAllOptions"),
+    "alltoall_base_": ("alltoall_base", ("output_split_sizes", "input_split_sizes"),
+                       "AllToAllOptions"),
+    "barrier": ("barrier", (), "BarrierOptions"),
+    "send": ("send", ("dst", "tag"), None),
+    "recv_": ("recv", ("src", "tag"), None),
+    "recv_any_source_": ("recv_anysource", ("tag",), None),
 }
+# option -> c10d's argument of it
+_FIELDS = {"reduceOp": "reduce_op", "sparseIndices": "sparse_indices", "rootRank": "root_rank",
+           "rootTensor": "root_tensor", "asyncOp": "async_op", "timeout": "timeout",
+           "device_ids": "device_ids"}
 # torch's other names for the group's methods (its C++ method of one name calls the other's)
 _ALIASES = {"all_gather_single": "_allgather_base", "reduce_scatter_single": "_reduce_scatter_base",
             "all_to_all_single": "alltoall_base",
@@ -363,26 +360,32 @@ def _direct(called, method, args):
     op = _torchapi.find(f"torch.ops.c10d.{op_name}.default")
     if op is None:
         return None
-    n = len(_OPS[op_name][1])
+    n = 4 if op_name == "alltoall_base_" else 2    # the method's arguments before its options
     opts = args[n] if len(args) > n else None
     if opts is None:
         opts = _torchapi.get("torch._C._distributed_c10d.AllgatherOptions")() \
             if op_name.startswith("allgather") else getattr(
                 dist, "AllToAllOptions" if op_name.startswith("alltoall")
                 else "ReduceScatterOptions")()
-    ms = int(opts.timeout / _MS) if hasattr(opts, "timeout") else -1
+    values = {"async_op": opts.asyncOp, "timeout": int(opts.timeout / _MS)}
     if op_name == "alltoall_base_":
-        out, inp, osz, isz = args[:4]
-        return lambda pg, *_: _unbox_work(op(out, inp, pg.boxed(), list(osz), list(isz),
-                                              opts.asyncOp, ms))
-    if op_name == "allgather_into_tensor_coalesced_":
-        return lambda pg, *_: _unbox_work(op(list(args[0]), list(args[1]), pg.boxed(),
-                                              opts.asyncOp))
-    if opts.reduceOp.op != dist.ReduceOp.SUM:
-        return None
-    red = _torchapi.get("torch.classes.c10d.ReduceOp")
-    return lambda pg, *_: _unbox_work(op(list(args[0]), list(args[1]), pg.boxed(), red(),
-                                          opts.asyncOp, ms))
+        values.update(output=args[0], input=args[1], output_split_sizes=list(args[2]),
+                      input_split_sizes=list(args[3]))
+    else:
+        values.update(outputs=list(args[0]), inputs=list(args[1]))
+        if op_name == "reduce_scatter_tensor_coalesced_":
+            if opts.reduceOp.op != dist.ReduceOp.SUM:
+                return None
+            values["reduce_op"] = _torchapi.get("torch.classes.c10d.ReduceOp")()
+    names = [a.name for a in op._schema.arguments]
+    if any(a.name not in values and a.name != "process_group" and not a.has_default_value()
+           for a in op._schema.arguments):
+        return None     # an op of another shape: the call stays direct
+
+    def route(pg, *_):
+        values["process_group"] = pg.boxed()
+        return _unbox_work(op(**{k: values[k] for k in names if k in values}))
+    return route
 
 
 def _unbox_work(so):
@@ -429,7 +432,7 @@ def _install_routes(group_type):
     keys = _torchapi.get("torch._C.DispatchKey")
     base = _base = _torchapi.get("torch._C._distributed_c10d.ProcessGroup")
     routes = {}
-    for op_name, (method, pos, cls, fields) in _OPS.items():
+    for op_name, (method, extra, cls) in _OPS.items():
         op = _torchapi.find(f"torch.ops.c10d.{op_name}.default")
         if op is None or not hasattr(base, method):
             continue     # this torch lacks the op: the calls stay direct
@@ -442,7 +445,9 @@ def _install_routes(group_type):
         op_keys = [keys.CPU] + ([keys.SparseCPU] if op_name == "allreduce_" else [])
         if any(k in op.py_kernels for k in op_keys):
             continue     # torch's own Python kernel: the calls stay direct
-        serve = _kernel(op, method, names.index("process_group"), pos, opts, fields)
+        if any(n not in names for n in extra):
+            continue
+        serve = _kernel(op, method, names, extra, opts)
         for k in op_keys:
             op.py_impl(k)(serve(k))
         routes[method] = op_name
@@ -461,13 +466,17 @@ def _red(so):
     return dist.ReduceOp(kind)
 
 
-def _kernel(op, method, at, pos, opts_cls, fields):
+def _kernel(op, method, names, extra, opts_cls):
     """serve(key) -> the kernel of c10d's `op` for dispatch key `key`: for
     an mpcore group, the group's `method` with the op's arguments (and the
     caller's options, when the group's own call led here); for any other
     group, torch's C++ kernel."""
     import datetime
     schema = op._schema.arguments
+    at = names.index("process_group")
+    lead = 0 if method == "barrier" else at     # barrier's tensor is torch's, not the call's
+    pos = list(range(lead)) + [names.index(n) for n in extra]
+    fields = {f: names.index(n) for f, n in _FIELDS.items() if n in names}
     pair = len(op._schema.returns) == 2
 
     def arguments(a, kw):
@@ -499,7 +508,8 @@ def _kernel(op, method, at, pos, opts_cls, fields):
                             v = datetime.timedelta(milliseconds=v)
                         elif f == "device_ids":
                             v = list(v)
-                        setattr(o, f, v)
+                        if hasattr(o, f):
+                            setattr(o, f, v)
                 margs.append(o)
             inside.serving = getattr(inside, "serving", 0) + 1
             try:
