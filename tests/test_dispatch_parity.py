@@ -266,6 +266,31 @@ for name, fn in WORKS.items():
     check("work/" + name)(lambda fn=fn: facts(fn()))
 
 
+@check("dispatch/fake")
+def _():
+    """dist.* calls on fake tensors: c10d's meta kernels serve them, as on gloo."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        t = torch.ones(4)
+        w = dist.all_reduce(t, async_op=True)
+        dist.broadcast(t, 0)
+        out = torch.empty(4 * WORLD)
+        dist.all_gather_into_tensor(out, t)
+    return [type(t).__name__, type(w).__name__, type(out).__name__, list(out.shape)]
+
+
+@check("dispatch/debug_mode")
+def _():
+    """The c10d ops torch's DebugMode logs of dist.* calls."""
+    from torch.utils._debug_mode import DebugMode
+    with DebugMode() as dm:
+        dist.all_reduce(mine())
+        dist.broadcast(mine(), 0)
+        dist.barrier()
+    return [line.strip().split("(")[0] for line in dm.debug_string().splitlines()
+            if "c10d" in line]
+
+
 @check("dispatch/values")
 def _():
     """Results of dist.* calls made under CommDebugMode (which the group
@@ -425,6 +450,17 @@ def test_dist_calls_dispatched_as_gloo(runs, mode, world, check):
     ref, got = gloo(runs, check), runs.get(mode, world).value(check)
     for r in range(world):
         assert got[r] == ref[r], f"{mode} rank {r} {check}:\n got {got[r]}\nwant {ref[r]}"
+
+
+@pytest.mark.parametrize("mode,world", RUNS)
+@pytest.mark.parametrize("check", ["dispatch/fake", "dispatch/debug_mode"])
+def test_modes_see_dist_calls_as_gloo(runs, mode, world, check):
+    """FakeTensorMode serves a dist.* call with c10d's meta kernels (a
+    FakeWork), and DebugMode logs its c10d ops, as on gloo."""
+    ref, got = gloo(runs, check), runs.get(mode, world).value(check)
+    for r in range(world):
+        assert ref[r], ref[r]
+        assert got[r] == ref[r], (mode, r, got[r], ref[r])
 
 
 @pytest.mark.parametrize("mode,world", RUNS)

@@ -294,6 +294,7 @@ _ALIASES = {"all_gather_single": "_allgather_base", "reduce_scatter_single": "_r
 _routes = None      # the group's method -> c10d's op it serves, once installed ({}: none)
 _forwards = {}      # name -> _forward(name)
 _base = None        # torch's C++ ProcessGroup
+_install_lock = threading.Lock()
 _group_type = None  # ProcessGroupMpcore, once installed
 
 
@@ -304,7 +305,9 @@ def observed(self, name, method, args, kwargs=None, called=None):
     c10d's op, whose CPU kernel comes back to the group (_kernel); recorded
     in the profiler as gloo records it."""
     if _routes is None:
-        _install_routes(type(self))
+        with _install_lock:     # once, whichever thread comes first
+            if _routes is None:
+                _install_routes(type(self))
     called = called or method.__name__
     route = (_forward(called) if self.shm is not None
              and (called in _routes or _ALIASES.get(called) in _routes) else None)
