@@ -198,7 +198,7 @@ from torch.distributed import distributed_c10d as _c10d
 
 from .. import _hooks, _torchapi
 from ._buffers import BUFFER_MIN, buffer_of, with_buffer
-from ._dist import ShmGroup, _Lane, _nbytes
+from ._dist import ShmGroup
 from ._group import ProcessGroupMpcore
 from ._work import Work as _Work
 from ._reduce import CORE_ROWS, RED
@@ -221,7 +221,6 @@ _ROWS = CORE_ROWS
 _SUMS = {dt: row[RED.SUM.value] for dt, row in CORE_ROWS.items() if row[RED.SUM.value]}
 _FEW = BUFFER_MIN // 16   # fewer elements than this are under BUFFER_MIN bytes in any dtype
 _COLLECTIVES = ShmGroup.COLLECTIVES
-_SMALL = _Lane.SMALL
 _torch_empty = torch.empty
 _torch_cat = torch.cat
 
@@ -277,7 +276,7 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
             if async_op:
                 return _queue(shm, [tensor], shm.core.broadcast,
                               (tensor.data_ptr(), tensor.nbytes, root), tensor,
-                              tensor.nbytes <= _SMALL)
+                              tensor.nbytes)
             lane = shm._lanes.get(_COLLECTIVES)
             if lane is not None and lane.queued:
                 shm.drain()
@@ -302,14 +301,17 @@ def _call(shm, async_op, keep, result, fn, *args):
     return None
 
 
-def _queue(shm, result, fn, args, keep, small=None):
+def _queue(shm, result, fn, args, keep, nbytes=None):
     """The Work of fn(*args, timeout) queued on the group's collectives
     lane, as ShmGroup.run(True, ...) queues it (NOTE [ Asynchronous calls
-    on the fast path ]); small: whether the call is small for the lane
-    (_Lane.SMALL), from the result's bytes when not given."""
+    on the fast path ]); nbytes: the call's bytes, which tell the lane
+    whether it is small (those of `result`, a list of tensors, when not
+    given)."""
     work = _Work(result)
     lane = work._lane = shm._lanes.get(_COLLECTIVES) or shm._lane(_COLLECTIVES)
-    lane.put((work, fn, args, keep), _nbytes(result) <= _SMALL if small is None else small)
+    if nbytes is None:
+        nbytes = sum(t.nbytes for t in result)
+    lane.put((work, fn, args, keep), nbytes <= lane.SMALL)
     return work
 
 
@@ -427,7 +429,7 @@ def all_reduce(tensor, op=_SUM, group=None, async_op=False):
                 call = with_buffer(call, buffer_of(tensor))
             if async_op:
                 return _queue(shm, [tensor], call, (tensor.data_ptr(), n, codes[0], codes[1]),
-                              tensor, tensor.nbytes <= _SMALL)
+                              tensor, tensor.nbytes)
             lane = shm._lanes.get(_COLLECTIVES)
             if lane is not None and lane.queued:
                 shm.drain()
@@ -450,7 +452,7 @@ def barrier(group=None, async_op=False, device_ids=None, timeout=None):
             s = None     # torch's options take a timedelta only: its error
         if shm is not None and s is not None:
             if async_op:
-                return _queue(shm, [], _barrier, (shm.core, s), None, True)
+                return _queue(shm, [], _barrier, (shm.core, s), None, 0)
             lane = shm._lanes.get(_COLLECTIVES)
             if lane is not None and lane.queued:
                 shm.drain()
@@ -484,7 +486,7 @@ def _all_gather_base(key):
             if async_op:
                 return _queue(shm, [output_tensor], call,
                               (output_tensor.data_ptr(), input_tensor.data_ptr(), n),
-                              (input_tensor, output_tensor), n * g._world <= _SMALL)
+                              (input_tensor, output_tensor), n * g._world)
             lane = shm._lanes.get(_COLLECTIVES)
             if lane is not None and lane.queued:
                 shm.drain()
