@@ -266,6 +266,21 @@ for name, fn in WORKS.items():
     check("work/" + name)(lambda fn=fn: facts(fn()))
 
 
+@check("dispatch/ddp")
+def _():
+    """What the dispatcher shows of DDP's buckets (torch's reducer on gloo,
+    mpcore's DDP under `mpcore run`)."""
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8, bias=False))
+    x = torch.ones(3, 8)
+    model(x).sum().backward()      # the buckets are rebuilt at the next step
+
+    def step():
+        model(x).sum().backward()
+    step()
+    return dispatched(step)
+
+
 @check("dispatch/fake")
 def _():
     """dist.* calls on fake tensors: c10d's meta kernels serve them, as on gloo."""
@@ -460,6 +475,16 @@ def test_modes_see_dist_calls_as_gloo(runs, mode, world, check):
     ref, got = gloo(runs, check), runs.get(mode, world).value(check)
     for r in range(world):
         assert ref[r], ref[r]
+        assert got[r] == ref[r], (mode, r, got[r], ref[r])
+
+
+@pytest.mark.parametrize("mode,world", RUNS)
+def test_ddp_buckets_dispatched_as_gloo(runs, mode, world):
+    """DDP's bucket all-reduces, observed, go through c10d's op as torch's
+    reducer's do on gloo: the same CommDebugMode counts and c10d:: events."""
+    ref, got = gloo(runs, "dispatch/ddp"), runs.get(mode, world).value("dispatch/ddp")
+    for r in range(world):
+        assert ref[r]["counts"] and ref[r]["events"], ref[r]
         assert got[r] == ref[r], (mode, r, got[r], ref[r])
 
 

@@ -98,9 +98,11 @@ def _hook(hooks, bucket):
         op = 0
     else:
         op = 1  # avg: the division is folded into the sum's one pass
-    if hooks.pg is not None and _profile.profiling():
+    if hooks.pg is not None and (_profile.profiling() or _profile.modes()):
         # as torch's reducer, through the group's method, which records the
-        # bucket's event (NOTE [ Collectives in the profiler ] in dist/_profile.py)
+        # bucket's event and goes through c10d's op (NOTE [ Collectives in the
+        # profiler ] and NOTE [ Observed calls go through the dispatcher ] in
+        # dist/_profile.py)
         if op:
             t.div_(group.world)
         o = dist.AllreduceOptions()
