@@ -798,6 +798,39 @@ def job_fastpath_collectives(kind):
     return out
 
 
+def job_fastpath_async_order():
+    """NOTE [ Asynchronous calls on the fast path ]: rank 0 posts an async
+    all_reduce and then a send larger than a mailbox; rank 1 receives
+    first and then all-reduces.  Run at once on rank 0's thread, the
+    all_reduce would wait for rank 1, which waits for the send: a timeout.
+    Each call is also checked to have been served by the fast path."""
+    from mpcore.dist import _fastpath
+    sub = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=20 * SLOW))
+    res = {}
+    if RANK in (0, 1):
+        big = torch.arange(1 << 20, dtype=torch.float32)
+        t = torch.full((4,), float(RANK + 1))
+        try:
+            if RANK == 0:
+                with torch_refused():     # the all_reduce is the fast path's
+                    w = dist.all_reduce(t, group=sub, async_op=True)
+                res["work"] = isinstance(w, dist.Work)
+                dist.send(big, 1, group=sub)     # larger than a mailbox: waits for rank 1
+                w.wait()
+            else:
+                got = torch.zeros(1 << 20)
+                dist.recv(got, 0, group=sub)
+                res["received"] = torch.equal(got, big)
+                with torch_refused():
+                    dist.all_reduce(t, group=sub)
+            res["sum"] = t.tolist()
+        except Exception as e:
+            res["error"] = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    dist.destroy_process_group(sub)
+    return res
+
+
 def job_fastpath_timeout():
     """Only rank 0 comes to a collective of a fresh group of the world,
     through the fast path and through torch's function: the same error."""
@@ -1533,6 +1566,15 @@ def test_fast_path_of_collectives(pool2, kind):
         assert len(res["observed"]) == 3 * len(res["same"]) // 2 - 1, res["observed"]
         for what, (fast, slow) in res["errors"].items():
             assert fast is not None and fast == slow, (r, what, fast, slow)
+
+
+def test_fast_path_async_runs_off_the_callers_thread(pool2):
+    """An async call on the fast path is queued, not run at once: a send
+    after it goes out, and the peer that receives before all-reducing
+    gets there (NOTE [ Asynchronous calls on the fast path ])."""
+    res = pool2.run("fastpath_async_order", timeout=120)
+    assert res[0].get("work") is True and res[1].get("received") is True, res
+    assert res[0]["sum"] == res[1]["sum"] == [3.0] * 4, res
 
 
 def test_fast_path_timeout_as_before(pool2):
