@@ -266,6 +266,59 @@ for name, fn in WORKS.items():
     check("work/" + name)(lambda fn=fn: facts(fn()))
 
 
+def _coalesced(call):
+    with dist._coalescing_manager():
+        call()
+
+
+@check("dispatch/comm_mode_c10d")
+def _():
+    """torch's test_comm_mode.py test_comm_mode_with_c10d, on CPU tensors:
+    CommDebugMode's count of each dist.* call's c10d op, and its total
+    (or the error a call raised)."""
+    inp = torch.rand(2, 8, 16) + RANK
+    out = inp.new_empty(WORLD * 2, 8, 16)
+    calls = {
+        "all_reduce": lambda: dist.all_reduce(inp),
+        "all_gather_single": lambda: getattr(dist, "all_gather_single",
+                                             dist.all_gather_into_tensor)(out, inp),
+        "reduce_scatter_single": lambda: getattr(dist, "reduce_scatter_single",
+                                                 dist.reduce_scatter_tensor)(inp, out),
+        "broadcast": lambda: dist.broadcast(inp, 0),
+        "gather": lambda: dist.gather(inp, [inp.clone() for _ in range(WORLD)]
+                                      if RANK == 0 else None, 0),
+        "reduce": lambda: dist.reduce(inp, 0),
+        "scatter": lambda: dist.scatter(inp, [inp.clone() for _ in range(WORLD)]
+                                        if RANK == 0 else None, 0),
+        "all_gather": lambda: dist.all_gather([torch.empty_like(inp) for _ in range(WORLD)],
+                                              inp),
+        "all_gather_coalesced": lambda: dist.all_gather_coalesced(
+            [[inp.new_empty(inp.shape)] for _ in range(WORLD)], [inp]),
+        "coalesced all_gather_single": lambda: _coalesced(lambda: getattr(
+            dist, "all_gather_single", dist.all_gather_into_tensor)(out, inp)),
+        "all_reduce_coalesced": lambda: dist.all_reduce_coalesced(inp),
+        "reduce_scatter": lambda: dist.reduce_scatter(inp, [inp.clone() for _ in range(WORLD)]),
+        "coalesced reduce_scatter_single": lambda: _coalesced(lambda: getattr(
+            dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(inp, out)),
+        "all_to_all": lambda: dist.all_to_all([torch.empty_like(inp) for _ in range(WORLD)],
+                                              [inp.clone() for _ in range(WORLD)]),
+        "all_to_all_single": lambda: dist.all_to_all_single(inp, inp.clone()),
+    }
+    got = {}
+    for name, call in calls.items():
+        mode = CommDebugMode()
+        try:
+            with mode:
+                call()
+        except Exception as e:
+            got[name] = f"{type(e).__name__}: {e}"
+            continue
+        got[name] = [{str(k): v for k, v in mode.get_comm_counts().items()},
+                     mode.get_total_counts()]
+    dist.barrier()
+    return got
+
+
 @check("dispatch/ddp")
 def _():
     """What the dispatcher shows of DDP's buckets (torch's reducer on gloo,
@@ -476,6 +529,19 @@ def test_modes_see_dist_calls_as_gloo(runs, mode, world, check):
     for r in range(world):
         assert ref[r], ref[r]
         assert got[r] == ref[r], (mode, r, got[r], ref[r])
+
+
+@pytest.mark.parametrize("mode,world", RUNS)
+def test_torchs_comm_mode_test_as_gloo(runs, mode, world):
+    """torch's own CommDebugMode test of dist.* calls (test_comm_mode.py,
+    test_comm_mode_with_c10d, there on an accelerator), on CPU tensors:
+    each call counts its c10d op once, as on gloo."""
+    ref = gloo(runs, "dispatch/comm_mode_c10d")
+    got = runs.get(mode, world).value("dispatch/comm_mode_c10d")
+    for r in range(world):
+        assert all(not isinstance(v, str) for v in ref[r].values()), ref[r]
+        for name, v in ref[r].items():
+            assert got[r][name] == v, (mode, r, name, got[r][name], v)
 
 
 @pytest.mark.parametrize("mode,world", RUNS)
