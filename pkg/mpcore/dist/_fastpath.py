@@ -505,29 +505,27 @@ def _reduce_scatter_base(key):
         if (not (_compiling() or _profiling() or _modes())
                 and type(g) is _PG and g._batch is None and g.shm is not None
                 and type(output) is _Tensor and type(input) is _Tensor and type(op) is RED
-                and output.is_cpu and input.is_cpu and output.dtype is input.dtype
+                and output.is_cpu and input.is_cpu and (dt := output.dtype) is input.dtype
                 and output.is_contiguous() and input.is_contiguous()
-                and input.numel() == output.numel() * g._world
+                and input.numel() == (m := output.numel()) * g._world
                 and not _has_torch_function((input,))):
             if op is _SUM:
-                codes = _SUMS.get(output.dtype)
+                codes = _SUMS.get(dt)
             else:
-                row = _ROWS.get(output.dtype)
+                row = _ROWS.get(dt)
                 codes = row[op.value] if row is not None else None
             if codes is not None:
                 shm = g.shm
                 call = shm.core.reduce_scatter
-                if input.numel() >= _FEW and input.nbytes >= BUFFER_MIN:
+                if m * g._world >= _FEW and input.nbytes >= BUFFER_MIN:
                     call = with_buffer(call, buffer_of(input))
                 if async_op:
-                    return _queue(shm, [output], call, (output.data_ptr(), input.data_ptr(),
-                                                        output.numel(), codes[0], codes[1]),
-                                  (input, output))
+                    return _queue(shm, [output], call, (output.data_ptr(), input.data_ptr(), m,
+                                                        codes[0], codes[1]), (input, output))
                 lane = shm._lanes.get(_COLLECTIVES)
                 if lane is not None and lane.queued:
                     shm.drain()
-                call(output.data_ptr(), input.data_ptr(), output.numel(), codes[0], codes[1],
-                     shm.timeout)
+                call(output.data_ptr(), input.data_ptr(), m, codes[0], codes[1], shm.timeout)
                 return None
         return _TORCH[key](output, input, op, group=group, async_op=async_op)
     reduce_scatter_single.__name__ = reduce_scatter_single.__qualname__ = key
