@@ -399,12 +399,19 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
         shm = g.shm
         n, m, w = input.nbytes, output.nbytes, g._world
         o, i = output.data_ptr(), input.data_ptr()
+        si, so = input.shape, output.shape
         if (not output_split_sizes and not input_split_sizes and n < BUFFER_MIN
-                and input.dim() and output.dim() and not input.shape[0] % w
-                and not output.shape[0] % w and (i >= o + m or o >= i + n)):
+                and si and so and not si[0] % w and not so[0] % w
+                and (i >= o + m or o >= i + n)):
             # even splits, apart, not in a group buffer: the sizes are the bytes' shares
-            return _call(shm, async_op, (input, output), [output], shm.core.all_to_all,
-                         o, i, [n // w] * w, [m // w] * w)
+            if async_op:
+                return _queue(shm, [output], shm.core.all_to_all,
+                              (o, i, [n // w] * w, [m // w] * w), (input, output), m)
+            lane = shm._lanes.get(_COLLECTIVES)
+            if lane is not None and lane.queued:
+                shm.drain()
+            shm.core.all_to_all(o, i, [n // w] * w, [m // w] * w, shm.timeout)
+            return None
         if (isinstance(output_split_sizes, (list, tuple, type(None)))
                 and isinstance(input_split_sizes, (list, tuple, type(None)))):
             return _call(shm, async_op, (input, output), [output],
