@@ -365,15 +365,30 @@ def _rooted(tensor, tensors, rank, group, group_rank):
 
 
 def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
-    call = _rooted(tensor, gather_list, dst, group, group_dst)
-    if call is None:
-        return _TORCH["gather"](tensor, gather_list, dst, group=group, async_op=async_op,
-                                group_dst=group_dst)
-    g, root, outs = call
-    shm = g.shm
-    # the Work's result is the root's outputs' list, as the group's method's
-    return _call(shm, async_op, (tensor, gather_list), gather_list if outs else [],
-                 shm.core.gather, outs, tensor.data_ptr(), tensor.nbytes, root)
+    g = _WORLD._default_pg if group is None else group   # _rooted(), inline
+    if (not (_compiling() or _profiling() or _modes())
+            and type(g) is _PG and g._batch is None and g.shm is not None and group_dst is None
+            and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
+            and not _has_torch_function((tensor,))):
+        root = g._group_ranks.get(0 if dst is None else dst)
+        if root is not None:
+            if root != g._rank:
+                outs = None if gather_list else 0
+            else:
+                outs = _pieces(gather_list, tensor, g._world)
+            if outs is not None:
+                shm = g.shm
+                if async_op:   # the Work's result is the root's outputs' list, as the method's
+                    return _queue(shm, gather_list if outs else [], shm.core.gather,
+                                  (outs, tensor.data_ptr(), tensor.nbytes, root),
+                                  (tensor, gather_list))
+                lane = shm._lanes.get(_COLLECTIVES)
+                if lane is not None and lane.queued:
+                    shm.drain()
+                shm.core.gather(outs, tensor.data_ptr(), tensor.nbytes, root, shm.timeout)
+                return None
+    return _TORCH["gather"](tensor, gather_list, dst, group=group, async_op=async_op,
+                            group_dst=group_dst)
 
 
 def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
