@@ -345,27 +345,8 @@ def _pieces(ts, like, w):
     return first
 
 
-def _rooted(tensor, tensors, rank, group, group_rank):
-    """(group, root's group rank, the root's list as the core takes it: 0
-    off the root) of a gather or scatter the core serves; None else."""
-    g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
-    if (not (_compiling() or _profiling() or _modes())
-            and type(g) is _PG and g._batch is None and g.shm is not None and group_rank is None
-            and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
-            and not _has_torch_function((tensor,))):
-        root = g._group_ranks.get(0 if rank is None else rank)
-        if root is None:
-            return None
-        if root != g._rank:
-            return None if tensors else (g, root, 0)
-        mine = _pieces(tensors, tensor, g._world)
-        if mine is not None:
-            return g, root, mine
-    return None
-
-
 def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
-    g = _WORLD._default_pg if group is None else group   # _rooted(), inline
+    g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
     if (not (_compiling() or _profiling() or _modes())
             and type(g) is _PG and g._batch is None and g.shm is not None and group_dst is None
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
@@ -392,14 +373,30 @@ def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group
 
 
 def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
-    call = _rooted(tensor, scatter_list, src, group, group_src)
-    if call is None:
-        return _TORCH["scatter"](tensor, scatter_list, src, group=group, async_op=async_op,
-                                 group_src=group_src)
-    g, root, ins = call
-    shm = g.shm
-    return _call(shm, async_op, (tensor, scatter_list), [tensor], shm.core.scatter,
-                 tensor.data_ptr(), ins, tensor.nbytes, root)
+    g = _WORLD._default_pg if group is None else group   # as gather's
+    if (not (_compiling() or _profiling() or _modes())
+            and type(g) is _PG and g._batch is None and g.shm is not None and group_src is None
+            and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
+            and not _has_torch_function((tensor,))):
+        root = g._group_ranks.get(0 if src is None else src)
+        if root is not None:
+            if root != g._rank:
+                ins = None if scatter_list else 0
+            else:
+                ins = _pieces(scatter_list, tensor, g._world)
+            if ins is not None:
+                shm = g.shm
+                if async_op:
+                    return _queue(shm, [tensor], shm.core.scatter,
+                                  (tensor.data_ptr(), ins, tensor.nbytes, root),
+                                  (tensor, scatter_list))
+                lane = shm._lanes.get(_COLLECTIVES)
+                if lane is not None and lane.queued:
+                    shm.drain()
+                shm.core.scatter(tensor.data_ptr(), ins, tensor.nbytes, root, shm.timeout)
+                return None
+    return _TORCH["scatter"](tensor, scatter_list, src, group=group, async_op=async_op,
+                             group_src=group_src)
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
