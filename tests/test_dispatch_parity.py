@@ -153,8 +153,7 @@ def dispatched(fn):
 
 
 for name, fn in PROFILED.items():
-    if not name.startswith("funcol/"):
-        check("dispatch/" + name)(lambda fn=fn: dispatched(fn))
+    check("dispatch/" + name)(lambda fn=fn: dispatched(fn))
 
 
 check("profile/kineto/all_reduce")(lambda: events(lambda: dist.all_reduce(mine()), kineto=True))
@@ -447,9 +446,10 @@ WORK_CHECKS = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_in
                "barrier", "isend_irecv", "isend_irecv_any_source")
 
 
-# the dist.* calls of PROFILED (the functional collectives' and DDP's checks aside)
+# the calls of PROFILED: dist.* calls, and the functional collectives (whose
+# kernels call the group's method, which goes through c10d's op as gloo's does)
 DISPATCH_CHECKS = ["dispatch/" + c[len("profile/"):] for c in PROFILE_CHECKS
-                   if not c.startswith(("profile/funcol/", "profile/kineto/", "profile/ddp"))]
+                   if not c.startswith(("profile/kineto/", "profile/ddp"))]
 
 
 @pytest.fixture(scope="module")
