@@ -83,20 +83,20 @@ serves, and torch's function the rest:
 On a torch where all_gather_into_tensor and reduce_scatter_tensor are
 deprecated aliases of the *_single functions, they stay torch's: they call
 the fast path of the name they stand for through the module and warn as
-torch's do, for about 1 us more than the *_single call.  Measured after
+torch's do, for about 1.3 us more than the *_single call.  Measured after
 it, CPU time per call on one rank, 4 KB, over the core's own call (best
 of 7 runs, interleaved, `python benchmarks/fastpath_calls.py`; on these
 shared cores whole runs go up to twice as slow at times, so only figures
-of one run compare): all_reduce +0.83 us (1.31 for the core's 0.48),
-barrier +0.33 (0.51 for 0.18), broadcast +0.62 (0.97 for 0.35),
-all_gather_single +1.26 (1.76 for 0.49), reduce_scatter_single +1.32
-(1.87 for 0.55), gather +1.95, all_to_all_single +2.31 (its split sizes
-and overlap checked too), and of lists laid apart all_gather +1.87,
-reduce_scatter +2.24, all_to_all +2.96; all_gather_into_tensor +2.25 and
-reduce_scatter_tensor +2.62 through torch's deprecated aliases.  Through
-torch's function (the path before, and the one an observed call takes)
-the same calls cost 5.80, 4.89, 5.49, 5.76, 7.40, 8.46, 8.78, 17.3, 20.2
-and 37.0 us.  The script's two-rank mode (`--p2p`) times a 4 KB send/recv
+of one run compare): all_reduce +0.84 us (1.34 for the core's 0.50),
+barrier +0.38 (0.58 for 0.20), broadcast +0.73 (1.15 for 0.42),
+all_gather_single +1.23 (1.72 for 0.48), reduce_scatter_single +1.28
+(1.82 for 0.54), gather +1.61 (2.30 for 0.69), all_to_all_single +1.75
+(its split sizes and overlap checked too), and of lists laid apart
+all_gather +2.01, reduce_scatter +2.38, all_to_all +3.17;
+all_gather_into_tensor +2.60 and reduce_scatter_tensor +2.54 through
+torch's deprecated aliases.  Through torch's function (the path before,
+and the one an observed call takes) the same calls cost 6.24, 5.82, 6.42,
+5.70, 7.38, 8.44, 9.20, 18.5, 22.9 and 40.5 us.  The script's two-rank mode (`--p2p`) times a 4 KB send/recv
 ping-pong: dist.* 7.01 us a round trip against the core's 3.47, about
 0.9 us a call over the core's (two sends and two receives a round trip).
 Between two ranks (`mpcore bench --only mpi-2r-allreduce-4k,mpi-2r-barrier,
@@ -115,11 +115,12 @@ _dist.py), in the order of the calls.  It never runs the call on the
 caller's thread at once: a rank that posts an asynchronous all_reduce and
 then a send, whose peer receives first and then all-reduces, would wait
 in the all_reduce for a peer that waits for its send.  What the fast path
-saves is torch's layers (dist.all_reduce(t, async_op=True).wait() 5.48
-us against 9.82 through torch's function and the group's method, in the
-run above; barrier 4.30 against 9.16, broadcast 5.03 against 9.15); what
-is left over a blocking call, +4.18 us for all_reduce (+3.79 for barrier,
-+4.1 to +5.7 for the others), is the Work and the lane, all Python: a
+saves is torch's layers (dist.all_reduce(t, async_op=True).wait() 5.81
+us against 10.44 through torch's function and the group's method, in the
+run above; barrier 4.72 against 10.29, broadcast 5.75 against 10.82);
+what is left over a blocking call, +4.47 us for all_reduce (+4.15 for
+barrier, +4.3 to +5.2 for the others), is the Work and the lane, all
+Python: a
 profile of dist.all_reduce(t, async_op=True).wait() puts a fifth of it in
 making the Work (torch's Work base, the latch, its fields: 1.2 us alone),
 a quarter in queueing it (the lane's lock, its deque, the clock the poller
