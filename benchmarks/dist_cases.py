@@ -510,8 +510,11 @@ def _layer_notes(row):
             f"called directly {_us(m['method_us'])}, the core's own all_reduce "
             f"{_us(m['core_us'])}: the backend layer adds {_us(m['layer_us'])} "
             f"(target <= {LAYER_TARGET_US:g} us: {_met(m['layer_us'] <= LAYER_TARGET_US)}); "
-            f"torch's dist.all_reduce function adds {_us(m['torch_us'])} on top (the same "
-            "function serves gloo)"]
+            + (f"torch's dist.all_reduce function adds {_us(m['torch_us'])} on top (the same "
+               "function serves gloo)" if m["torch_us"] >= 0 else
+               f"dist.all_reduce takes {_us(-m['torch_us'])} less than the method: its fast "
+               "path calls the core past torch's function and the method (NOTE [ The rest of "
+               "torch's collectives ] in dist/_fastpath.py)")]
 
 
 # --- the rows -----------------------------------------------------------------
