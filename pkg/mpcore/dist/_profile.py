@@ -222,7 +222,9 @@ def recorded_as(name, called=None):
 # seen by none of that, and torch cannot give it the C++ way: a Backend has
 # no constructor in Python on this torch ("No constructor defined"), and
 # c10d's CPU kernels ask the group for one ("No backend type associated
-# with device type cpu" for a group without).  c10d's ops do take a
+# with device type cpu" for a group without; torch 2.14 makes a Backend
+# constructible in Python, 2.6 to 2.13 do not, so that way in is not
+# taken: the one below works on all of them).  c10d's ops do take a
 # Python group, boxed (ProcessGroup.boxed()); its ReduceOp can be made in
 # Python only as SUM (torch.classes.c10d.ReduceOp has no other
 # constructor, and a torch.distributed.ReduceOp is refused).
