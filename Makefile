@@ -14,7 +14,7 @@ $(STAMP):
 	$(PY) -m pip install -q $(TORCH) "numpy>=1.24" pytest pytest-timeout matplotlib setuptools wheel nvidia-nccl-cu13
 	# torchdata for the test that moves loader state between it and mpcore; --no-deps keeps the pinned torch.
 	$(PY) -m pip install -q --no-deps torchdata==0.11.0
-	# expecttest: torch's own test harness (tests/torch_suite.py drives its DistributedTest) imports it.
+	# expecttest: torch's own test harness (tests/torch_parity/torch_suite.py drives its DistributedTest) imports it.
 	$(PY) -m pip install -q expecttest==0.3.0
 	# Lightning for the test that runs its DDP strategy under `mpcore run`; --no-deps as above.
 	$(PY) -m pip install -q --no-deps lightning==2.6.6 lightning-utilities==0.15.3 \
@@ -31,8 +31,8 @@ demo: install
 	done
 	$(VENV)/bin/mpcore bench --quick
 
-# tests/test_multinode.py plays two machines in network namespaces: it needs `ip` and `unshare`.
-# tests/test_cross_compile.py builds the core for aarch64 with Debian's cross compiler.
+# tests/distributed/test_multinode.py plays two machines in network namespaces: it needs `ip` and `unshare`.
+# tests/csrc/test_cross_compile.py builds the core for aarch64 with Debian's cross compiler.
 test: install
 	@command -v ip >/dev/null && command -v unshare >/dev/null || \
 	  (apt-get update -qq && apt-get install -y -qq iproute2 util-linux)
@@ -46,7 +46,7 @@ test: install
 # installed with the pinned torch into a fresh environment, where the console
 # script, `mpcore run` (through mpcore.pth in site-packages) and PACKAGE_SMOKE run.
 # pytest runs from $(PKG)/run, so `import mpcore` is the installed wheel, never
-# pkg/ (the tests take their helpers from tests/conftest.py).
+# pkg/ (the tests take their helpers from tests/helpers/).
 PKG := build/package
 PKG_TOOLS := $(PKG)/tools/bin
 PKG_PY := $(CURDIR)/$(PKG)/venv/bin/python
@@ -55,9 +55,9 @@ PKG_PY := $(CURDIR)/$(PKG)/venv/bin/python
 # doctor), plus what only an install can break: the console script, mpcore.pth
 # reaching a program's subprocesses, and the core's x86 clones.
 PACKAGE_SMOKE := tests/smoke \
-  tests/test_launcher.py::test_console_script_and_python_dash_m_agree \
-  tests/test_launcher.py::test_subprocess_of_a_launched_program_is_served \
-  tests/test_cross_compile.py::test_x86_build_keeps_its_clones
+  tests/run/test_launcher.py::test_console_script_and_python_dash_m_agree \
+  tests/run/test_launcher.py::test_subprocess_of_a_launched_program_is_served \
+  tests/csrc/test_cross_compile.py::test_x86_build_keeps_its_clones
 
 test-package:
 	rm -rf $(PKG) && mkdir -p $(PKG)/run
@@ -67,7 +67,8 @@ test-package:
 	@# What a wheel is built from, and what the project states, is in the sdist.
 	@tar -tzf $(PKG)/dist/mpcore-*.tar.gz > $(PKG)/sdist.txt
 	@for f in pkg/mpcore.pth LICENSE csrc/mpcore.h csrc/internal.h csrc/py_mpcore.h \
-	  pkg/mpcore/_version.py benchmarks/runner.py tests/conftest.py; do \
+	  pkg/mpcore/_version.py benchmarks/runner.py tests/conftest.py \
+	  tests/helpers/__init__.py; do \
 	  grep -q "^mpcore-[^/]*/$$f$$" $(PKG)/sdist.txt || { echo "the sdist lacks $$f"; exit 1; }; done
 	$(PKG_TOOLS)/python -m build -q --wheel --outdir $(PKG)/dist $(PKG)/dist/mpcore-*.tar.gz
 	PATH="$(CURDIR)/$(PKG_TOOLS):$$PATH" $(PKG_TOOLS)/auditwheel repair -w $(PKG)/wheelhouse $(PKG)/dist/mpcore-*.whl

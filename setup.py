@@ -6,7 +6,7 @@ MPCORE_ASAN=1 adds AddressSanitizer.
 What an sdist carries beyond the packages is listed in MANIFEST.in
 (pkg/mpcore.pth and the headers among them: a wheel is built from it).
 The core's Extension is made by core_extension(), which
-tests/test_cross_compile.py also reads, so that its aarch64 build uses
+tests/csrc/test_cross_compile.py also reads, so that its aarch64 build uses
 these very flags; setup() runs only when this file is run as a script
 (as pip and build run it).
 """

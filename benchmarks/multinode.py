@@ -1,7 +1,7 @@
 """all_reduce across two nodes of this machine: 2 nodes x 2 ranks, mpcore's
 hierarchical groups (NOTE [ Hierarchical groups ] in mpcore/dist/_hier.py)
 against flat gloo, over the same veth link between two network namespaces
-(tests/_netns.py: each node has its own network and hostname).
+(tests/helpers/netns.py: each node has its own network and hostname).
 
     sudo .venv/bin/python benchmarks/multinode.py [--sizes 4096,16777216] [--seconds 2]
                                                   [--ddp-steps 5]
@@ -29,7 +29,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
-import _netns  # noqa: E402
+from helpers import netns as _netns  # noqa: E402
 
 RANK = r'''
 import json, os, sys, time, torch

@@ -10,8 +10,8 @@ import uuid
 
 import pytest
 
-import conftest
-from conftest import TESTS, TIME_SCALE_VAR, fresh_env, scaled, shm_gained
+from helpers import timescale
+from helpers import TESTS, TIME_SCALE_VAR, fresh_env, scaled, shm_gained
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
@@ -19,8 +19,8 @@ pytestmark = pytest.mark.usefixtures("leak_check")
 # --- the time scale ------------------------------------------------------------
 
 def test_scaled_multiplies_by_the_factor_now():
-    f = conftest.TIME_SCALE.factor
-    assert 1 <= f <= conftest._SCALE_CAP
+    f = timescale.TIME_SCALE.factor
+    assert 1 <= f <= timescale._SCALE_CAP
     assert scaled(2) == 2 * f
     # The programs a test starts inherit it.
     assert float(os.environ[TIME_SCALE_VAR]) == f
@@ -28,10 +28,10 @@ def test_scaled_multiplies_by_the_factor_now():
 
 def test_the_factor_follows_the_load(monkeypatch):
     monkeypatch.delenv(TIME_SCALE_VAR)
-    ts = conftest._TimeScale()
+    ts = timescale._TimeScale()
     assert not ts.fixed
     cpus = len(os.sched_getaffinity(0))
-    for load, want in ((0.1 * cpus, 1.0), (3.0 * cpus, 3.0), (50.0 * cpus, conftest._SCALE_CAP)):
+    for load, want in ((0.1 * cpus, 1.0), (3.0 * cpus, 3.0), (50.0 * cpus, timescale._SCALE_CAP)):
         monkeypatch.setattr(os, "getloadavg", lambda: (load, 0.0, 0.0))
         assert ts.refresh() == want
         assert os.environ[TIME_SCALE_VAR] == str(want)
@@ -45,12 +45,12 @@ def test_the_factor_follows_the_load(monkeypatch):
 def test_a_bad_fixed_factor_is_a_clear_error(monkeypatch, given, error):
     monkeypatch.setenv(TIME_SCALE_VAR, given)
     with pytest.raises(ValueError, match=f"{TIME_SCALE_VAR}=.*{error}"):
-        conftest._TimeScale()
+        timescale._TimeScale()
 
 
 def test_a_fixed_factor_stays(monkeypatch):
     monkeypatch.setenv(TIME_SCALE_VAR, "3")
-    ts = conftest._TimeScale()
+    ts = timescale._TimeScale()
     monkeypatch.setattr(os, "getloadavg", lambda: (100.0, 0.0, 0.0))
     ts.calibrate()
     assert ts.fixed and ts.refresh() == 3.0
@@ -71,8 +71,8 @@ def test_a_busy_loop_on_the_same_cpu_is_seen():
             while True:
                 pass
         try:
-            import conftest
-            print("SLOWDOWN", conftest._cpu_share_slowdown(0.5), flush=True)
+            from helpers import timescale
+            print("SLOWDOWN", timescale._cpu_share_slowdown(0.5), flush=True)
         finally:
             os.kill(pid, 9)
             os.waitpid(pid, 0)
@@ -124,8 +124,8 @@ def test_a_program_reads_the_same_factor():
     code = f"""
         import sys
         sys.path.insert(0, {TESTS!r})
-        import conftest
-        print("SCALED", conftest.scaled(1))
+        from helpers import timescale
+        print("SCALED", timescale.scaled(1))
     """
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
                        text=True, timeout=scaled(60), env=fresh_env())

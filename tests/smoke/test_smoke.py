@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 
-from conftest import article, fresh_env, run_in_session
+from helpers import article, fresh_env, run_in_session
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("leak_check")]
 

@@ -1,0 +1,178 @@
+"""The group's lanes (mpcore.dist._dist._Lane) on their own: calls run in the
+order queued, on the lane's thread or on a thread that waits for the next
+one (NOTE [ A waiter runs its own call ]), and a call's end wakes whoever
+can go on (NOTE [ A finished call wakes only who needs it ])."""
+import threading
+import time
+
+import pytest
+
+from helpers import scaled
+from mpcore.dist import _dist
+
+WAIT_S = scaled(10)
+
+
+def _call(lane, fn, *args, small=True):
+    work = _dist.Work([])
+    work._lane = lane
+    lane.put((work, fn, args, ()), small)
+    return work
+
+
+@pytest.fixture
+def lane():
+    """A lane whose thread never polls: it moves only when notified, so a
+    notification that a call's end owes is not covered up by a poll."""
+    ln = _dist._Lane("test-lane", 5.0)
+    ln.IDLE_S = 0
+    yield ln
+    ln.stop()
+
+
+def _sleeping(lane):
+    """Until the lane's thread waits on the lane again, having taken the
+    notifications so far (Condition keeps its waiters in _waiters); returns
+    whether it polls (it sets `polling` before it waits, and a waiter is
+    listed until it holds the lock again)."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        with lane.lock:
+            if len(lane.cond._waiters) == 1:
+                return lane.polling
+        assert time.monotonic() < deadline, "the lane's thread never went back to waiting"
+        time.sleep(0.0005)
+
+
+@pytest.mark.timeout(60)
+def test_a_call_queued_while_a_waiter_runs_one_still_runs(lane):
+    """This thread waits for a call and runs it itself; meanwhile a second
+    call is queued, and the lane's thread, woken by it, finds the lane
+    busy and sleeps again.  The first call's end must wake it: nobody that
+    could run the second call waits for it."""
+    # The lane's thread takes nothing until this thread holds the first
+    # call (else it may win the race for it, and there is no waiter's call)
+    taken, take = threading.Event(), lane._take
+    lane._take = lambda: take() if (taken.is_set()
+                                     or threading.current_thread() is not lane.thread) else None
+    started, release, order, later = threading.Event(), threading.Event(), [], []
+
+    def first(timeout):
+        assert threading.current_thread() is not lane.thread
+        taken.set()
+        started.set()
+        assert release.wait(WAIT_S)
+        order.append(1)
+
+    def meanwhile():
+        assert started.wait(WAIT_S)
+        later.append(_call(lane, lambda timeout: order.append(2)))
+        _sleeping(lane)   # woken by that put, it found the lane busy
+        release.set()
+
+    w1 = _call(lane, first)
+    helper = threading.Thread(target=meanwhile)
+    helper.start()
+    w1.wait()
+    helper.join(WAIT_S)
+    # a wait with a timeout never takes a call: the lane's thread must
+    assert later[0]._wait_done(WAIT_S), "the call queued behind a waiter's never ran"
+    assert order == [1, 2]
+
+
+@pytest.mark.timeout(60)
+def test_drain_returns_when_a_waiters_call_ends(lane):
+    started, release = threading.Event(), threading.Event()
+
+    def slow(timeout):
+        started.set()
+        assert release.wait(WAIT_S)
+
+    w = _call(lane, slow)
+    waiter = threading.Thread(target=w.wait)
+    waiter.start()
+    assert started.wait(WAIT_S)
+    drained = threading.Event()
+    drainer = threading.Thread(target=lambda: (lane.drain(), drained.set()))
+    drainer.start()
+    assert not drained.is_set()   # the call still runs
+    release.set()
+    assert drained.wait(WAIT_S), "drain() missed the end of a call a waiter ran"
+    waiter.join(WAIT_S)
+    drainer.join(WAIT_S)
+    assert lane.queued == 0
+
+
+@pytest.mark.timeout(60)
+def test_calls_run_in_order_and_report_errors(lane):
+    order = []
+    works = [_call(lane, lambda timeout, k=k: order.append(k)) for k in range(50)]
+
+    def boom(timeout):
+        raise ValueError("boom")
+    bad = _call(lane, boom)
+    works[-1].wait()
+    with pytest.raises(ValueError, match="boom"):
+        bad.wait()
+    assert order == list(range(50))
+    assert all(w.is_completed() and w.is_success() for w in works)
+    assert bad.is_completed() and not bad.is_success()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["future", "work", "drain"])
+def test_a_callback_on_the_lanes_thread_waits_for_a_call_it_queued(how):
+    """NOTE [ Callbacks that call again ]: a callback of a finished call's
+    future, run on the lane's own thread, queues another call and waits for
+    it (on its torch future, as PowerSGD's hook does; on its Work; or by
+    draining the lane).  Nobody else runs the lane, so that thread must run
+    it, after a call queued before it, in order.  The test's own waits are
+    bounded; a lane stuck in the callback is left to its daemon thread."""
+    lane = _dist._Lane("test-lane", 5.0)
+    order, results = [], []
+    gate = threading.Event()
+
+    def first(timeout):
+        assert threading.current_thread() is lane.thread
+        assert gate.wait(WAIT_S)   # the second call is queued before this one ends
+        order.append("first")
+
+    def callback(fut):
+        assert threading.current_thread() is lane.thread
+        inner = _call(lane, lambda timeout: order.append("inner"))
+        if how == "future":
+            inner.get_future().wait()
+        elif how == "work":
+            inner.wait()
+        else:
+            lane.drain()
+        results.append(inner.is_completed())
+
+    w = _call(lane, first, small=False)
+    chained = w.get_future().then(callback)
+    second = _call(lane, lambda timeout: order.append("second"), small=False)
+    gate.set()
+    deadline = time.monotonic() + WAIT_S
+    while not chained.done():
+        assert time.monotonic() < deadline, f"the callback never finished (ran: {order})"
+        time.sleep(0.001)
+    chained.wait()   # done: raises what the callback raised
+    assert second.is_completed()
+    assert order == ["first", "second", "inner"]
+    assert results == [True]
+    lane.stop()
+
+
+@pytest.mark.timeout(60)
+def test_only_small_calls_keep_the_thread_polling():
+    """The lane's thread polls (NOTE [ A waiter runs its own call ]) after
+    a small call, and not after large ones only: those wake it anyway."""
+    ln = _dist._Lane("test-lane", 5.0)
+    try:
+        for _ in range(3):
+            _call(ln, lambda timeout: None, small=False).wait()
+        assert _sleeping(ln) is False
+        _call(ln, lambda timeout: None, small=True).wait()
+        assert _sleeping(ln) is True
+    finally:
+        ln.stop()
