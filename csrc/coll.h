@@ -5,7 +5,7 @@
  * the core shares.  Only the collectives' files include this header.
  *
  * The files, from the bottom up (NOTE [ Layers of the core ] in internal.h;
- * tests/test_csrc_layers.py checks that none calls a file above it):
+ * tests/csrc/test_csrc_layers.py checks that none calls a file above it):
  *   coll_kernels.c  what the core reduces, and the reduction kernels (the
  *                   one file with code for particular CPUs)
  *   coll_group.c    the region's layout, a group's life (create, attach,

@@ -74,7 +74,7 @@ int mpc__coll_check_args(int dtype, int op, int reducing) {
  * loader picks the widest the CPU has (target_clones, an ifunc).  Elsewhere
  * one build serves: on aarch64 the baseline already has Advanced SIMD
  * (NEON), which -O3 uses, and GCC before 14 has no target_clones there.
- * tests/test_cross_compile.py builds the core for aarch64. */
+ * tests/csrc/test_cross_compile.py builds the core for aarch64. */
 #if defined(__x86_64__)
 #define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else

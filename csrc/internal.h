@@ -9,7 +9,7 @@
  * NOTE [ Layers of the core ]
  * The core's files call each other in one direction only.  From the
  * bottom up, each file calls only files on its own line or on the lines
- * before it (tests/test_csrc_layers.py builds the graph of calls from the
+ * before it (tests/csrc/test_csrc_layers.py builds the graph of calls from the
  * sources, checks every edge against this list, which names every core
  * file, and checks that the graph has no cycle):
  *   util.c sync.c          errors, debug switch, copies, clock, futexes

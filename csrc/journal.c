@@ -21,7 +21,7 @@
  * cleared and the count not yet dropped) leaves one block counted until
  * the program ends and its keeper exits.  Each window is a few
  * instructions with no system call; of 2,342 random kills of a busy
- * put/get loop (1,171 rounds of tests/test_shm_faults.py's kill program),
+ * put/get loop (1,171 rounds of tests/shm/test_shm_faults.py's kill program),
  * one hit one.  Closing them would need one atomic
  * store to change two words (a block's count and a process's private
  * state), which the hardware does not offer for a count shared by 256

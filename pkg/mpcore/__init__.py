@@ -6,7 +6,7 @@ and `mpcore run`, which serves these inside unchanged torch programs.
 
 NOTE [ Layers of the package ]
 Each layer imports only its own modules and those of the layers beneath it,
-and reads only their public names (tests/test_py_layers.py checks both,
+and reads only their public names (tests/package/test_py_layers.py checks both,
 imports inside functions included).  From the bottom up:
   base    _core (the C core), _version, _hooks (calls on a module's
           import), _torchapi (the one table of torch's internals), _stats

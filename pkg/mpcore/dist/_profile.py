@@ -20,7 +20,7 @@ from .. import _torchapi
 # is_async), and trace tools read them.  A Work made in Python records
 # nothing, so the group records them itself while torch's profiler runs
 # on the calling thread, one check per call otherwise: what gloo records,
-# read from gloo's own runs (_EVENTS; tests/test_dispatch_parity.py
+# read from gloo's own runs (_EVENTS; tests/distributed/test_dispatch_parity.py
 # compares the two), named by the backend torch reports for the group
 # ("gloo" for a program that asked for gloo, "mpcore" for one that named
 # mpcore).  An event is begun by record_function's entry with the inputs;
