@@ -16,15 +16,14 @@ import os
 import re
 import select
 import signal
-import socket
 import subprocess
-import sys
 import textwrap
 import time
 
 import pytest
 
 from helpers import fresh_env, require, scaled
+from helpers.ranks import free_port, start_rank
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -1236,12 +1235,6 @@ dist.destroy_process_group()
 '''
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Pool:
     """`world` rank processes of the worker program, with the world group up."""
 
@@ -1249,17 +1242,14 @@ class Pool:
         self.world = world
         path = tmp / "worker.py"
         path.write_text(textwrap.dedent(WORKER))
-        port = _free_port()
-        self.procs = []
-        for r in range(world):
-            env = {k: v for k, v in fresh_env().items() if not k.startswith("MPCORE_")}
-            env.update(RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
-            env.update(extra or {})
-            self.procs.append(subprocess.Popen(
-                [sys.executable, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=open(tmp / f"rank{r}.err", "w"), text=True, env=env,
-                start_new_session=True))
+        port = free_port()
+        base = {k: v for k, v in fresh_env().items() if not k.startswith("MPCORE_")}
+        self.procs = [start_rank(path, r, world, port, base=base,
+                                 extra={"PYTHONUNBUFFERED": "1", **(extra or {})},
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=open(tmp / f"rank{r}.err", "w"), text=True,
+                                 start_new_session=True)
+                      for r in range(world)]
         self.tmp = tmp
         try:
             for r in range(world):

@@ -5,13 +5,14 @@ NCCL asked for where there is none, Ctrl-C in one rank while it waits in a
 collective, and collectives after destroy_process_group.
 
 Every rank is a fresh program started here with RANK, WORLD_SIZE,
-MASTER_ADDR and MASTER_PORT set (env://), not through mpcore.spawn: spawn
-would tear the other ranks down itself once one fails, and these tests are
-about what the surviving ranks see on their own.  The ranks are tagged
-through their environment, with the test process as the subreaper of their
-trees (helpers.Scenario), so that afterwards the test checks that none of
-their processes runs or is a zombie, that no mpcore memfd is held and that
-no keeper is left (Scenario.check_clean, leak_check).
+MASTER_ADDR and MASTER_PORT set (env://, helpers.ranks.start_rank), not
+through mpcore.spawn: spawn would tear the other ranks down itself once
+one fails, and these tests are about what the surviving ranks see on
+their own.  The ranks are tagged through their environment, with the test
+process as the subreaper of their trees (helpers.Scenario), so that
+afterwards the test checks that none of their processes runs or is a
+zombie, that no mpcore memfd is held and that no keeper is left
+(Scenario.check_clean, leak_check).
 
 The ranks report through lines on stdout (READY, RESULT {json}) and are
 driven through lines on stdin (GO); the test waits on those pipes and on
@@ -28,9 +29,7 @@ import platform
 import re
 import select
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import textwrap
 import time
@@ -38,6 +37,7 @@ import time
 import pytest
 
 from helpers import fresh_env, make_memcg, remove_memcg, require, scaled
+from helpers.ranks import free_port, start_rank
 
 pytestmark = pytest.mark.usefixtures("leak_check")
 
@@ -308,12 +308,6 @@ if __name__ == "__main__":
 '''
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _stderr_tail(path, n=4000):
     try:
         with open(path, "rb") as f:
@@ -400,16 +394,14 @@ class Job:
 
     def start(self, r):
         """Starts rank r."""
-        env = fresh_env()
-        env.update(self.scenario.env())
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port), RANK=str(r),
-                   WORLD_SIZE=str(self.world), LOCAL_RANK=str(r))
-        env.update(self.env)
+        base = fresh_env()
+        base.update(self.scenario.env())
         errpath = str(self.tmp / f"rank{r}.err")
         with open(errpath, "wb") as err:
-            p = subprocess.Popen([sys.executable, self.script, self.mode, str(self.tmp),
-                                  *self.args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 stderr=err, env=env)
+            p = start_rank(self.script, r, self.world, self.port,
+                           (self.mode, self.tmp, *self.args), base=base,
+                           extra={"LOCAL_RANK": str(r), **self.env},
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err)
         self.ranks[r] = Rank(r, p, errpath)
         return self.ranks[r]
 

@@ -14,13 +14,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
-from helpers import netns
-from helpers import fresh_env, require, scaled, session_members, wait_session_gone
+from helpers import netns, require, scaled, session_members, wait_session_gone
+from helpers.ranks import start_rank
 
 WORLD, PER_NODE = 4, 2
 KILLED = 3          # a rank that is not its node's leader
@@ -57,18 +56,18 @@ def _run_job(out, killed, checks=True):
     try:
         for r in range(WORLD):
             k = r // PER_NODE
-            env = fresh_env()
-            env.update(RANK=str(r), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(r % PER_NODE),
-                       LOCAL_WORLD_SIZE=str(PER_NODE), MASTER_ADDR=nodes.addr(0),
-                       MASTER_PORT="29500", GLOO_SOCKET_IFNAME=nodes.ifname(k),
-                       MPCORE_TEST_DEADLINE=str(scaled(JOB_TIMEOUT)))
+            extra = dict(LOCAL_RANK=str(r % PER_NODE), LOCAL_WORLD_SIZE=str(PER_NODE),
+                         GLOO_SOCKET_IFNAME=nodes.ifname(k),
+                         MPCORE_TEST_DEADLINE=str(scaled(JOB_TIMEOUT)))
             if not checks:
-                env["MPCORE_TEST_NO_CHECKS"] = "1"
+                extra["MPCORE_TEST_NO_CHECKS"] = "1"
             logs.append(os.path.join(out, f"log{r}"))
             with open(logs[-1], "w") as log:
-                procs.append(subprocess.Popen(nodes.command(k, [sys.executable, PROGRAM, out]),
-                                              env=env, stdout=log, stderr=subprocess.STDOUT,
-                                              start_new_session=True))
+                procs.append(start_rank(PROGRAM, r, WORLD, 29500, (out,), extra=extra,
+                                        addr=nodes.addr(0),
+                                        wrap=lambda cmd, k=k: nodes.command(k, cmd),
+                                        stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True))
         deadline = time.monotonic() + scaled(JOB_TIMEOUT)
         netns.wait_files(out, [f"rank{r}.json" for r in range(WORLD)] +
                     [f"loop{r}" for r in range(WORLD)], procs, deadline, logs)

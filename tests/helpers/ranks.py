@@ -1,19 +1,37 @@
-"""Runs one torch.distributed program on N ranks, the way torchrun starts
-them (env:// rendezvous: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), once
-per backend, and hands the tests what each rank recorded.
+"""Starting N ranks of a torch.distributed program, the one way the tests do
+it (NOTE [ Starting N ranks ]), and RankRuns: one program on N ranks, the
+way torchrun starts them (env:// rendezvous: MASTER_ADDR, MASTER_PORT,
+RANK, WORLD_SIZE), once per backend, with what each rank recorded handed to
+the tests.
 
-The program is the same text in every mode; the mode says how it is started
-and which backend it asks torch for:
-  "gloo"      plain python, init_process_group("gloo")        (the reference)
-  "mpcore"    plain python, import mpcore.distributed, then
-              init_process_group("mpcore")
-  "run-gloo"  under `mpcore run`, init_process_group("gloo"): the program
-              never imports mpcore, and `mpcore run` must give it mpcore.
+NOTE [ Starting N ranks ]
+A rank is a fresh Python program (start_rank): `python SCRIPT ARGS`, or
+`python -m mpcore run SCRIPT ARGS` with launcher=True, in the environment
+`base` (fresh_env() unless given) plus torchrun's four variables
+(torchrun_env: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE) plus `extra`;
+the caller picks the port (free_port), the other variables (LOCAL_RANK,
+...) and how it talks to the rank (Popen's keywords: pipes, a log file, a
+session of its own).  RankRuns (below), test_backend.py's Pool,
+test_dist_faults.py's Job and test_multinode.py's job start their ranks so.
 
-A program starts with RANK_PRELUDE and records what it computed with
-`@check("name")`: each check's value (tensors and plain data, nested) or its
-traceback is saved to OUT/rank<r>.pt as soon as it is known, so that a run
-that hangs or dies later still reports the checks it finished.
+Some tests start ranks otherwise because the way they start them is what
+they test, or because the ranks are not torch.distributed ranks:
+  - mpcore.spawn / mp.spawn (proc/test_spawn.py, distributed/test_dist.py):
+    the spawn API under test starts them;
+  - `mpcore run --nproc-per-node N` and torchrun (run/test_torchrun.py,
+    run/test_launcher.py, data/test_shared_data.py's ranks, run/test_article.py)
+    and Lightning's own launcher (torch_parity/test_lightning.py): the
+    launcher under test starts them;
+  - torch's DistributedTest (torch_parity/torch_suite.py): torch's harness
+    starts them;
+  - the core's collectives (distributed/test_coll_ops.py): each rank is handed
+    the fd of a core group made in the test process, below torch.distributed
+    and with no rendezvous;
+  - two nodes in network namespaces (run/test_torchrun_nodes.py: a launcher
+    per node, started through helpers.netns); test_multinode.py's ranks go
+    through start_rank with netns's command wrapper (`wrap`);
+  - data/test_data_datapipes.py's ranks meet through a file:// store named on
+    their command line, as the test's program was written, not env://.
 
 NOTE [ One start per stack ]
 Starting ranks costs seconds each (torch's import, on a small shared
@@ -105,21 +123,42 @@ _RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE",
 
 
 def free_port():
+    """A TCP port of 127.0.0.1 free now, for a job's rendezvous."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def rank_env(rank, world, port, extra=None):
-    """A fresh program's environment (no mpcore switches, no rendezvous
-    variables of ours) with torchrun's variables for this rank."""
-    env = {k: v for k, v in fresh_env().items()
-           if not k.startswith("MPCORE_") and k not in _RENDEZVOUS}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-               LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-               OMP_NUM_THREADS="1")
+def torchrun_env(rank, world, port, addr="127.0.0.1"):
+    """torchrun's four variables of env:// for rank `rank` of `world`."""
+    return {"MASTER_ADDR": addr, "MASTER_PORT": str(port), "RANK": str(rank),
+            "WORLD_SIZE": str(world)}
+
+
+def start_rank(script, rank, world, port, args=(), base=None, extra=None, addr="127.0.0.1",
+               launcher=False, wrap=None, **popen):
+    """Starts rank `rank` of `world` (NOTE [ Starting N ranks ]): `script`
+    with `args`, under `mpcore run` when launcher, in `base` (fresh_env()
+    when None) with torchrun_env's variables and then `extra`; wrap(cmd)
+    may put the command in a namespace.  Returns the Popen."""
+    env = dict(fresh_env() if base is None else base)
+    env.update(torchrun_env(rank, world, port, addr))
     env.update(extra or {})
-    return env
+    cmd = [sys.executable] + (["-m", "mpcore", "run"] if launcher else [])
+    cmd += [str(script)] + [str(a) for a in args]
+    return subprocess.Popen(cmd if wrap is None else wrap(cmd), env=env, **popen)
+
+
+def _bare_env():
+    """A fresh program's environment with no mpcore switches and no
+    rendezvous variables of ours: what RankRuns' ranks start from."""
+    return {k: v for k, v in fresh_env().items()
+            if not k.startswith("MPCORE_") and k not in _RENDEZVOUS}
+
+
+def _local(rank, world):
+    """The rest of what RankRuns' ranks get: one node, one thread each."""
+    return {"LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}
 
 
 def left_behind(sc):
@@ -192,14 +231,14 @@ def launch(script, mode, world, outdir, timeout, env=None):
     timed_out = False
     try:
         port = free_port()
+        base = _bare_env()
         for r in range(world):
-            e = rank_env(r, world, port, env)
-            e.update(sc.env())
-            cmd = [sys.executable] + (["-m", "mpcore", "run"] if mode == "run-gloo" else [])
             log = open(os.path.join(outdir, f"rank{r}.log"), "w+")
             logs.append(log)
-            procs.append(subprocess.Popen(cmd + [script, mode, outdir], env=e, stdout=log,
-                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+            procs.append(start_rank(script, r, world, port, (mode, outdir), base=base,
+                                    extra={**_local(r, world), **(env or {}), **sc.env()},
+                                    launcher=mode == "run-gloo", stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
         deadline = time.monotonic() + scaled(timeout)
         fds = {os.pidfd_open(p.pid): p for p in procs}
         try:

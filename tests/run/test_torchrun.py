@@ -12,15 +12,14 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-from helpers.ranks import left_behind
 from helpers import Scenario, exited, scaled
+from helpers.ranks import free_port, left_behind
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -123,12 +122,6 @@ def rank_lines(job):
     return {d["env"]["RANK"]: d for d in
             (json.loads(line.split(" ", 1)[1]) for line in job.out.splitlines()
              if line.startswith("rank-line "))}
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,7 @@ import time
 
 import pytest
 
-from helpers import netns
-from helpers import fresh_env, require, scaled, session_members, wait_session_gone
+from helpers import fresh_env, netns, require, scaled, session_members, wait_session_gone
 
 NODES, PER_NODE = 2, 2
 WORLD = NODES * PER_NODE

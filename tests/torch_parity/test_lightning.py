@@ -17,8 +17,8 @@ import sys
 
 import pytest
 
-from helpers.ranks import left_behind
 from helpers import Scenario, require, scaled, shm_gained
+from helpers.ranks import left_behind
 
 pytestmark = pytest.mark.timeout(240)
 
