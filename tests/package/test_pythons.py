@@ -121,7 +121,7 @@ def _run(cmd, timeout, **kw):
 def _copy_tree(dest):
     """The package's sources as they are now (not only what is committed),
     without build outputs or virtual environments."""
-    ignore = shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "*.so",
+    ignore = shutil.ignore_patterns(".venv", ".venv-*", ".git", "build", "*.egg-info", "*.so",
                                     "__pycache__", "bench-out", ".pytest_cache")
     shutil.copytree(ROOT, dest, ignore=ignore)
 
