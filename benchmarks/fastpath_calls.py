@@ -58,89 +58,46 @@ def cases(dist, pg, n):
     nb = t.nbytes
     sizes = [nb] * w
     SUM = dist.ReduceOp.SUM
+    def ways(name, core_call, *args):
+        """The core's own call beside torch.distributed's `name`: the fast
+        path, torch's own function (the path before it), and each of them
+        async and waited on; None where this torch has no `name`."""
+        fn = getattr(dist, name, None)
+        if fn is None:
+            return None
+        torch = torch_fn(name)
+        return {"core": core_call,
+                "dist": lambda: fn(*args),
+                "torch's path": lambda: torch(*args),
+                "async": lambda: fn(*args, async_op=True).wait(),
+                "torch's async": lambda: torch(*args, async_op=True).wait()}
+
+    def all_gather():
+        core.all_gather(flat.data_ptr(), t.data_ptr(), nb, timeout)
+
+    def reduce_scatter():
+        core.reduce_scatter(out1.data_ptr(), flat.data_ptr(), n, f32, op_sum, timeout)
+
+    def all_to_all():
+        core.all_to_all(a2a_out.data_ptr(), a2a_in.data_ptr(), sizes, sizes, timeout)
+
     out = {
-        "all_reduce": {
-            "core": lambda: core.all_reduce(t.data_ptr(), n, f32, op_sum, timeout, None),
-            "dist": lambda: dist.all_reduce(t),
-            "torch's path": lambda: torch_fn("all_reduce")(t),
-            "async": lambda: dist.all_reduce(t, async_op=True).wait(),
-            "torch's async": lambda: torch_fn("all_reduce")(t, async_op=True).wait()},
-        "barrier": {
-            "core": lambda: core.barrier(timeout),
-            "dist": lambda: dist.barrier(),
-            "torch's path": lambda: torch_fn("barrier")(),
-            "async": lambda: dist.barrier(async_op=True).wait(),
-            "torch's async": lambda: torch_fn("barrier")(async_op=True).wait()},
-        "broadcast": {
-            "core": lambda: core.broadcast(t.data_ptr(), nb, 0, timeout),
-            "dist": lambda: dist.broadcast(t, 0),
-            "torch's path": lambda: torch_fn("broadcast")(t, 0),
-            "async": lambda: dist.broadcast(t, 0, async_op=True).wait(),
-            "torch's async": lambda: torch_fn("broadcast")(t, 0, async_op=True).wait()},
-        "all_gather_into_tensor": {
-            "core": lambda: core.all_gather(flat.data_ptr(), t.data_ptr(), nb, timeout),
-            "dist": lambda: dist.all_gather_into_tensor(flat, t),
-            "torch's path": lambda: torch_fn("all_gather_into_tensor")(flat, t),
-            "async": lambda: dist.all_gather_into_tensor(flat, t, async_op=True).wait(),
-            "torch's async": lambda: torch_fn("all_gather_into_tensor")(flat, t, async_op=True).wait()},
-        "all_gather": {
-            "core": lambda: core.all_gather(flat.data_ptr(), t.data_ptr(), nb, timeout),
-            "dist": lambda: dist.all_gather(outs, t),
-            "torch's path": lambda: torch_fn("all_gather")(outs, t),
-            "async": lambda: dist.all_gather(outs, t, async_op=True).wait(),
-            "torch's async": lambda: torch_fn("all_gather")(outs, t, async_op=True).wait()},
-        "reduce_scatter_tensor": {
-            "core": lambda: core.reduce_scatter(out1.data_ptr(), flat.data_ptr(), n, f32, op_sum,
-                                                timeout),
-            "dist": lambda: dist.reduce_scatter_tensor(out1, flat),
-            "torch's path": lambda: torch_fn("reduce_scatter_tensor")(out1, flat),
-            "async": lambda: dist.reduce_scatter_tensor(out1, flat, async_op=True).wait(),
-            "torch's async": lambda: torch_fn("reduce_scatter_tensor")(out1, flat, async_op=True).wait()},
-        "all_gather_single": {
-            "core": lambda: core.all_gather(flat.data_ptr(), t.data_ptr(), nb, timeout),
-            "dist": lambda: dist.all_gather_single(flat, t),
-            "torch's path": lambda: torch_fn("all_gather_single")(flat, t),
-            "async": lambda: dist.all_gather_single(flat, t, async_op=True).wait(),
-            "torch's async": lambda: torch_fn("all_gather_single")(flat, t, async_op=True).wait()},
-        "reduce_scatter_single": {
-            "core": lambda: core.reduce_scatter(out1.data_ptr(), flat.data_ptr(), n, f32, op_sum,
-                                                timeout),
-            "dist": lambda: dist.reduce_scatter_single(out1, flat),
-            "torch's path": lambda: torch_fn("reduce_scatter_single")(out1, flat),
-            "async": lambda: dist.reduce_scatter_single(out1, flat, async_op=True).wait(),
-            "torch's async": lambda: torch_fn("reduce_scatter_single")(out1, flat, async_op=True).wait()},
-        "reduce_scatter": {
-            "core": lambda: core.reduce_scatter(out1.data_ptr(), flat.data_ptr(), n, f32, op_sum,
-                                                timeout),
-            "dist": lambda: dist.reduce_scatter(out1, ins),
-            "torch's path": lambda: torch_fn("reduce_scatter")(out1, ins),
-            "async": lambda: dist.reduce_scatter(out1, ins, async_op=True).wait(),
-            "torch's async": lambda: torch_fn("reduce_scatter")(out1, ins, async_op=True).wait()},
-        "all_to_all_single": {
-            "core": lambda: core.all_to_all(a2a_out.data_ptr(), a2a_in.data_ptr(), sizes, sizes,
-                                            timeout),
-            "dist": lambda: dist.all_to_all_single(a2a_out, a2a_in),
-            "torch's path": lambda: torch_fn("all_to_all_single")(a2a_out, a2a_in),
-            "async": lambda: dist.all_to_all_single(a2a_out, a2a_in, async_op=True).wait(),
-            "torch's async": lambda: torch_fn("all_to_all_single")(a2a_out, a2a_in, async_op=True).wait()},
-        "all_to_all": {
-            "core": lambda: core.all_to_all(a2a_out.data_ptr(), a2a_in.data_ptr(), sizes, sizes,
-                                            timeout),
-            "dist": lambda: dist.all_to_all(outs, ins),
-            "torch's path": lambda: torch_fn("all_to_all")(outs, ins),
-            "async": lambda: dist.all_to_all(outs, ins, async_op=True).wait(),
-            "torch's async": lambda: torch_fn("all_to_all")(outs, ins, async_op=True).wait()},
-        "gather": {
-            "core": lambda: core.gather([o.data_ptr() for o in outs], t.data_ptr(), nb, 0,
-                                        timeout),
-            "dist": lambda: dist.gather(t, outs, 0),
-            "torch's path": lambda: torch_fn("gather")(t, outs, 0),
-            "async": lambda: dist.gather(t, outs, 0, async_op=True).wait(),
-            "torch's async": lambda: torch_fn("gather")(t, outs, 0, async_op=True).wait()},
+        "all_reduce": ways("all_reduce",
+                           lambda: core.all_reduce(t.data_ptr(), n, f32, op_sum, timeout, None), t),
+        "barrier": ways("barrier", lambda: core.barrier(timeout)),
+        "broadcast": ways("broadcast", lambda: core.broadcast(t.data_ptr(), nb, 0, timeout), t, 0),
+        "all_gather_into_tensor": ways("all_gather_into_tensor", all_gather, flat, t),
+        "all_gather": ways("all_gather", all_gather, outs, t),
+        "reduce_scatter_tensor": ways("reduce_scatter_tensor", reduce_scatter, out1, flat),
+        "all_gather_single": ways("all_gather_single", all_gather, flat, t),
+        "reduce_scatter_single": ways("reduce_scatter_single", reduce_scatter, out1, flat),
+        "reduce_scatter": ways("reduce_scatter", reduce_scatter, out1, ins),
+        "all_to_all_single": ways("all_to_all_single", all_to_all, a2a_out, a2a_in),
+        "all_to_all": ways("all_to_all", all_to_all, outs, ins),
+        "gather": ways("gather", lambda: core.gather([o.data_ptr() for o in outs], t.data_ptr(),
+                                                     nb, 0, timeout), t, outs, 0),
     }
-    if not hasattr(dist, "all_gather_single"):   # an older torch
-        del out["all_gather_single"], out["reduce_scatter_single"]
-    return out
+    return {op: calls for op, calls in out.items() if calls is not None}
 
 
 def _p2p_rank(rank, port, n, calls, runs, size, out):
