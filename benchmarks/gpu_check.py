@@ -33,7 +33,7 @@ def ranks_main(rank, world, port, out):
     pg = td.group.WORLD
     dev = torch.device("cuda", rank)
     lines = []
-    mine = pg._cuda("gpu_check")        # mpcore's NCCL communicator
+    mine = pg.cuda_group("gpu_check")        # mpcore's NCCL communicator
     theirs = pg._torch_nccl_pg()        # torch's ProcessGroupNCCL of the same group
     codes = _collectives.NCCL_DTYPES
 

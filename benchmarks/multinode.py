@@ -42,7 +42,7 @@ if backend == "mpcore":
     import mpcore.distributed as md
     md.init_process_group("mpcore")
     pg = dist.group.WORLD
-    assert type(getattr(pg, "_gloo", None)).__name__ == "HierGroup", pg
+    assert type(getattr(pg, "gloo", None)).__name__ == "HierGroup", pg
 else:
     dist.init_process_group("gloo")
 res = {}
@@ -70,7 +70,7 @@ for nbytes in sizes:
     if backend == "mpcore":
         # The same all-reduce on the leaders' gloo link alone (the other
         # ranks wait in the barrier): what the hierarchy cannot go below.
-        leaders = pg._gloo.leaders
+        leaders = pg.gloo.leaders
 
         def run_leaders(n):
             dist.barrier()

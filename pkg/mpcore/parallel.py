@@ -156,7 +156,7 @@ class DistributedDataParallel(_TorchDDP):
             if devices == {"cpu"}:
                 group = pg.shm
             elif devices == {"cuda"}:
-                group = pg._cuda("DistributedDataParallel")
+                group = pg.cuda_group("DistributedDataParallel")
         if group is not None:
             self._mpcore_hooks = _Hooks(group, pg if devices == {"cpu"} else None)
             _torchapi.get("torch.distributed._register_comm_hook")(self.reducer, self._mpcore_hooks,

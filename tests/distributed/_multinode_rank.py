@@ -89,7 +89,7 @@ def backend_of(group):
 def transport(group):
     pg = group
     shm = getattr(pg, "shm", None)
-    inner = getattr(pg, "_gloo", None)
+    inner = getattr(pg, "gloo", None)
     return {"type": type(pg).__name__, "shm": shm is not None,
             "inner": type(inner).__name__ if inner is not None else None}
 

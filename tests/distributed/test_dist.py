@@ -180,7 +180,7 @@ def run(rank, world, outdir, out):
     # The default group is mpcore's, and serves every call over shared
     # memory (it holds no gloo group to hand calls to).
     pg = c10d._get_default_group()
-    if type(pg).__name__ != "ProcessGroupMpcore" or pg._gloo is not None:
+    if type(pg).__name__ != "ProcessGroupMpcore" or pg.gloo is not None:
         out["fallbacks"].append(repr(pg))
     W = world
     fail = out["failures"]

@@ -15,7 +15,7 @@ WAIT_S = scaled(10)
 
 def _call(lane, fn, *args, small=True):
     work = _dist.Work([])
-    work._lane = lane
+    work.lane = lane
     lane.put((work, fn, args, ()), small)
     return work
 

@@ -41,7 +41,7 @@ PROGRAM = textwrap.dedent(r'''
     rec = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE",
                                           "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE")}
     rec.update(host=socket.gethostname(), pid=os.getpid(), sum=t[:3].tolist(),
-               group=type(pg).__name__, inner=type(getattr(pg, "_gloo", None)).__name__)
+               group=type(pg).__name__, inner=type(getattr(pg, "gloo", None)).__name__)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(rec, f)
     n = 0

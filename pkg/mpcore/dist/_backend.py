@@ -41,7 +41,7 @@ def _create_extended(opts, backend_options):
     pg = create(opts.store, opts.group_rank, opts.group_size, opts.timeout)
     ranks = list(opts.global_ranks_in_group)
     if len(ranks) == opts.group_size:
-        pg._group_ranks = {r: i for i, r in enumerate(ranks)}
+        pg.group_ranks = {r: i for i, r in enumerate(ranks)}
         if pg.shm is not None:
             pg.shm.core.set_labels(ranks)
     return pg
@@ -103,7 +103,7 @@ def _split_group(parent_pg=None, split_ranks=None, timeout=None, pg_options=None
     if me is None:
         raise ValueError(f"Global rank {_c10d.get_rank()} is not part of the parent group {parent}")
     to_global = {g: r for r, g in to_group.items()}
-    parent._split_count += 1
+    parent.split_count += 1
     mine, seen = None, set()
     for split in split_ranks:
         split = list(split)
@@ -124,7 +124,7 @@ def _split_group(parent_pg=None, split_ranks=None, timeout=None, pg_options=None
     if mine is None:
         return None
     ranks = [to_global[r] for r in mine]
-    key = f"{parent.group_name}/split{parent._split_count}/{ranks}"
+    key = f"{parent.group_name}/split{parent.split_count}/{ranks}"
     name = hashlib.sha1(key.encode(), usedforsecurity=False).hexdigest()
     with _torchapi.swapped(f"{C10D}._process_group_name", lambda ranks, use_hashed_name: name):
         return _c10d.new_group(ranks, timeout=timeout,

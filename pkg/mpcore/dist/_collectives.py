@@ -85,7 +85,7 @@ class Collectives:
                 if opts.asyncOp:
                     return shm.run(True, tensors, with_buffer(shm.core.all_reduce, buf),
                                    t.data_ptr(), t.numel(), codes[0], codes[1], keep=(t,))
-                if shm._queued:
+                if shm.queued:
                     shm.drain()
                 shm.core.all_reduce(t.data_ptr(), t.numel(), codes[0], codes[1], shm.timeout,
                                     buf)
@@ -93,11 +93,11 @@ class Collectives:
         return self._allreduce(tensors, red, opts.asyncOp)
 
     def _allreduce(self, tensors, red, async_op):
-        if self._gloo is not None:
+        if self.gloo is not None:
             o = dist.AllreduceOptions()
             o.reduceOp = ReduceOp(red)
             o.asyncOp = async_op
-            return self._gloo.allreduce(tensors, o)
+            return self.gloo.allreduce(tensors, o)
         n = self._cuda_call("all_reduce", tensors)
         if n is not None:
             if red not in OPS or OPS[red] > 4:
@@ -157,7 +157,7 @@ class Collectives:
         if red != RED.SUM:
             raise ValueError(f"mpcore: unsupported reduction operation {op_name(red)} (allreduce "
                              f"of sparse tensors only works with ReduceOp.SUM)")
-        core, w, me = self._core(), self._world, self._rank
+        core, w, me = self._core(), self.world, self.my_rank
 
         def gather(t, timeout):
             """(world, *t.shape) of every rank's t (contiguous, same shape)."""
@@ -213,9 +213,9 @@ class Collectives:
     def _gathered_reduce(self, t, red, timeout):
         """t becomes the reduction over the ranks, for a dtype or op the
         core does not reduce (NOTE [ What the core cannot serve ])."""
-        stack = torch.empty((self._world,) + tuple(t.shape), dtype=t.dtype)
+        stack = torch.empty((self.world,) + tuple(t.shape), dtype=t.dtype)
         self._core().all_gather(stack.data_ptr(), t.data_ptr(), nbytes(t), timeout)
-        t.copy_(reduce_stack(stack, red, self._world))
+        t.copy_(reduce_stack(stack, red, self.world))
 
     @cuda_routed
     def allreduce_coalesced(self, tensors, opts=None):
@@ -231,18 +231,18 @@ class Collectives:
             t, root = tensors[0], opts.rootRank
             row = CORE_ROWS.get(t.dtype)
             codes = row[opts.reduceOp.op.value] if row is not None else None
-            if codes is not None and t.is_cpu and t.is_contiguous() and 0 <= root < self._world:
+            if codes is not None and t.is_cpu and t.is_contiguous() and 0 <= root < self.world:
                 buf = buffer_of(t) if t.nbytes >= BUFFER_MIN else None
                 if opts.asyncOp:
                     return shm.run(True, tensors, with_buffer(shm.core.reduce, buf), t.data_ptr(),
                                    t.numel(), codes[0], codes[1], root, keep=(t,))
-                if shm._queued:
+                if shm.queued:
                     shm.drain()
                 shm.core.reduce(t.data_ptr(), t.numel(), codes[0], codes[1], root, shm.timeout,
                                 buf)
                 return Done(tensors)
-        if self._gloo is not None:
-            return self._gloo.reduce(tensors, opts)
+        if self.gloo is not None:
+            return self.gloo.reduce(tensors, opts)
         self._no_cuda("reduce", tensors)
         check_cpu("reduce", tensors)
         red, root = opts.reduceOp.op, opts.rootRank
@@ -265,7 +265,7 @@ class Collectives:
         def run(timeout):
             for c in calls:
                 c(timeout)
-            if self._rank == root:
+            if self.my_rank == root:
                 for d in dense:
                     d.back()
         return self._run(opts.asyncOp, tensors, run, keep=dense)
@@ -273,13 +273,13 @@ class Collectives:
     def _gathered_root_reduce(self, t, red, root, timeout):
         tmp = t.clone()
         self._gathered_reduce(tmp, red, timeout)
-        if self._rank == root:
+        if self.my_rank == root:
             t.copy_(tmp)
 
     def _check_root(self, what, root):
-        if not 0 <= root < self._world:
+        if not 0 <= root < self.world:
             raise ValueError(f"mpcore: {what}: root rank {root} is not a rank of this group "
-                             f"of {self._world}")
+                             f"of {self.world}")
 
     # -- broadcast -----------------------------------------------------------------------
     @cuda_routed
@@ -288,11 +288,11 @@ class Collectives:
         shm = self.shm
         if len(tensors) == 1 and shm is not None:   # one contiguous CPU tensor: the core's call
             t, root = tensors[0], opts.rootRank
-            if t.is_cpu and t.is_contiguous() and 0 <= root < self._world:
+            if t.is_cpu and t.is_contiguous() and 0 <= root < self.world:
                 return self._run(opts.asyncOp, tensors, shm.core.broadcast, t.data_ptr(),
                                  nbytes(t), root, keep=(t,))
-        if self._gloo is not None:
-            return self._gloo.broadcast(tensors, opts)
+        if self.gloo is not None:
+            return self.gloo.broadcast(tensors, opts)
         root = opts.rootRank
         self._check_root("broadcast", root)
         n = self._cuda_call("broadcast", tensors)
@@ -314,18 +314,18 @@ class Collectives:
     @cuda_routed
     def allgather(self, output_lists, inputs, opts=None):
         opts = opts if opts is not None else _AllgatherOptions()
-        if self._gloo is not None:
-            return self._gloo.allgather(output_lists, inputs, opts)
+        if self.gloo is not None:
+            return self.gloo.allgather(output_lists, inputs, opts)
         if len(inputs) != 1 or len(output_lists) != 1:
             raise ValueError("mpcore: all_gather takes one input tensor and one list of outputs")
         inp, outs = inputs[0], output_lists[0]
-        if len(outs) != self._world:
-            raise ValueError(f"mpcore: all_gather needs {self._world} output tensors (one per "
+        if len(outs) != self.world:
+            raise ValueError(f"mpcore: all_gather needs {self.world} output tensors (one per "
                              f"rank), not {len(outs)}")
         same_shapes("all_gather", outs, inp)
         n = self._cuda_call("all_gather", [inp] + list(outs))
         if n is not None:
-            flat = torch.empty((self._world,) + tuple(inp.shape), dtype=inp.dtype,
+            flat = torch.empty((self.world,) + tuple(inp.shape), dtype=inp.dtype,
                                device=inp.device)
             n.all_gather(flat, inp)
             for i, t in enumerate(outs):
@@ -333,7 +333,7 @@ class Collectives:
             return done(output_lists)
         check_cpu("all_gather", [inp] + list(outs))
         src = Dense(inp).t
-        flat = torch.empty((self._world,) + tuple(inp.shape), dtype=inp.dtype)
+        flat = torch.empty((self.world,) + tuple(inp.shape), dtype=inp.dtype)
         core = self._core()
 
         def run(timeout):
@@ -348,16 +348,16 @@ class Collectives:
         opts = opts if opts is not None else _AllgatherOptions()
         shm = self.shm
         if (shm is not None and output.dtype == input.dtype and output.is_cpu and input.is_cpu
-                and output.numel() == input.numel() * self._world
+                and output.numel() == input.numel() * self.world
                 and output.is_contiguous() and input.is_contiguous()):   # the core's call
             buf = buffer_of(input) if input.nbytes >= BUFFER_MIN else None
             return self._run(opts.asyncOp, [output], with_buffer(shm.core.all_gather, buf),
                              output.data_ptr(), input.data_ptr(), nbytes(input),
                              keep=(input, output))
-        if self._gloo is not None:
-            return self._gloo._allgather_base(output, input, opts)
-        if output.dtype != input.dtype or output.numel() != input.numel() * self._world:
-            raise ValueError(f"mpcore: all_gather_into_tensor: the output must hold {self._world} "
+        if self.gloo is not None:
+            return self.gloo._allgather_base(output, input, opts)
+        if output.dtype != input.dtype or output.numel() != input.numel() * self.world:
+            raise ValueError(f"mpcore: all_gather_into_tensor: the output must hold {self.world} "
                              f"times the input ({input.numel()} x {input.dtype}), not "
                              f"{output.numel()} x {output.dtype}")
         n = self._cuda_call("all_gather_into_tensor", [output, input])
@@ -382,9 +382,9 @@ class Collectives:
         of the inputs' bytes end to end, each piece padded to ALIGN bytes
         so that every output reads its own dtype where it lies."""
         opts = opts if opts is not None else _AllgatherOptions()
-        if self._gloo is not None:
-            return self._gloo.allgather_coalesced(output_lists, inputs, opts)
-        w, inputs = self._world, list(inputs)
+        if self.gloo is not None:
+            return self.gloo.allgather_coalesced(output_lists, inputs, opts)
+        w, inputs = self.world, list(inputs)
         what = "all_gather_coalesced"
         if not inputs:
             raise ValueError(f"mpcore: {what} requires a non-empty input tensor list")
@@ -457,13 +457,13 @@ class Collectives:
     @cuda_routed
     def reduce_scatter(self, outputs, input_lists, opts=None):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
-        if self._gloo is not None:
-            return self._gloo.reduce_scatter(outputs, input_lists, opts)
+        if self.gloo is not None:
+            return self.gloo.reduce_scatter(outputs, input_lists, opts)
         if len(outputs) != 1 or len(input_lists) != 1:
             raise ValueError("mpcore: reduce_scatter takes one output and one list of inputs")
         out, ins = outputs[0], input_lists[0]
-        if len(ins) != self._world:
-            raise ValueError(f"mpcore: reduce_scatter needs {self._world} input tensors (one "
+        if len(ins) != self.world:
+            raise ValueError(f"mpcore: reduce_scatter needs {self.world} input tensors (one "
                              f"per rank), not {len(ins)}")
         same_shapes("reduce_scatter", ins, out)
         self._no_cuda("reduce_scatter", [out] + list(ins))
@@ -476,7 +476,7 @@ class Collectives:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         shm = self.shm
         if (shm is not None and output.dtype == input.dtype and output.is_cpu and input.is_cpu
-                and input.numel() == output.numel() * self._world
+                and input.numel() == output.numel() * self.world
                 and output.is_contiguous() and input.is_contiguous()):
             row = CORE_ROWS.get(output.dtype)
             codes = row[opts.reduceOp.op.value] if row is not None else None
@@ -485,10 +485,10 @@ class Collectives:
                 return self._run(opts.asyncOp, [output], with_buffer(shm.core.reduce_scatter, buf),
                                  output.data_ptr(), input.data_ptr(), output.numel(),
                                  codes[0], codes[1], keep=(input, output))
-        if self._gloo is not None:
-            return self._gloo._reduce_scatter_base(output, input, opts)
-        if output.dtype != input.dtype or input.numel() != output.numel() * self._world:
-            raise ValueError(f"mpcore: reduce_scatter_tensor: the input must hold {self._world} "
+        if self.gloo is not None:
+            return self.gloo._reduce_scatter_base(output, input, opts)
+        if output.dtype != input.dtype or input.numel() != output.numel() * self.world:
+            raise ValueError(f"mpcore: reduce_scatter_tensor: the input must hold {self.world} "
                              f"times the output ({output.numel()} x {output.dtype}), not "
                              f"{input.numel()} x {input.dtype}")
         self._no_cuda("reduce_scatter_tensor", [output, input])
@@ -519,7 +519,7 @@ class Collectives:
         def run(timeout):
             whole = flat.clone()
             self._gathered_reduce(whole, red, timeout)
-            out.copy_(whole.view(self._world, -1)[self._rank].view(out.shape))
+            out.copy_(whole.view(self.world, -1)[self.my_rank].view(out.shape))
             dst.back()
         return self._run(async_op, result, run, keep=(flat, dst))
 
@@ -546,25 +546,25 @@ class Collectives:
     def gather(self, output_lists, inputs, opts=None):
         opts = opts if opts is not None else dist.GatherOptions()
         shm, root = self.shm, opts.rootRank
-        if shm is not None and len(inputs) == 1 and 0 <= root < self._world:
+        if shm is not None and len(inputs) == 1 and 0 <= root < self.world:
             # contiguous CPU tensors of one shape: the core's call
             inp = inputs[0]
-            outs = plain_list(output_lists, inp, self._world if self._rank == root else 0)
+            outs = plain_list(output_lists, inp, self.world if self.my_rank == root else 0)
             if outs is not None and inp.is_cpu and inp.is_contiguous():
                 # the Work's result is the root's outputs' list, as gloo's
                 return self._run(opts.asyncOp, outs or [], shm.core.gather,
                                  [o.data_ptr() for o in outs] if outs else 0, inp.data_ptr(),
                                  nbytes(inp), root, keep=(inp, outs))
-        if self._gloo is not None:
-            return self._gloo.gather(output_lists, inputs, opts)
+        if self.gloo is not None:
+            return self.gloo.gather(output_lists, inputs, opts)
         self._check_root("gather", root)
         if len(inputs) != 1:
             raise ValueError("mpcore: gather takes one input tensor")
         inp = inputs[0]
         outs = output_lists[0] if output_lists else []
-        if self._rank == root:
-            if len(output_lists) != 1 or len(outs) != self._world:
-                raise ValueError(f"mpcore: gather needs {self._world} output tensors on the "
+        if self.my_rank == root:
+            if len(output_lists) != 1 or len(outs) != self.world:
+                raise ValueError(f"mpcore: gather needs {self.world} output tensors on the "
                                  f"root, not {len(outs)}")
             same_shapes("gather", outs, inp)
         elif output_lists and output_lists[0]:
@@ -586,24 +586,24 @@ class Collectives:
     def scatter(self, outputs, input_lists, opts=None):
         opts = opts if opts is not None else dist.ScatterOptions()
         shm, root = self.shm, opts.rootRank
-        if shm is not None and len(outputs) == 1 and 0 <= root < self._world:   # as gather's
+        if shm is not None and len(outputs) == 1 and 0 <= root < self.world:   # as gather's
             out = outputs[0]
-            ins = plain_list(input_lists, out, self._world if self._rank == root else 0)
+            ins = plain_list(input_lists, out, self.world if self.my_rank == root else 0)
             if ins is not None and out.is_cpu and out.is_contiguous():
                 return self._run(opts.asyncOp, outputs, shm.core.scatter, out.data_ptr(),
                                  [t.data_ptr() for t in ins] if ins else 0, nbytes(out), root,
                                  keep=(out, ins))
-        if self._gloo is not None:
-            return self._gloo.scatter(outputs, input_lists, opts)
+        if self.gloo is not None:
+            return self.gloo.scatter(outputs, input_lists, opts)
         self._check_root("scatter", root)
         if len(outputs) != 1:
             raise ValueError("mpcore: scatter takes one output tensor")
         out = outputs[0]
         ins = input_lists[0] if input_lists else []
-        mine = self._rank == root
+        mine = self.my_rank == root
         if mine:
-            if len(input_lists) != 1 or len(ins) != self._world:
-                raise ValueError(f"mpcore: scatter needs {self._world} input tensors on the "
+            if len(input_lists) != 1 or len(ins) != self.world:
+                raise ValueError(f"mpcore: scatter needs {self.world} input tensors on the "
                                  f"root, not {len(ins)}")
             same_shapes("scatter", ins, out)
         elif input_lists and input_lists[0]:
@@ -629,10 +629,10 @@ class Collectives:
         if (shm is not None and output.dtype == input.dtype and output.is_cpu and input.is_cpu
                 and output.is_contiguous() and input.is_contiguous()):   # the core's call
             return self._run(opts.asyncOp, [output],
-                             *self._core_all_to_all(output, input, output_split_sizes,
+                             *self.core_all_to_all(output, input, output_split_sizes,
                                                     input_split_sizes), keep=(input, output))
-        if self._gloo is not None:
-            return self._gloo.alltoall_base(output, input, output_split_sizes, input_split_sizes,
+        if self.gloo is not None:
+            return self.gloo.alltoall_base(output, input, output_split_sizes, input_split_sizes,
                                             opts)
         self._no_cuda("all_to_all_single", [output, input])
         check_cpu("all_to_all_single", [output, input])
@@ -649,7 +649,7 @@ class Collectives:
     all_to_all_single = recorded_as("alltoall_base", "all_to_all_single")(
         alltoall_base.__wrapped__)
 
-    def _core_all_to_all(self, output, input, output_split_sizes, input_split_sizes):
+    def core_all_to_all(self, output, input, output_split_sizes, input_split_sizes):
         """(fn, *args) of the core's all_to_all of two contiguous CPU tensors
         of one dtype, the input in its group buffer if it has one (NOTE
         [ Memory reduced again and again ]).  An input that overlaps the
@@ -672,7 +672,7 @@ class Collectives:
     def _splits(self, what, t, sizes):
         """Byte counts for each rank of a dim-0 split of t (even when sizes
         is empty)."""
-        w = self._world
+        w = self.world
         rows = t.shape[0] if t.dim() else 1
         row = nbytes(t) // rows if rows else 0
         if not sizes:
@@ -696,9 +696,9 @@ class Collectives:
     @cuda_routed
     def alltoall(self, output_tensors, input_tensors, opts=None):
         opts = opts if opts is not None else dist.AllToAllOptions()
-        if self._gloo is not None:
-            return self._gloo.alltoall(output_tensors, input_tensors, opts)
-        w = self._world
+        if self.gloo is not None:
+            return self.gloo.alltoall(output_tensors, input_tensors, opts)
+        w = self.world
         if len(output_tensors) != w or len(input_tensors) != w:
             raise ValueError(f"mpcore: all_to_all needs {w} input and {w} output tensors, not "
                              f"{len(input_tensors)} and {len(output_tensors)}")

@@ -224,9 +224,9 @@ class Work:
         self._done = False
         self._exc = None
         self._future = None
-        self._lane = None
+        self.lane = None
 
-    def _end(self, exc=None):
+    def end(self, exc=None):
         """Marks the call done; returns its future when one was asked for
         before (the caller settles it), else None (get_future settles it)."""
         self._exc = exc
@@ -236,12 +236,12 @@ class Work:
         self._latch.release()
         return fut
 
-    def _finish(self, exc=None):
-        fut = self._end(exc)
+    def finish(self, exc=None):
+        fut = self.end(exc)
         if fut is not None:
-            self._settle(fut)
+            self.settle(fut)
 
-    def _settle(self, fut):
+    def settle(self, fut):
         if self._exc is not None:
             fut.set_exception(self._exc)
         else:
@@ -265,7 +265,7 @@ class Work:
     def _run_here(self):
         """Runs the call on the waiting thread when its lane has not begun
         it (NOTE [ A waiter runs its own call ])."""
-        lane = self._lane
+        lane = self.lane
         if lane is not None and not self._done:
             lane.run_if_next(self)
 
@@ -291,7 +291,7 @@ class Work:
             fut = self._future = torch.futures.Future()
             done = self._done
         if done:   # made after the call finished: settled here, once
-            self._settle(fut)
+            self.settle(fut)
         return fut
 
 
@@ -438,9 +438,9 @@ class _Lane:
             try:
                 fn(*args, self.timeout)
             except BaseException as e:  # reported through the Work
-                fut = work._end(e)
+                fut = work.end(e)
             else:
-                fut = work._end()
+                fut = work.end()
         finally:
             # nothing of a finished call is held until the next one
             del fn, args, keep, item
@@ -449,7 +449,7 @@ class _Lane:
                 self.queued -= 1
                 self._wake()
         if fut is not None:   # NOTE [ Callbacks that call again ]
-            work._settle(fut)
+            work.settle(fut)
 
     def _wake(self):
         """After a call: wakes whoever can go on (the caller holds the lock).
@@ -506,26 +506,26 @@ class ShmGroup:
         self.rank = rank
         self.world = world
         self.timeout = timeout_s
-        self._lanes = {}
+        self.lanes = {}
         self._lanes_lock = threading.Lock()
 
     def set_timeout(self, seconds):
         """The timeout of every call from now on, queued ones included."""
         with self._lanes_lock:
             self.timeout = seconds
-            for lane in self._lanes.values():
+            for lane in self.lanes.values():
                 lane.timeout = seconds
 
-    def _lane(self, name):
-        lane = self._lanes.get(name)
+    def lane(self, name):
+        lane = self.lanes.get(name)
         if lane is None:
             with self._lanes_lock:
-                lane = self._lanes.setdefault(name, _Lane(name, self.timeout))
+                lane = self.lanes.setdefault(name, _Lane(name, self.timeout))
         return lane
 
     @property
-    def _queued(self):
-        lane = self._lanes.get(self.COLLECTIVES)
+    def queued(self):
+        lane = self.lanes.get(self.COLLECTIVES)
         return lane.queued if lane is not None else 0
 
     def run(self, async_op, tensors, fn, *args, keep=(), work=None, lane=COLLECTIVES):
@@ -534,19 +534,19 @@ class ShmGroup:
         or a new one), which holds `tensors` (its result) and `keep` (what
         fn reads: the caller may drop them) until fn is done."""
         if not async_op:
-            if self._queued:
+            if self.queued:
                 self.drain()
             fn(*args, self.timeout)
             return None
         if work is None:
             work = self.work_type(tensors)
-        work._lane = self._lane(lane)
-        work._lane.put((work, fn, args, keep), _nbytes(tensors) <= _Lane.SMALL)
+        work.lane = self.lane(lane)
+        work.lane.put((work, fn, args, keep), _nbytes(tensors) <= _Lane.SMALL)
         return work
 
     def drain(self):
         """Waits for the collectives queued so far."""
-        lane = self._lanes.get(self.COLLECTIVES)
+        lane = self.lanes.get(self.COLLECTIVES)
         if lane is not None:
             lane.drain()
 
@@ -554,7 +554,7 @@ class ShmGroup:
         """Stops the group's threads (after what is queued) and unmaps the
         region."""
         with self._lanes_lock:
-            lanes, self._lanes = list(self._lanes.values()), {}
+            lanes, self.lanes = list(self.lanes.values()), {}
         for lane in lanes:
             lane.stop()
         self.core.close()

@@ -233,7 +233,7 @@ _torch_cat = torch.cat
 
 def _region(g):
     """g when it is an mpcore group with a region; else None."""
-    if type(g) is _PG and g.shm is not None and g._batch is None:
+    if type(g) is _PG and g.shm is not None and g.batch is None:
         return g
     return None
 
@@ -245,11 +245,11 @@ def _plain(t):
 def send(tensor, dst=None, group=None, tag=0, group_dst=None):
     g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
     if (not (_compiling() or _profiling() or _modes())
-            and type(g) is _PG and g.shm is not None and g._batch is None and group_dst is None
+            and type(g) is _PG and g.shm is not None and g.batch is None and group_dst is None
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
             and not _has_torch_function((tensor,))):
-        peer = g._group_ranks.get(dst)
-        if peer is not None and peer != g._rank and g._send_now(tensor, peer, tag):
+        peer = g.group_ranks.get(dst)
+        if peer is not None and peer != g.my_rank and g.send_now(tensor, peer, tag):
             return None
     return _TORCH["send"](tensor, dst, group=group, tag=tag, group_dst=group_dst)
 
@@ -257,13 +257,13 @@ def send(tensor, dst=None, group=None, tag=0, group_dst=None):
 def recv(tensor, src=None, group=None, tag=0, group_src=None):
     g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
     if (not (_compiling() or _profiling() or _modes())
-            and type(g) is _PG and g.shm is not None and g._batch is None and group_src is None
+            and type(g) is _PG and g.shm is not None and g.batch is None and group_src is None
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
             and not _has_torch_function((tensor,))):
-        peer = g._group_ranks.get(src)
-        if peer is not None and peer != g._rank:
+        peer = g.group_ranks.get(src)
+        if peer is not None and peer != g.my_rank:
             shm = g.shm
-            if shm._lane("mpcore-recv").run_if_idle(shm.core.recv, tensor.data_ptr(),
+            if shm.lane("mpcore-recv").run_if_idle(shm.core.recv, tensor.data_ptr(),
                                                     tensor.nbytes, peer, tag,
                                                     shm.timeout) is not None:
                 return src
@@ -273,17 +273,17 @@ def recv(tensor, src=None, group=None, tag=0, group_src=None):
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
     g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
     if (not (_compiling() or _profiling() or _modes())
-            and type(g) is _PG and g._batch is None and group_src is None
+            and type(g) is _PG and g.batch is None and group_src is None
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
             and not _has_torch_function((tensor,))):
-        root = g._group_ranks.get(src)
+        root = g.group_ranks.get(src)
         shm = g.shm
         if root is not None and shm is not None:
             if async_op:
                 return _queue(shm, [tensor], shm.core.broadcast,
                               (tensor.data_ptr(), tensor.nbytes, root), tensor,
                               tensor.nbytes)
-            lane = shm._lanes.get(_COLLECTIVES)
+            lane = shm.lanes.get(_COLLECTIVES)
             if lane is not None and lane.queued:
                 shm.drain()
             shm.core.broadcast(tensor.data_ptr(), tensor.nbytes, root, shm.timeout)
@@ -300,7 +300,7 @@ def _call(shm, async_op, keep, result, fn, *args):
     fast path ])."""
     if async_op:
         return _queue(shm, result, fn, args, keep)
-    lane = shm._lanes.get(_COLLECTIVES)
+    lane = shm.lanes.get(_COLLECTIVES)
     if lane is not None and lane.queued:
         shm.drain()
     fn(*args, shm.timeout)
@@ -314,7 +314,7 @@ def _queue(shm, result, fn, args, keep, nbytes=None):
     whether it is small (those of `result`, a list of tensors, when not
     given)."""
     work = _Work(result)
-    lane = work._lane = shm._lanes.get(_COLLECTIVES) or shm._lane(_COLLECTIVES)
+    lane = work.lane = shm.lanes.get(_COLLECTIVES) or shm.lane(_COLLECTIVES)
     if nbytes is None:
         nbytes = sum(t.nbytes for t in result)
     lane.put((work, fn, args, keep), nbytes <= lane.SMALL)
@@ -349,22 +349,22 @@ def _pieces(ts, like, w):
 def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
     g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
     if (not (_compiling() or _profiling() or _modes())
-            and type(g) is _PG and g._batch is None and g.shm is not None and group_dst is None
+            and type(g) is _PG and g.batch is None and g.shm is not None and group_dst is None
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
             and not _has_torch_function((tensor,))):
-        root = g._group_ranks.get(0 if dst is None else dst)
+        root = g.group_ranks.get(0 if dst is None else dst)
         if root is not None:
-            if root != g._rank:
+            if root != g.my_rank:
                 outs = None if gather_list else 0
             else:
-                outs = _pieces(gather_list, tensor, g._world)
+                outs = _pieces(gather_list, tensor, g.world)
             if outs is not None:
                 shm = g.shm
                 if async_op:   # the Work's result is the root's outputs' list, as the method's
                     return _queue(shm, gather_list if outs else [], shm.core.gather,
                                   (outs, tensor.data_ptr(), tensor.nbytes, root),
                                   (tensor, gather_list))
-                lane = shm._lanes.get(_COLLECTIVES)
+                lane = shm.lanes.get(_COLLECTIVES)
                 if lane is not None and lane.queued:
                     shm.drain()
                 shm.core.gather(outs, tensor.data_ptr(), tensor.nbytes, root, shm.timeout)
@@ -376,22 +376,22 @@ def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group
 def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
     g = _WORLD._default_pg if group is None else group   # as gather's
     if (not (_compiling() or _profiling() or _modes())
-            and type(g) is _PG and g._batch is None and g.shm is not None and group_src is None
+            and type(g) is _PG and g.batch is None and g.shm is not None and group_src is None
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
             and not _has_torch_function((tensor,))):
-        root = g._group_ranks.get(0 if src is None else src)
+        root = g.group_ranks.get(0 if src is None else src)
         if root is not None:
-            if root != g._rank:
+            if root != g.my_rank:
                 ins = None if scatter_list else 0
             else:
-                ins = _pieces(scatter_list, tensor, g._world)
+                ins = _pieces(scatter_list, tensor, g.world)
             if ins is not None:
                 shm = g.shm
                 if async_op:
                     return _queue(shm, [tensor], shm.core.scatter,
                                   (tensor.data_ptr(), ins, tensor.nbytes, root),
                                   (tensor, scatter_list))
-                lane = shm._lanes.get(_COLLECTIVES)
+                lane = shm.lanes.get(_COLLECTIVES)
                 if lane is not None and lane.queued:
                     shm.drain()
                 shm.core.scatter(tensor.data_ptr(), ins, tensor.nbytes, root, shm.timeout)
@@ -404,13 +404,13 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
                       group=None, async_op=False):
     g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
     if (not (_compiling() or _profiling() or _modes())
-            and type(g) is _PG and g._batch is None and g.shm is not None
+            and type(g) is _PG and g.batch is None and g.shm is not None
             and type(output) is _Tensor and type(input) is _Tensor
             and output.is_cpu and input.is_cpu and output.dtype is input.dtype
             and output.is_contiguous() and input.is_contiguous()
             and not _has_torch_function((output, input))):
         shm = g.shm
-        n, m, w = input.nbytes, output.nbytes, g._world
+        n, m, w = input.nbytes, output.nbytes, g.world
         o, i = output.data_ptr(), input.data_ptr()
         si, so = input.shape, output.shape
         if (not output_split_sizes and not input_split_sizes and n < BUFFER_MIN
@@ -420,7 +420,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
             if async_op:
                 return _queue(shm, [output], shm.core.all_to_all,
                               (o, i, [n // w] * w, [m // w] * w), (input, output), m)
-            lane = shm._lanes.get(_COLLECTIVES)
+            lane = shm.lanes.get(_COLLECTIVES)
             if lane is not None and lane.queued:
                 shm.drain()
             shm.core.all_to_all(o, i, [n // w] * w, [m // w] * w, shm.timeout)
@@ -428,7 +428,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
         if (isinstance(output_split_sizes, (list, tuple, type(None)))
                 and isinstance(input_split_sizes, (list, tuple, type(None)))):
             return _call(shm, async_op, (input, output), [output],
-                         *g._core_all_to_all(output, input, output_split_sizes or (),
+                         *g.core_all_to_all(output, input, output_split_sizes or (),
                                              input_split_sizes or ()))
     return _TORCH["all_to_all_single"](output, input, output_split_sizes, input_split_sizes,
                                        group=group, async_op=async_op)
@@ -439,7 +439,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
 def all_reduce(tensor, op=_SUM, group=None, async_op=False):
     g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
     if (not (_compiling() or _profiling() or _modes())
-            and type(g) is _PG and g._batch is None and type(op) is RED
+            and type(g) is _PG and g.batch is None and type(op) is RED
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
             and not _has_torch_function((tensor,))):
         if op is _SUM:    # an enum's .value costs more than the rest of a row's read
@@ -455,7 +455,7 @@ def all_reduce(tensor, op=_SUM, group=None, async_op=False):
             if async_op:
                 return _queue(shm, [tensor], call, (tensor.data_ptr(), n, codes[0], codes[1]),
                               tensor, tensor.nbytes)
-            lane = shm._lanes.get(_COLLECTIVES)
+            lane = shm.lanes.get(_COLLECTIVES)
             if lane is not None and lane.queued:
                 shm.drain()
             call(tensor.data_ptr(), n, codes[0], codes[1], shm.timeout)
@@ -466,19 +466,19 @@ def all_reduce(tensor, op=_SUM, group=None, async_op=False):
 def barrier(group=None, async_op=False, device_ids=None, timeout=None):
     g = _WORLD._default_pg if group is None else group
     if (not (_compiling() or _profiling() or _modes())
-            and type(g) is _PG and g._batch is None and g._gloo is None and device_ids is None):
+            and type(g) is _PG and g.batch is None and g.gloo is None and device_ids is None):
         shm = g.shm
         if timeout is None:
-            s = g._timeout_s
+            s = g.timeout_s
         elif type(timeout) is _timedelta:
             s = timeout.total_seconds()
-            s = g._timeout_s if s < 0 else s
+            s = g.timeout_s if s < 0 else s
         else:
             s = None     # torch's options take a timedelta only: its error
         if shm is not None and s is not None:
             if async_op:
                 return _queue(shm, [], _barrier, (shm.core, s), None, 0)
-            lane = shm._lanes.get(_COLLECTIVES)
+            lane = shm.lanes.get(_COLLECTIVES)
             if lane is not None and lane.queued:
                 shm.drain()
             shm.core.barrier(s)
@@ -497,12 +497,12 @@ def _all_gather_base(key):
     def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
         g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
         if (not (_compiling() or _profiling() or _modes())
-                and type(g) is _PG and g._batch is None and g.shm is not None
+                and type(g) is _PG and g.batch is None and g.shm is not None
                 and type(output_tensor) is _Tensor and type(input_tensor) is _Tensor
                 and output_tensor.is_cpu and input_tensor.is_cpu
                 and output_tensor.dtype is input_tensor.dtype
                 and output_tensor.is_contiguous() and input_tensor.is_contiguous()
-                and output_tensor.numel() == input_tensor.numel() * g._world
+                and output_tensor.numel() == input_tensor.numel() * g.world
                 and not _has_torch_function((input_tensor,))):
             shm = g.shm
             call, n = shm.core.all_gather, input_tensor.nbytes
@@ -511,8 +511,8 @@ def _all_gather_base(key):
             if async_op:
                 return _queue(shm, [output_tensor], call,
                               (output_tensor.data_ptr(), input_tensor.data_ptr(), n),
-                              (input_tensor, output_tensor), n * g._world)
-            lane = shm._lanes.get(_COLLECTIVES)
+                              (input_tensor, output_tensor), n * g.world)
+            lane = shm.lanes.get(_COLLECTIVES)
             if lane is not None and lane.queued:
                 shm.drain()
             call(output_tensor.data_ptr(), input_tensor.data_ptr(), n, shm.timeout)
@@ -528,11 +528,11 @@ def _reduce_scatter_base(key):
     def reduce_scatter_single(output, input, op=_SUM, group=None, async_op=False):
         g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
         if (not (_compiling() or _profiling() or _modes())
-                and type(g) is _PG and g._batch is None and g.shm is not None
+                and type(g) is _PG and g.batch is None and g.shm is not None
                 and type(output) is _Tensor and type(input) is _Tensor and type(op) is RED
                 and output.is_cpu and input.is_cpu and (dt := output.dtype) is input.dtype
                 and output.is_contiguous() and input.is_contiguous()
-                and input.numel() == (m := output.numel()) * g._world
+                and input.numel() == (m := output.numel()) * g.world
                 and not _has_torch_function((input,))):
             if op is _SUM:
                 codes = _SUMS.get(dt)
@@ -542,12 +542,12 @@ def _reduce_scatter_base(key):
             if codes is not None:
                 shm = g.shm
                 call = shm.core.reduce_scatter
-                if m * g._world >= _FEW and input.nbytes >= BUFFER_MIN:
+                if m * g.world >= _FEW and input.nbytes >= BUFFER_MIN:
                     call = with_buffer(call, buffer_of(input))
                 if async_op:
                     return _queue(shm, [output], call, (output.data_ptr(), input.data_ptr(), m,
                                                         codes[0], codes[1]), (input, output))
-                lane = shm._lanes.get(_COLLECTIVES)
+                lane = shm.lanes.get(_COLLECTIVES)
                 if lane is not None and lane.queued:
                     shm.drain()
                 call(output.data_ptr(), input.data_ptr(), m, codes[0], codes[1], shm.timeout)
@@ -566,16 +566,16 @@ reduce_scatter_tensor = _reduce_scatter_base("reduce_scatter_tensor")
 def all_gather(tensor_list, tensor, group=None, async_op=False):
     g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
     if (not (_compiling() or _profiling() or _modes())
-            and type(g) is _PG and g._batch is None and g.shm is not None
+            and type(g) is _PG and g.batch is None and g.shm is not None
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
             and not _has_torch_function((tensor,))):
-        outs = _pieces(tensor_list, tensor, g._world)
+        outs = _pieces(tensor_list, tensor, g.world)
         if outs is not None:
             shm = g.shm
             if type(outs) is int:   # one buffer: the core writes into it
                 return _call(shm, async_op, (tensor, tensor_list), tensor_list,
                              shm.core.all_gather, outs, tensor.data_ptr(), tensor.nbytes)
-            flat = _torch_empty((g._world,) + tuple(tensor.shape), dtype=tensor.dtype)
+            flat = _torch_empty((g.world,) + tuple(tensor.shape), dtype=tensor.dtype)
             return _call(shm, async_op, (tensor, flat), tensor_list, _gather_apart, shm.core,
                          flat, tensor_list, tensor.data_ptr(), tensor.nbytes)
     return _TORCH["all_gather"](tensor_list, tensor, group=group, async_op=async_op)
@@ -590,7 +590,7 @@ def _gather_apart(core, flat, outs, addr, nbytes, timeout):
 def reduce_scatter(output, input_list, op=_SUM, group=None, async_op=False):
     g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
     if (not (_compiling() or _profiling() or _modes())
-            and type(g) is _PG and g._batch is None and g.shm is not None and type(op) is RED
+            and type(g) is _PG and g.batch is None and g.shm is not None and type(op) is RED
             and type(output) is _Tensor and output.is_cpu and output.is_contiguous()
             and not _has_torch_function((output,))):
         if op is _SUM:
@@ -598,7 +598,7 @@ def reduce_scatter(output, input_list, op=_SUM, group=None, async_op=False):
         else:
             row = _ROWS.get(output.dtype)
             codes = row[op.value] if row is not None else None
-        ins = _pieces(input_list, output, g._world) if codes is not None else None
+        ins = _pieces(input_list, output, g.world) if codes is not None else None
         if ins is not None:
             shm = g.shm
             flat = None if type(ins) is int else _torch_cat([t.view(-1) for t in input_list])
@@ -612,10 +612,10 @@ def reduce_scatter(output, input_list, op=_SUM, group=None, async_op=False):
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
     g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
     if (not (_compiling() or _profiling() or _modes())
-            and type(g) is _PG and g._batch is None and g.shm is not None
+            and type(g) is _PG and g.batch is None and g.shm is not None
             and type(input_tensor_list) is list and input_tensor_list
             and not _has_torch_function(tuple(input_tensor_list))):
-        first, w = input_tensor_list[0], g._world
+        first, w = input_tensor_list[0], g.world
         ins = _pieces(input_tensor_list, first, w) if type(first) is _Tensor else None
         outs = _pieces(output_tensor_list, first, w) if ins is not None else None
         if outs is not None:
@@ -675,7 +675,7 @@ def _fc_input(self, group):
             or self.requires_grad or _has_torch_function((self,))):
         return None
     g = _fc_group(group)
-    if g is not None and g.shm._queued:
+    if g is not None and g.shm.queued:
         g.shm.drain()     # after the group's calls in flight, as torch's order is
     return g
 
@@ -702,7 +702,7 @@ def fc_all_gather_single(self, gather_dim, group, tag=""):
     g = _fc_input(self, group) if gather_dim == 0 else None
     if g is None or self.dim() == 0:
         return _TORCH["funcol.all_gather_single"](self, gather_dim, group, tag)
-    out = self.new_empty((self.shape[0] * g._world,) + self.shape[1:])
+    out = self.new_empty((self.shape[0] * g.world,) + self.shape[1:])
     shm = g.shm
     shm.core.all_gather(out.data_ptr(), self.data_ptr(), self.nbytes, shm.timeout)
     return _complete(out)
@@ -711,9 +711,9 @@ def fc_all_gather_single(self, gather_dim, group, tag=""):
 def fc_reduce_scatter_single(self, reduceOp, scatter_dim, group, tag=""):
     g = _fc_input(self, group) if scatter_dim == 0 else None
     codes = _fc_codes(self, reduceOp) if g is not None else None
-    if codes is None or self.dim() == 0 or self.shape[0] % g._world:
+    if codes is None or self.dim() == 0 or self.shape[0] % g.world:
         return _TORCH["funcol.reduce_scatter_single"](self, reduceOp, scatter_dim, group, tag)
-    out = self.new_empty((self.shape[0] // g._world,) + self.shape[1:])
+    out = self.new_empty((self.shape[0] // g.world,) + self.shape[1:])
     shm = g.shm
     shm.core.reduce_scatter(out.data_ptr(), self.data_ptr(), out.numel(), codes[0], codes[1],
                             shm.timeout)

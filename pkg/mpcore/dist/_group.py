@@ -74,21 +74,21 @@ class ProcessGroupMpcore(Collectives, dist.ProcessGroup):
     def __init__(self, store, rank, world, timeout_s, shm, gloo):
         super().__init__(rank, world)
         self._store = store
-        self._rank = rank
-        self._world = world
-        self._timeout_s = timeout_s
+        self.my_rank = rank
+        self.world = world
+        self.timeout_s = timeout_s
         self.shm = shm
-        self._gloo = gloo
+        self.gloo = gloo
         self._nccl = None
         self._torch_nccl = None  # torch's ProcessGroupNCCL, where torch has one
         self._name = ""
         self._desc = ""
         self._asked = None  # NOTE [ The name the group answers to ]
         self._monitored = 0  # monitored_barrier calls (NOTE [ monitored_barrier's protocol ])
-        self._batch = None  # the point-to-point Works of a coalescing block
-        self._split_count = 0  # split_group calls on this group (NOTE [ Splitting a group ])
+        self.batch = None  # the point-to-point Works of a coalescing block
+        self.split_count = 0  # split_group calls on this group (NOTE [ Splitting a group ])
         # global rank -> this group's rank (_create_extended sets a subgroup's)
-        self._group_ranks = {r: r for r in range(world)}
+        self.group_ranks = {r: r for r in range(world)}
         self._send_lanes = [f"mpcore-send-{q}" for q in range(world)]  # lane names by rank
         if shm is not None:
             shm.work_type = Work
@@ -125,10 +125,10 @@ class ProcessGroupMpcore(Collectives, dist.ProcessGroup):
     name = _get_backend_name
 
     def size(self):
-        return self._world
+        return self.world
 
     def rank(self):
-        return self._rank
+        return self.my_rank
 
     @property
     def group_name(self):
@@ -169,17 +169,17 @@ class ProcessGroupMpcore(Collectives, dist.ProcessGroup):
 
     def set_timeout(self, timeout):
         """The group's default timeout from now on, as torch's groups take it."""
-        self._timeout_s = timeout.total_seconds()
+        self.timeout_s = timeout.total_seconds()
         if self.shm is not None:
-            self.shm.set_timeout(self._timeout_s)
-        for inner in (self._gloo, self._torch_nccl):
+            self.shm.set_timeout(self.timeout_s)
+        for inner in (self.gloo, self._torch_nccl):
             if inner is not None:
                 inner.set_timeout(timeout)
 
     def __repr__(self):
         where = ("shared memory" if self.shm is not None else
-                 "gloo" if self._gloo is not None else "destroyed")
-        return f"ProcessGroupMpcore(rank={self._rank}, world={self._world}, {where})"
+                 "gloo" if self.gloo is not None else "destroyed")
+        return f"ProcessGroupMpcore(rank={self.my_rank}, world={self.world}, {where})"
 
     def shutdown(self):
         """Frees the group's region (and its NCCL communicator) at once."""
@@ -192,7 +192,7 @@ class ProcessGroupMpcore(Collectives, dist.ProcessGroup):
         n, self._nccl = self._nccl, None
         if n is not None:
             n.close()
-        g, self._gloo = self._gloo, None
+        g, self.gloo = self.gloo, None
         if g is not None and hasattr(g, "shutdown"):
             g.shutdown()
 
@@ -226,12 +226,12 @@ class ProcessGroupMpcore(Collectives, dist.ProcessGroup):
             raise RuntimeError("mpcore: this process group has been destroyed")
         return shm.core
 
-    def _cuda(self, what):
+    def cuda_group(self, what):
         """This group's NCCL communicator (made on first use: every rank
         reaches its first CUDA collective at the same call)."""
         if self._nccl is None:
             from . import _nccl
-            self._nccl = _nccl.NcclGroup.create(self._store, self._rank, self._world,
+            self._nccl = _nccl.NcclGroup.create(self._store, self.my_rank, self.world,
                                                 "mpcore-nccl/")
         return self._nccl
 
@@ -240,9 +240,9 @@ class ProcessGroupMpcore(Collectives, dist.ProcessGroup):
         mpcore group ])."""
         if self._torch_nccl is None:
             opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = datetime.timedelta(seconds=self._timeout_s)
+            opts._timeout = datetime.timedelta(seconds=self.timeout_s)
             self._torch_nccl = dist.ProcessGroupNCCL(dist.PrefixStore("torch-nccl/", self._store),
-                                                     self._rank, self._world, opts)
+                                                     self.my_rank, self.world, opts)
         return self._torch_nccl
 
     def _cuda_call(self, what, tensors):
@@ -251,7 +251,7 @@ class ProcessGroupMpcore(Collectives, dist.ProcessGroup):
                 if t.dtype not in NCCL_DTYPES or not t.is_contiguous():
                     raise ValueError(f"mpcore: {what} on CUDA takes contiguous tensors of "
                                      f"{sorted(str(d) for d in NCCL_DTYPES)}, not {t.dtype}")
-            return self._cuda(what)
+            return self.cuda_group(what)
         if any(t.device.type == "cuda" for t in tensors):
             raise ValueError(f"mpcore: {what} got tensors on several devices "
                              f"({sorted({str(t.device) for t in tensors})})")
@@ -264,14 +264,14 @@ class ProcessGroupMpcore(Collectives, dist.ProcessGroup):
 
     def _timeout(self, opts):
         t = opts.timeout
-        return self._timeout_s if t.total_seconds() < 0 else t.total_seconds()
+        return self.timeout_s if t.total_seconds() < 0 else t.total_seconds()
 
     # -- barrier -----------------------------------------------------------------------------
     @recorded_as("barrier")
     def barrier(self, opts=None):
         opts = opts if opts is not None else dist.BarrierOptions()
-        if self._gloo is not None:
-            return self._gloo.barrier(opts)
+        if self.gloo is not None:
+            return self.gloo.barrier(opts)
         shm = self.shm
         if shm is None:
             raise RuntimeError("mpcore: this process group has been destroyed")
@@ -304,16 +304,16 @@ class ProcessGroupMpcore(Collectives, dist.ProcessGroup):
         them has read.  Unlike gloo's, the group stays usable after a
         failure, and a rank that comes late is told of it at once."""
         import logging
-        timeout_s = self._timeout_s if timeout is None else _dist.seconds(timeout)
+        timeout_s = self.timeout_s if timeout is None else _dist.seconds(timeout)
         ms = int(round(timeout_s * 1000))
-        store, me, w = self._store, self._rank, self._world
+        store, me, w = self._store, self.my_rank, self.world
         self._monitored += 1
         key = f"mpcore/monitored/{self._monitored}/"
         answer = f"{key}answer"
         if me != 0:
             store.set(f"{key}came/{me}", "1")
             try:
-                store.wait([answer], datetime.timedelta(seconds=self._timeout_s))
+                store.wait([answer], datetime.timedelta(seconds=self.timeout_s))
                 said = store.get(answer).decode()
             except Exception as e:
                 said = f"{type(e).__name__}: {e}"
@@ -365,12 +365,12 @@ class ProcessGroupMpcore(Collectives, dist.ProcessGroup):
     def _start_coalescing(self, device):
         """Calls made inside run as they come, in order (nothing to batch);
         the point-to-point ones are remembered for _end_coalescing."""
-        self._batch = []
+        self.batch = []
 
     def _end_coalescing(self, device):
         """A Work that completes once every call made so far has."""
-        batch, self._batch = self._batch or [], None
-        if self._gloo is not None:
+        batch, self.batch = self.batch or [], None
+        if self.gloo is not None:
             return Done([])
         self._core()
         return AllOf(batch + [self.shm.run(True, [], lambda timeout: None)])
@@ -384,19 +384,19 @@ class ProcessGroupMpcore(Collectives, dist.ProcessGroup):
         running (so that messages stay in order), it is put there on the
         calling thread, and the call returns a completed Work.  Otherwise it
         goes to its lane (NOTE [ Lanes ] in _dist.py)."""
-        if self._gloo is not None:
-            return self._gloo.send(tensors, dst, tag)
+        if self.gloo is not None:
+            return self.gloo.send(tensors, dst, tag)
         shm = self.shm
         t = tensors[0] if len(tensors) == 1 else None
         if not (t is not None and t.is_cpu and t.is_contiguous() and shm is not None
-                and 0 <= dst < self._world and dst != self._rank):
+                and 0 <= dst < self.world and dst != self.my_rank):
             self._no_cuda("send", tensors)
             check_cpu("send", tensors)
             self._check_peer("send to", dst)
         src = [Dense(t).t for t in tensors]
         core = self._core()
         lane = self._send_lanes[dst]
-        if len(src) == 1 and self._send_now(src[0], dst, tag):
+        if len(src) == 1 and self.send_now(src[0], dst, tag):
             return self._p2p(Done(tensors))
 
         def run(timeout):
@@ -405,11 +405,11 @@ class ProcessGroupMpcore(Collectives, dist.ProcessGroup):
         # NOTE [ Lanes ] in _dist.py
         return self._p2p(self.shm.run(True, tensors, run, keep=src, lane=lane))
 
-    def _send_now(self, t, dst, tag):
+    def send_now(self, t, dst, tag):
         """Whether contiguous CPU tensor t went to rank dst's mailbox on
         this thread (NOTE [ A send that fits the mailbox ])."""
         shm = self.shm
-        return bool(shm._lane(self._send_lanes[dst]).run_if_idle(
+        return bool(shm.lane(self._send_lanes[dst]).run_if_idle(
             shm.core.try_send, t.data_ptr(), t.nbytes, dst, tag))
 
     @cuda_routed
@@ -421,15 +421,15 @@ class ProcessGroupMpcore(Collectives, dist.ProcessGroup):
         return self._recv(tensors, -1, tag)
 
     def _recv(self, tensors, src, tag):
-        if self._gloo is not None:
+        if self.gloo is not None:
             if src < 0:
-                return self._gloo.recv_anysource(tensors, tag)
-            return self._gloo.recv(tensors, src, tag)
+                return self.gloo.recv_anysource(tensors, tag)
+            return self.gloo.recv(tensors, src, tag)
         shm = self.shm
         t = tensors[0] if len(tensors) == 1 else None
         work = Work(tensors)
         if (t is not None and t.is_cpu and t.is_contiguous() and shm is not None
-                and -1 <= src < self._world and src != self._rank):   # the core's call
+                and -1 <= src < self.world and src != self.my_rank):   # the core's call
             return self._p2p(shm.run(True, tensors, _recv_into, work, shm.core, t.data_ptr(),
                                      nbytes(t), src, tag, keep=t, work=work,
                                      lane="mpcore-recv"))
@@ -447,15 +447,15 @@ class ProcessGroupMpcore(Collectives, dist.ProcessGroup):
         return self._p2p(shm.run(True, tensors, run, keep=dense, work=work, lane="mpcore-recv"))
 
     def _p2p(self, work):
-        if self._batch is not None:
-            self._batch.append(work)
+        if self.batch is not None:
+            self.batch.append(work)
         return work
 
     def _check_peer(self, what, peer):
-        if not 0 <= peer < self._world or peer == self._rank:
+        if not 0 <= peer < self.world or peer == self.my_rank:
             raise ValueError(f"mpcore: cannot {what} rank {peer}: not another rank of this "
-                             f"group of {self._world}")
+                             f"group of {self.world}")
 
 
 def _recv_into(work, core, addr, nbytes, src, tag, timeout):
-    work._source = core.recv(addr, nbytes, src, tag, timeout)
+    work.source = core.recv(addr, nbytes, src, tag, timeout)

@@ -52,18 +52,18 @@ class Work(_dist.Work, dist.Work):
     def __init__(self, tensors):
         dist.Work.__init__(self)
         _dist.Work.__init__(self, tensors)
-        self._source = None
+        self.source = None
         if _profile.recording:
             self.profiler_events = getattr(_profile.inside, "events", None)
         if HOLD:
             held(self)
 
-    def _end(self, exc=None):
+    def end(self, exc=None):
         events = self.profiler_events
         if events is not None:
             self.profiler_events = None
             events.end()
-        return _dist.Work._end(self, exc)
+        return _dist.Work.end(self, exc)
 
     def wait(self, timeout=NO_TIMEOUT):
         if HOLD:
@@ -87,10 +87,10 @@ class Work(_dist.Work, dist.Work):
 
     def _source_rank(self):
         self.wait()
-        if self._source is None:
+        if self.source is None:
             raise RuntimeError("sourceRank() may only be called on work objects that "
                                "correspond to a recv or recv-from-any call.")
-        return self._source
+        return self.source
 
     def source_rank(self):
         return self._source_rank()
@@ -155,7 +155,7 @@ def checked(what, red, tensors, async_op):
         if not async_op:
             raise
         w = Work(tensors)
-        w._finish(e)
+        w.finish(e)
         return w
     return None
 
