@@ -161,7 +161,7 @@ class DataLoader(_Base[_T_co]):
                 self._iterator._shutdown_workers()
                 self._iterator = None
             it = super().__iter__()
-        if it._finished:
+        if it.finished:
             if self.persistent_workers and self.num_workers > 0:
                 it._reset(self)
             else:
@@ -205,7 +205,7 @@ class DataLoader(_Base[_T_co]):
             return
         _state.check(state_dict, self.num_workers)
         it = _state.current(self)
-        if it is not None and getattr(it, "_handed_out", False) and not it._finished:
+        if it is not None and getattr(it, "_handed_out", False) and not it.finished:
             # NOTE [ A live iterator ]: an iterator the program still holds
             # would go on from where it was, and the loaded state would be
             # silently ignored by it; the loader's own references (its
@@ -338,7 +338,7 @@ class _PoolIter(_state.Position, _IterBase):
     def __init__(self, loader, state=None):
         self._shutdown = True
         super().__init__(loader)
-        self._loader_ref = _state.loader_ref(loader)
+        self.loader_ref = _state.loader_ref(loader)
         self._prefetch_factor = loader.prefetch_factor
         n = self._num_workers
         self._stats = _Stats(n, self._prefetch_factor)
@@ -455,7 +455,7 @@ class _PoolIter(_state.Position, _IterBase):
         if state is not None:
             for _ in range(state[_state.STEPS_SINCE]):
                 next(self)  # torchdata's snapshots may lag the state by some steps
-            self._finished = bool(state.get(_state.FINISHED, False))
+            self.finished = bool(state.get(_state.FINISHED, False))
 
     def _restore(self, state):
         """Puts the sampler, the counts and the round robin where `state`
@@ -490,7 +490,7 @@ class _PoolIter(_state.Position, _IterBase):
                                  for i, s in enumerate(self._worker_states)},
             },
             _state.STEPS_SINCE: 0,
-            _state.FINISHED: self._finished,
+            _state.FINISHED: self.finished,
         }
 
     def _try_put_index(self):
@@ -511,7 +511,7 @@ class _PoolIter(_state.Position, _IterBase):
         try:
             data = self._next_data()
         except StopIteration:
-            self._finished = True
+            self.finished = True
             raise
         stats.last = time.perf_counter()
         self._num_yielded += 1

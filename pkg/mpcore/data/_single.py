@@ -16,7 +16,7 @@ else:
 class SingleIter(_state.Position, _IterBase):
     def __init__(self, loader, state=None):
         super().__init__(loader)
-        self._loader_ref = _state.loader_ref(loader)
+        self.loader_ref = _state.loader_ref(loader)
         if isinstance(self._dataset, (_compat.IterDataPipe, _compat.MapDataPipe)):
             torch.utils.data.graph_settings.apply_sharding(
                 self._dataset, self._world_size, self._rank)
@@ -33,7 +33,7 @@ class SingleIter(_state.Position, _IterBase):
         try:
             return super().__next__()
         except StopIteration:
-            self._finished = True
+            self.finished = True
             raise
 
     def _next_data(self):
@@ -49,7 +49,7 @@ class SingleIter(_state.Position, _IterBase):
         out[_state.NUM_YIELDED] = self._num_yielded
         out[_state.W_FETCHER] = w[_state.W_FETCHER]  # the same keys as a worker's
         out[_state.W_DATASET] = w[_state.W_DATASET]
-        out[_state.FINISHED] = self._finished
+        out[_state.FINISHED] = self.finished
         return out
 
     def _resume(self, state):
@@ -70,7 +70,7 @@ class SingleIter(_state.Position, _IterBase):
             _state.warn_fast_forward(n)
             _state.fast_forward(self, n)
         self._num_yielded = n
-        self._finished = bool(state.get(_state.FINISHED, False))
+        self.finished = bool(state.get(_state.FINISHED, False))
 
     def __del__(self):
         _state.retire(self)

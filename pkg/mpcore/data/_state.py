@@ -309,13 +309,13 @@ class Position:
     """Mixed into both iterators (before torch's base): the sampler's
     position in the epoch and its random state (NOTE [ Resumable loading ])."""
 
-    _finished = False
+    finished = False
 
     def _start_epoch(self):
         self._sampler_iter_yielded = 0
         self._epoch_rng = None
         self._rng_known = False
-        self._finished = False
+        self.finished = False
         # (items drawn, index sampler state, iterator state) of a sampler
         # with a state of its own, from the first item not yet yielded on
         # (the pool's iterator draws ahead of what it yields).
@@ -375,7 +375,7 @@ def retire(it):
     state_dict() after the program let go of it still says where the data
     stopped (torchdata's loader keeps its iterator for that)."""
     try:
-        loader = it._loader_ref()
+        loader = it.loader_ref()
         if loader is None:
             return
         cur = current(loader)
