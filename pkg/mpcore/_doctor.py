@@ -425,19 +425,23 @@ def entry_points():
         import torch
     except ImportError:
         torch = None
-    _boot.serve_torch(patch_multiprocessing=True)
+    with warnings.catch_warnings():
+        # mpcore's fallback warning: the torch_api section reports each fallback
+        warnings.filterwarnings("ignore", category=RuntimeWarning, module="mpcore")
+        _boot.serve_torch(patch_multiprocessing=True)
+        if torch is not None:
+            # Import what the hooks still wait for, as a program that uses it would.
+            for _ in range(10):
+                pending = [n for n in _hooks.pending() if _torch_module(n)]
+                if not pending:
+                    break
+                for name in pending:
+                    try:
+                        __import__(name)
+                    except ImportError:
+                        _hooks.forget(name)
     if torch is not None:
         out["torch"] = torch.__version__
-        # Import what the hooks still wait for, as a program that uses it would.
-        for _ in range(10):
-            pending = [n for n in _hooks.pending() if _torch_module(n)]
-            if not pending:
-                break
-            for name in pending:
-                try:
-                    __import__(name)
-                except ImportError:
-                    _hooks.forget(name)
         classes = set()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # deprecated names warn when read
@@ -485,10 +489,26 @@ def torch_api():
         import torch  # noqa: F401
     except ImportError:
         pass
+    fr = {"left_to_gloo": None, "note": None}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # the fallback warning: reported below instead
+        if _torchapi.torch_version() is not None and _torchapi.check_window():
+            # NOTE [ The Flight Recorder ] in dist/_profile.py
+            try:
+                import torch.distributed as td
+                available = td.is_available()
+            except ImportError:
+                available = False
+            if available:
+                from .dist import _profile
+                fr = {"left_to_gloo": _profile.flight_recorder(),
+                      "note": _profile.flight_recorder_note()}
+                if fr["left_to_gloo"] is not None:
+                    _torchapi.fall_back("distributed backend", fr["left_to_gloo"])
         _torchapi.check_all()
-    return _torchapi.report()
+    out = _torchapi.report()
+    out["flight_recorder"] = fr
+    return out
 
 
 def torch_api_problems(t):
@@ -513,6 +533,9 @@ def _text_torch_api(t):
     for f in t["features"]:
         if not f["served"]:
             yield f"not served: {f['feature']} ({f['why']}): {f['otherwise']}"
+    fr = t.get("flight_recorder") or {}
+    if fr.get("note"):
+        yield fr["note"]
     changed = sum(r["status"] in ("replaced", "added") for r in t["table"])
     yield (f"{len(t['table'])} rows in mpcore's table of torch changes, {changed} replaced or "
            f"added here (`mpcore doctor --json` lists them)")

@@ -201,6 +201,10 @@ def _rows():
         (f"{C10D}.monitored_barrier", "replace", "callable", "distributed backend", False),
         ("torch.distributed.monitored_barrier", "replace", "callable", "distributed backend",
          False),
+        # NOTE [ The Flight Recorder ] in dist/_profile.py: the generic recorder's dump,
+        # which torch has where its gloo records
+        ("torch._C._distributed_c10d._dump_fr_trace", "read", "callable", "distributed backend",
+         True),
         # NOTE [ The backend runs uncompiled ] in dist/_uncompiled.py: set_code_exec_strategy
         # where torch has it (2.7 on), else skip_code
         ("torch._dynamo.eval_frame.set_code_exec_strategy", "read", "callable",

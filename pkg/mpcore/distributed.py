@@ -24,14 +24,16 @@ Backend.default_device_backend_map, which stays torch's ("gloo" for the
 CPU).  torch still records the name the program asked for, so
 dist.get_backend() says "gloo" to a program that asked for gloo (or for
 the CPU's default by that map, as Lightning does), and its own tests of
-that name go as under python.
+that name go as under python.  A program that asked for torch's Flight
+Recorder keeps gloo's groups (NOTE [ The Flight Recorder ] in
+dist/_profile.py).
 """
 import datetime
 
 import torch.distributed as _td
 from torch.distributed import distributed_c10d as _c10d
 
-from .dist import _backend, _dist
+from .dist import _backend, _dist, _profile
 from . import _torchapi
 
 ReduceOp = _td.ReduceOp
@@ -108,8 +110,15 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
 def install():
     """Makes every group torch creates from now on get mpcore's backend
     for the CPU (NOTE [ Which backend a group gets ]), and torch's
-    monitored_barrier serve it (NOTE [ monitored_barrier ]).  Idempotent."""
+    monitored_barrier serve it (NOTE [ monitored_barrier ]).  Idempotent.
+    Where the program asked for torch's Flight Recorder, gloo's groups stay
+    gloo's (NOTE [ The Flight Recorder ] in dist/_profile.py): the backend
+    is registered by its name, and nothing else changes."""
     _backend.register()
+    why = _profile.flight_recorder()
+    if why is not None:
+        _torchapi.fall_back("distributed backend", why)
+        return
     _dist.serve_agent_store()
     if _c10d.BackendConfig is not _BackendConfig:
         _c10d.BackendConfig = _BackendConfig
