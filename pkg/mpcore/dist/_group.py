@@ -168,7 +168,24 @@ class ProcessGroupMpcore(Collectives, dist.ProcessGroup):
         return False
 
     def set_timeout(self, timeout):
-        """The group's default timeout from now on, as torch's groups take it."""
+        """The group's default timeout from now on, as torch's groups take it.
+
+        NOTE [ Where the group's timeout is held ]
+        Three holders, each for a reason none of the others can serve;
+        set_timeout (and torch's _set_pg_timeout, which calls it) reaches
+        them all:
+        - `timeout_s` here: the group's default whatever serves it (the
+          region, gloo, the hierarchy, or nothing after shutdown).  Options
+          with no timeout of their own, monitored_barrier's store waits and
+          the NCCL group made on first CUDA use read it, and `shm` may be
+          None, so it cannot be derived from the region.
+        - the ShmGroup's `timeout` (and each of its lanes'): the core's
+          calls take the timeout as an argument, and a call queued with
+          async_op reads it when its lane runs it, so that a new timeout
+          reaches queued calls.  The ShmGroup lies a layer below this
+          class and holds no reference up to it.
+        - the inner groups (torch's gloo or NCCL group, the hierarchy's):
+          torch's objects keep their own and are told by set_timeout."""
         self.timeout_s = timeout.total_seconds()
         if self.shm is not None:
             self.shm.set_timeout(self.timeout_s)
