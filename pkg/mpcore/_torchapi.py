@@ -158,6 +158,10 @@ def _rows():
          "DataLoader", False),
         ("torch.utils.data.dataloader._BaseDataLoaderIter", "read", "attrs:_next_index,_reset",
          "DataLoader", False),
+        # its source, for the warning torch gives when a worker's arguments do not
+        # pickle (NOTE [ A pickle error at a worker's start ] in data/_ship.py)
+        ("torch.utils.data.dataloader._MultiProcessingDataLoaderIter.__init__", "read",
+         "callable", "DataLoader", True),
         ("torch.utils.data.dataloader._sharding_worker_init_fn", "read", "callable",
          "DataLoader", False),
         ("torch.utils.data._utils.worker._generate_state", "read", "callable", "DataLoader",

@@ -821,8 +821,11 @@ def test_zygote_workers_get_the_dataset_from_one_pickle(leak_check, scenario, me
 
 
 class _HoldsALock(torch.utils.data.Dataset):
-    def __init__(self):
+    def __init__(self, pipe=False):
+        import multiprocessing
         import threading
+        if pipe:   # an fd handed to each worker first: pickled per worker (_ship.py)
+            self.conn = multiprocessing.Pipe(duplex=False)[0]
         self.lock = threading.Lock()
 
     def __len__(self):
@@ -835,21 +838,57 @@ class _HoldsALock(torch.utils.data.Dataset):
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_a_dataset_that_cannot_be_pickled_gives_torchs_error(leak_check, method):
     """The error torch's DataLoader raises at iter() for a dataset (or
-    collate_fn) that cannot be pickled, the same type and message, and no
-    worker left behind."""
+    collate_fn) that cannot be pickled, the same type and message, after
+    the same warnings (NOTE [ A pickle error at a worker's start ] in
+    _ship.py), whether it is pickled once or per worker, and no worker left
+    behind."""
+    import warnings
+
     def errors(make):
         out = []
-        for ds, collate in ((_HoldsALock(), None), (_Meta(8), lambda b: b)):
+        for ds, collate in ((_HoldsALock(), None), (_Meta(8), lambda b: b),
+                            (_HoldsALock(pipe=True), None)):
             loader = make(ds, batch_size=2, num_workers=2, multiprocessing_context=method,
                           collate_fn=collate)
-            with pytest.raises(Exception) as e:
-                iter(loader)
-            out.append((type(e.value), str(e.value)))
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                with pytest.raises(Exception) as e:
+                    iter(loader)
+            out.append((type(e.value), str(e.value),
+                         [(w.category, str(w.message)) for w in said]))
         return out
     theirs = errors(torch.utils.data.DataLoader)
     ours = errors(mpcore.data.DataLoader)
     assert ours == theirs, (ours, theirs)
     assert "cannot pickle '_thread.lock' object" in theirs[0][1], theirs
+    if "Got pickle error" in str(theirs[0][2]):   # the torches that warn: each case did
+        assert all(len(warned) == 1 for _, _, warned in theirs), theirs
+
+
+def test_torchs_warning_for_a_pickle_error_is_read_from_its_handler():
+    """What warn_start_error gives is what torch's handler says, read from
+    its source: the types it catches, its message and its category; a
+    function without such a handler gives none."""
+    import warnings
+    from mpcore.data import _ship
+
+    def theirs(self):
+        from pickle import PicklingError
+        try:
+            self.start()
+        except (TypeError, PicklingError):
+            warnings.warn("Got pickle error: " "two literals", RuntimeWarning, stacklevel=2)
+            raise
+
+    def plain(self):
+        try:
+            self.start()
+        except TypeError:
+            warnings.warn("another handler")
+            raise
+    assert _ship._handler_warning(theirs) == ((TypeError, pickle.PicklingError),
+                                              "Got pickle error: two literals", RuntimeWarning)
+    assert _ship._handler_warning(plain) == ((), None, None)
 
 
 def _freed(handle, nbytes):

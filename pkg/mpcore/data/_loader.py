@@ -382,7 +382,11 @@ class _PoolIter(_state.Position, _IterBase):
             if ctx.get_start_method() != "fork":
                 # NOTE [ A dataset travels once ] (_ship.py): pickled here
                 # once, not with each worker's Process; None: per worker.
-                ship = _ship.pack((self._dataset, self._collate_fn, worker_init_fn))
+                try:
+                    ship = _ship.pack((self._dataset, self._collate_fn, worker_init_fn))
+                except BaseException as e:   # NOTE [ A pickle error at a worker's start ]
+                    _ship.warn_start_error(e)
+                    raise
             for i in range(n):
                 if ship is not None:
                     ship.send(self._index_rings[i])
@@ -397,7 +401,11 @@ class _PoolIter(_state.Position, _IterBase):
                           self._drop_last, self._base_seed, init_fn, i, n,
                           parent, self._shared_seed, saved[i], ship is not None),
                     daemon=True)
-                w.start()
+                try:
+                    w.start()
+                except BaseException as e:
+                    _ship.warn_start_error(e)
+                    raise
                 self._workers.append(w)
                 self._stats.pids[i] = w.pid
                 try:

@@ -59,6 +59,18 @@ of 2,000,000 small dicts (183 MB pickled; one pickle 4.1 s, one unpickle
 11.5 s, 1 worker 5.8 s; pickled per worker as before, 39.9 s; torch 53.2 s
 (1 worker: 12.1 s).  With 200,000 dicts: 1.1 s, 0.39 s, 1.8 s and 8.3 s.
 
+NOTE [ A pickle error at a worker's start ]
+When a worker's arguments do not pickle, torch's DataLoader raises the
+error of Process.start() and, on the torches that have it, first warns
+("Got pickle error when attempting to start a worker Process. ..."),
+for the exception types its handler names.  A program under mpcore sees
+the same: the error of the one pickle (or of the worker's start, where it
+pickles per worker) as it is, after the warning torch would give.  The
+warning's text, category and the types it is given for are read from
+torch's own handler (its row of the table, _torchapi.py), not written
+here, so that each torch of the window gets its own words and a torch
+without the handler gets no warning.  Without torch there is no warning.
+
 NOTE [ Unpickling with the collector paused ]
 Unpickling a dataset of Python objects makes containers by the million,
 and the cyclic collector runs every few hundred of them, each full pass
@@ -67,11 +79,16 @@ with the collector running and 141 ms with it paused.  The worker pauses
 it while it unpickles what its loader shipped (nothing it makes then is
 garbage yet), and starts it again after, as it was.
 """
+import ast
+import builtins
 import gc
+import inspect
 import io
 import pickle
 import queue
 import sys
+import textwrap
+import warnings
 from multiprocessing import context as _mpctx
 from multiprocessing import process as _mpprocess
 from multiprocessing.reduction import ForkingPickler
@@ -204,6 +221,65 @@ def pack(obj):
         raise
     f.close()
     return Shipment(block, nbytes, blocks, refs)
+
+
+_NO_WARNING = ((), None, None)
+_start_warning = None   # (exception types, message, category), read once
+
+
+def _handler_warning(fn):
+    """(exception types, message, category) of the warnings.warn call in
+    fn's handler of pickle errors (an `except` naming PicklingError), or
+    _NO_WARNING."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return _NO_WARNING
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ExceptHandler) or node.type is None:
+            continue
+        names = [n.id if isinstance(n, ast.Name) else getattr(n, "attr", None)
+                 for n in (node.type.elts if isinstance(node.type, ast.Tuple) else [node.type])]
+        if "PicklingError" not in names:
+            continue
+        types = tuple(pickle.PicklingError if n == "PicklingError" else getattr(builtins, n)
+                      for n in names if n == "PicklingError" or isinstance(
+                          getattr(builtins, n or "", None), type))
+        for call in ast.walk(node):
+            if (isinstance(call, ast.Call) and call.args
+                    and getattr(call.func, "attr", getattr(call.func, "id", None)) == "warn"):
+                try:
+                    message = ast.literal_eval(call.args[0])
+                except ValueError:
+                    return _NO_WARNING
+                category = UserWarning
+                cat = call.args[1] if len(call.args) > 1 else next(
+                    (k.value for k in call.keywords if k.arg == "category"), None)
+                if cat is not None:
+                    category = getattr(builtins, getattr(cat, "id", ""), None)
+                    if not (isinstance(category, type) and issubclass(category, Warning)):
+                        return _NO_WARNING
+                return types, message, category
+    return _NO_WARNING
+
+
+def warn_start_error(exc):
+    """Before a worker's pickle error is raised: the warning torch's
+    DataLoader gives for it, if any (NOTE [ A pickle error at a worker's
+    start ]).  Called by the loader's iterator, so that the warning names
+    its caller, as torch's does."""
+    global _start_warning
+    if _start_warning is None:
+        _start_warning = _NO_WARNING
+        if "torch" in sys.modules:
+            from .. import _torchapi
+            init = _torchapi.find(
+                "torch.utils.data.dataloader._MultiProcessingDataLoaderIter.__init__")
+            if init is not None:
+                _start_warning = _handler_warning(init)
+    types, message, category = _start_warning
+    if types and isinstance(exc, types):
+        warnings.warn(message, category, stacklevel=3)
 
 
 def receive(ring):
