@@ -21,9 +21,11 @@ import collections
 import datetime
 import os
 import socket
+import sys
 import threading
 import time
 import urllib.parse
+import weakref
 
 from .. import _core
 
@@ -213,14 +215,15 @@ def _await(store, prefix, rank, world_size, deadline, timeout_s, where, what):
 # --- the shared-memory group --------------------------------------------------
 
 class Work:
-    """What an async_op collective returns: torch's Work surface.  `_latch`
-    is a lock held from the start until the call is done, so that waiting
-    is one acquire (an Event costs a Condition and more, per call)."""
+    """What an async_op collective returns: torch's Work surface.  The call
+    is done once `_done` is set, which its lane does under the lane's lock
+    (NOTE [ A call's end ]); a thread that waits for it waits on the lane."""
+
+    profiler_events = None   # the profiler's events of the call, which its end ends
+    reusable = False         # whether a lane may give it again (NOTE [ A Work used again ])
 
     def __init__(self, tensors):
         self._tensors = tensors
-        self._latch = threading.Lock()
-        self._latch.acquire()
         self._done = False
         self._exc = None
         self._future = None
@@ -228,13 +231,15 @@ class Work:
 
     def end(self, exc=None):
         """Marks the call done; returns its future when one was asked for
-        before (the caller settles it), else None (get_future settles it)."""
-        self._exc = exc
+        before (the caller settles it), else None (get_future settles it).
+        For a call of its lane, the lane does this (_Lane.ended)."""
+        if self.lane is not None:
+            return self.lane.ended(self, exc)
+        _end_events(self)
         with _futures:
+            self._exc = exc
             self._done = True
-            fut = self._future
-        self._latch.release()
-        return fut
+            return self._future
 
     def finish(self, exc=None):
         fut = self.end(exc)
@@ -248,26 +253,16 @@ class Work:
             fut.set_result(self._tensors)
 
     def _wait_done(self, timeout=None):
-        """True once the call is done; False when timeout (seconds) passed."""
-        if not self._done:
-            if not self._latch.acquire(timeout=-1 if timeout is None else timeout):
-                return False
-            self._latch.release()
-        return True
+        """True once the call is done; False when timeout (seconds) passed.
+        It never runs the call here."""
+        return self._done or self.lane.await_done(self, timeout)
 
     def wait(self, timeout=None):
-        self._run_here()
-        self._wait_done()
+        if not self._done:
+            self.lane.wait_for(self)
         if self._exc is not None:
             raise self._exc
         return True
-
-    def _run_here(self):
-        """Runs the call on the waiting thread when its lane has not begun
-        it (NOTE [ A waiter runs its own call ])."""
-        lane = self.lane
-        if lane is not None and not self._done:
-            lane.run_if_next(self)
 
     def is_completed(self):
         return self._done
@@ -284,7 +279,8 @@ class Work:
 
     def get_future(self):
         import torch
-        with _futures:
+        lane = self.lane
+        with _futures if lane is None else lane.lock:
             fut = self._future
             if fut is not None:
                 return fut
@@ -295,8 +291,19 @@ class Work:
         return fut
 
 
-_futures = threading.Lock()   # orders a Work's future against its completion
+def _end_events(work):
+    """Ends the profiler's events of work's call, before anyone sees it done
+    (NOTE [ Collectives in the profiler ] in _profile.py)."""
+    events = work.profiler_events
+    if events is not None:
+        work.profiler_events = None
+        events.end()
+
+
+_futures = threading.Lock()   # orders a lane-less Work's future against its completion
 _get_ident = threading.get_ident
+_refs = sys.getrefcount              # NOTE [ A Work used again ]
+_weakrefs = weakref.getweakrefcount
 
 
 class _Lane:
@@ -322,15 +329,27 @@ class _Lane:
     what the caller does next (DDP's buckets, FSDP's prefetches), and does
     not keep it polling: a lane of large calls only would wake every POLL_S
     for nothing (with DDP's 40 MB of buckets a step, 2 ranks on 2 cores,
-    0.7 ms of CPU in a 50 ms step, taken from backward).
+    0.7 ms of CPU in a 50 ms step, taken from backward).  The thread, not
+    the caller, reads the clock: a put only counts small calls
+    (`small_puts`), and the thread polls for IDLE_S after it last saw the
+    count move (within POLL_S of the put, since it polls).
 
     NOTE [ A finished call wakes only who needs it ]
     A call's end wakes the threads waiting on the lane only when one of
     them can go on: the lane's thread when another call is queued, and
-    threads in drain().  Waking the polling thread after every call a
-    waiter ran itself cost a thread switch and a pass of the GIL per call:
-    half of a small send/recv ping-pong's time (52 us against 24 us, 2
-    ranks).
+    threads waiting for a call's end (drain(), a Work's wait).  Waking the
+    polling thread after every call a waiter ran itself cost a thread
+    switch and a pass of the GIL per call: half of a small send/recv
+    ping-pong's time (52 us against 24 us, 2 ranks).
+
+    NOTE [ A call's end ]
+    A call is done when the lane marks it so, under the lane's lock, with
+    the lane's own bookkeeping (running, queued) in the same hold: one
+    acquire per call's end, where a lock of each Work's own (acquired when
+    made, released at the end) and a global lock for its future cost two
+    more, and a lock made per call.  A thread that waits for a call it
+    does not run waits on the lane's condition, counted in `waiting`, and
+    the end of any call wakes it when one waits.
 
     NOTE [ Callbacks that call again ]
     A finished call's future is settled, and so its callbacks run, once
@@ -341,7 +360,21 @@ class _Lane:
     by the lane's thread or by the waiter.  On the lane's own thread
     nobody else would run it: so there a call queued (put), waited for
     (Work.wait) or drained is run at once, on that thread, after what was
-    queued before it, the lane's order kept."""
+    queued before it, the lane's order kept.
+
+    NOTE [ A Work used again ]
+    Making the Work of an asynchronous call is a fifth of what such a call
+    costs over a blocking one (torch's Work base is constructed through
+    pybind).  So the fast paths of torch's functions (_fastpath._queue)
+    keep the last Work they made on the lane (`spare`) and give it again
+    for the next call when nothing but the lane holds it: its reference
+    count says that no program, torch's C++ (which holds a Python Work by
+    a Python reference, from torch 2.7) or queued call has it, and no weak
+    reference sees it; a Work that anyone still holds is never given
+    again.  On a torch whose C++ does not hold the Python Work (NOTE [ A
+    Work only torch's C++ holds ] in _work.py) none is used again.  The
+    spare holds its last call's tensors until the next call or until the
+    lane has had nothing to do for IDLE_S, when the thread lets it go."""
 
     SMALL = 64 << 10
     POLL_S = 0.002
@@ -361,24 +394,58 @@ class _Lane:
         self.queued = 0
         self.running = False   # a call of this lane runs (on its thread or a waiter's)
         self.polling = False   # the thread waits with POLL_S timeouts
-        self.draining = 0      # threads in drain() waiting on cond
-        self.last_put = 0.0
+        self.waiting = 0       # threads waiting on cond for a call's end (drain, a Work's wait)
+        self.small_puts = 0    # small calls queued so far
+        self.spare = None      # NOTE [ A Work used again ]
 
     def put(self, item, small=False):
         with self.lock:
             if self.thread is None:
-                self.thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
-                self.thread.start()
-                self.ident = self.thread.ident
+                self._start()
             self.queued += 1
             self.queue.append(item)
             if small:
-                self.last_put = time.monotonic()
+                self.small_puts += 1
             here = _get_ident() == self.ident
             if not (here or small and self.polling):
                 self.cond.notify()
         if here:   # a callback on the lane's thread (NOTE [ Callbacks that call again ])
             self.drain(item[0])
+
+    def post(self, work_type, result, fn, args, keep, small=False):
+        """put() of fn(*args, timeout) with its Work, which is made here:
+        the lane's spare when only the lane holds it, else a new
+        work_type(result) (NOTE [ A Work used again ]); returns the Work."""
+        work = self.spare
+        if work is not None and _refs(work) == 3 and work._done and not _weakrefs(work):
+            work._tensors = result
+            work._done = False
+            work._exc = None
+            work._future = None
+        else:
+            work = work_type(result)
+            work.lane = self
+            if work.reusable:
+                self.spare = work
+        with self.lock:
+            if self.thread is None:
+                self._start()
+            self.queued += 1
+            self.queue.append((work, fn, args, keep))
+            if small:
+                self.small_puts += 1
+            here = _get_ident() == self.ident
+            if not (here or small and self.polling):
+                self.cond.notify()
+        if here:   # a callback on the lane's thread (NOTE [ Callbacks that call again ])
+            self.drain(work)
+        return work
+
+    def _start(self):
+        """Starts the lane's thread (the caller holds the lock)."""
+        self.thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+        self.thread.start()
+        self.ident = self.thread.ident
 
     def drain(self, work=None):
         """Waits until every call queued so far is done (given `work`, until
@@ -390,13 +457,53 @@ class _Lane:
                     return
                 item = self._take()
                 if item is None:
-                    self.draining += 1
+                    self.waiting += 1
                     try:
                         self.cond.wait()
                     finally:
-                        self.draining -= 1
+                        self.waiting -= 1
                     continue
             self._call(item)
+
+    def wait_for(self, work):
+        """Until `work` (a call of this lane) is done, running it here when
+        it is next and nobody runs it (NOTE [ A waiter runs its own call ])."""
+        if _get_ident() == self.ident:
+            return self.drain(work)   # NOTE [ Callbacks that call again ]
+        queue = self.queue
+        while True:
+            with self.lock:
+                if work._done:
+                    return
+                if self.running or not queue or queue[0] is None or queue[0][0] is not work:
+                    self.waiting += 1
+                    try:
+                        self.cond.wait()
+                    finally:
+                        self.waiting -= 1
+                    continue
+                self.running = True
+                item = queue.popleft()
+            return self._call(item)
+
+    def await_done(self, work, timeout=None):
+        """True once `work` is done, run by whoever runs it; False when
+        timeout (seconds, None for ever) passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.lock:
+            self.waiting += 1
+            try:
+                while not work._done:
+                    if deadline is None:
+                        self.cond.wait()
+                    else:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            return False
+                        self.cond.wait(left)
+            finally:
+                self.waiting -= 1
+        return True
 
     def run_if_idle(self, fn, *args):
         """fn(*args) now, on this thread, when the lane runs and holds
@@ -411,17 +518,8 @@ class _Lane:
         finally:
             with self.lock:
                 self.running = False
-                self._wake()
-
-    def run_if_next(self, work):
-        if _get_ident() == self.ident:
-            return self.drain(work)   # NOTE [ Callbacks that call again ]
-        with self.lock:
-            if not self.queue or self.queue[0][0] is not work:
-                return
-            item = self._take()
-        if item is not None:
-            self._call(item)
+                if self.queue or self.waiting:   # NOTE [ A finished call wakes only who needs it ]
+                    self.cond.notify_all()
 
     def _take(self):
         """The next call, now marked running; None while one runs (the
@@ -433,31 +531,41 @@ class _Lane:
 
     def _call(self, item):
         work, fn, args, keep = item
-        fut = None
+        exc = None
         try:
             try:
                 fn(*args, self.timeout)
             except BaseException as e:  # reported through the Work
-                fut = work.end(e)
-            else:
-                fut = work.end()
-        finally:
+                exc = e
             # nothing of a finished call is held until the next one
             del fn, args, keep, item
-            with self.lock:
+            if work.profiler_events is not None:
+                _end_events(work)
+        finally:
+            with self.lock:   # NOTE [ A call's end ]
+                work._exc = exc
+                work._done = True
+                fut = work._future
                 self.running = False
                 self.queued -= 1
-                self._wake()
+                if self.queue or self.waiting:   # NOTE [ A finished call wakes only who needs it ]
+                    self.cond.notify_all()
         if fut is not None:   # NOTE [ Callbacks that call again ]
             work.settle(fut)
 
-    def _wake(self):
-        """After a call: wakes whoever can go on (the caller holds the lock).
-        NOTE [ A finished call wakes only who needs it ]."""
-        if self.queue or self.draining:
-            self.cond.notify_all()
+    def ended(self, work, exc):
+        """Marks `work`, a call of this lane that is not queued, done (its
+        Work.end); returns its future when one was asked for before."""
+        _end_events(work)
+        with self.lock:
+            work._exc = exc
+            work._done = True
+            if self.waiting:
+                self.cond.notify_all()
+            return work._future
 
     def _loop(self):
+        seen, last = 0, -self.IDLE_S   # small_puts when last seen moving, and when
         while True:
             with self.lock:
                 while True:
@@ -466,14 +574,29 @@ class _Lane:
                     item = self._take()
                     if item is not None:
                         break
-                    self.polling = time.monotonic() - self.last_put < self.IDLE_S
-                    self.cond.wait(self.POLL_S if self.polling else None)
+                    now = time.monotonic()
+                    if self.small_puts != seen:
+                        seen, last = self.small_puts, now
+                    self.polling = now - last < self.IDLE_S
+                    if self.polling:
+                        self.cond.wait(self.POLL_S)
+                    elif self.spare is None:
+                        self.cond.wait()
+                    elif not self.cond.wait(self.IDLE_S) and not self.queue:
+                        # idle: the spare Work goes with its last call's tensors
+                        spare, self.spare = self.spare, None
+                        self.lock.release()
+                        try:
+                            del spare
+                        finally:
+                            self.lock.acquire()
                     self.polling = False
             self._call(item)
 
     def stop(self):
         """Stops the thread after what is queued."""
         with self.lock:
+            self.spare = None
             if self.thread is None:
                 return
             self.queue.append(None)

@@ -313,12 +313,10 @@ def _queue(shm, result, fn, args, keep, nbytes=None):
     on the fast path ]); nbytes: the call's bytes, which tell the lane
     whether it is small (those of `result`, a list of tensors, when not
     given)."""
-    work = _Work(result)
-    lane = work.lane = shm.lanes.get(_COLLECTIVES) or shm.lane(_COLLECTIVES)
+    lane = shm.lanes.get(_COLLECTIVES) or shm.lane(_COLLECTIVES)
     if nbytes is None:
         nbytes = sum(t.nbytes for t in result)
-    lane.put((work, fn, args, keep), nbytes <= lane.SMALL)
-    return work
+    return lane.post(_Work, result, fn, args, keep, nbytes <= lane.SMALL)
 
 
 def _pieces(ts, like, w):

@@ -47,40 +47,33 @@ class Work(_dist.Work, dist.Work):
     that made it, which end before a waiter wakes (NOTE [ Collectives in
     the profiler ])."""
 
-    profiler_events = None   # the profiler's events of the call, which it ends
+    source = None   # the source rank of a receive, once it is done
+    # a lane may give it again (NOTE [ A Work used again ] in _dist.py) where
+    # torch's C++ holds it by a Python reference
+    reusable = not HOLD
 
     def __init__(self, tensors):
         dist.Work.__init__(self)
         _dist.Work.__init__(self, tensors)
-        self.source = None
         if _profile.recording:
             self.profiler_events = getattr(_profile.inside, "events", None)
         if HOLD:
             held(self)
 
-    def end(self, exc=None):
-        events = self.profiler_events
-        if events is not None:
-            self.profiler_events = None
-            events.end()
-        return _dist.Work.end(self, exc)
-
     def wait(self, timeout=NO_TIMEOUT):
         if HOLD:
             let_go(self)
-        if timeout is NO_TIMEOUT:   # no timeout: what follows, without reading one
-            if not self._done:
-                self._run_here()
-                self._wait_done()
-            if self._exc is not None:
-                raise self._exc
-            return True
-        s = _dist.seconds(timeout)
-        if not s or s <= 0:
-            self._run_here()
-        if not self._wait_done(s if s and s > 0 else None):
-            raise TimeoutError(f"Work.wait: the collective did not complete within {s:g} s "
-                               "(it goes on; wait again or look at the group's timeout)")
+        if not self._done:
+            if timeout is NO_TIMEOUT:   # no timeout: what follows, without reading one
+                self.lane.wait_for(self)
+            else:
+                s = _dist.seconds(timeout)
+                if not s or s <= 0:
+                    self.lane.wait_for(self)
+                elif not self.lane.await_done(self, s):
+                    raise TimeoutError(f"Work.wait: the collective did not complete within "
+                                       f"{s:g} s (it goes on; wait again or look at the "
+                                       "group's timeout)")
         if self._exc is not None:
             raise self._exc
         return True
