@@ -116,7 +116,7 @@ _C10D_OPS = ("allreduce_", "allreduce_coalesced_", "reduce_", "broadcast_", "all
              "_allgather_base_", "allgather_coalesced_", "allgather_into_tensor_coalesced_",
              "reduce_scatter_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_",
              "gather_", "scatter_", "alltoall_", "alltoall_base_", "barrier", "send", "recv_",
-             "recv_any_source_")
+             "recv_any_source_", "monitored_barrier_")
 C10D = "torch.distributed.distributed_c10d"
 _FC = "torch.distributed._functional_collectives"
 

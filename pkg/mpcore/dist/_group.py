@@ -58,7 +58,7 @@ from .. import _torchapi
 from . import _dist
 from ._args import Dense, check_cpu, nbytes
 from ._collectives import NCCL_DTYPES, Collectives, cuda_routed
-from ._profile import recorded_as
+from ._profile import monitored, recorded_as
 from ._work import AllOf, Done, Work, done
 
 _WORLD = _torchapi.find(f"{_torchapi.C10D}._world")   # None only outside the torch window
@@ -299,6 +299,7 @@ class ProcessGroupMpcore(Collectives, dist.ProcessGroup):
             return done([])
         return shm.run(True, [], lambda _t: shm.core.barrier(timeout))
 
+    @monitored   # NOTE [ monitored_barrier observed ] in _profile.py
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
         """NOTE [ monitored_barrier's protocol ]
         gloo's: every other rank tells rank 0 that it came, and waits (up to

@@ -331,8 +331,9 @@ def recorded_as(name, called=None):
 # reduce_scatter_single_coalesced), and the group overrides both, so
 # there the op is called from Python as torch's C++ calls it (_direct),
 # for the reduce-scatter only with SUM (another reduction stays direct,
-# unseen).  Not routed: monitored_barrier (gloo's is no collective op a
-# mode counts), CUDA tensors (torch's NCCL group dispatches its own ops),
+# unseen).  monitored_barrier goes through its op too (NOTE
+# [ monitored_barrier observed ] below).  Not routed: CUDA tensors
+# (torch's NCCL group dispatches its own ops),
 # a group without a region (gloo's group underneath dispatches them).  A
 # torch whose C++ method calls the same name back (the namesake skip not
 # working) is noticed at the second call of one name: the call is served
@@ -628,3 +629,101 @@ def _kernel(op, method, names, extra, opts_cls):
             return (a[0], boxed) if pair else boxed
         return kernel
     return serve
+
+
+# NOTE [ monitored_barrier observed ]
+# gloo's monitored_barrier is c10d::monitored_barrier_ (torch's C++
+# ProcessGroup makes an empty CPU tensor and dispatches the op with the
+# group, [] device ids, the timeout in ms and wait_all_ranks), whose CPU
+# kernel runs gloo's protocol over send and recv: the profiler records
+# the op (one synchronous event, input shapes [[0], [], [], [], []]) and
+# gloo's "gloo:recv" and "gloo:send" events (asynchronous, input [[1]]):
+# on rank 0 a recv from each other rank and then a send to each, on the
+# others a send and a recv.  CommDebugMode counts nothing (the op is not
+# among the collectives it counts); DebugMode logs the op.  The group's
+# own protocol moves its messages through the store (NOTE
+# [ monitored_barrier's protocol ] in _group.py), so while something
+# observes the call it dispatches the op itself, as torch's C++ would, and
+# a Python kernel for its CPU key (under the Python dispatcher) runs the
+# protocol, recording gloo's send and recv events while the profiler runs.
+# Unobserved, the call is the group's protocol alone, as before.
+def monitored(method):
+    """A decorator for the group's monitored_barrier(timeout,
+    wait_all_ranks): observed, the call goes through c10d's op (NOTE
+    [ monitored_barrier observed ])."""
+    @functools.wraps(method)
+    def call(self, timeout=None, wait_all_ranks=False):
+        if ((profiling() or modes()) and self.shm is not None
+                and not getattr(inside, "serving", 0)):
+            op = _monitored_op(type(self), method)
+            if op is not None:
+                seconds = (self.timeout_s if timeout is None else timeout.total_seconds()
+                           if hasattr(timeout, "total_seconds") else float(timeout))
+                with _python_dispatcher():
+                    op(torch.empty(0), self.boxed(), [], int(round(seconds * 1000)),
+                       bool(wait_all_ranks))
+                return None
+        return method(self, timeout, wait_all_ranks)
+    return call
+
+
+_monitored = None    # c10d's monitored_barrier_ op, once its kernel is in (False: none)
+
+
+def _monitored_op(group_type, method):
+    """c10d's monitored_barrier_ op with mpcore's CPU kernel in, or None
+    where this torch cannot take it."""
+    global _monitored
+    if _monitored is None:
+        with _install_lock:
+            if _routes is None:
+                _install_routes(group_type)
+            if _monitored is None:
+                _monitored = _install_monitored(method) or False
+    return _monitored or None
+
+
+def _install_monitored(method):
+    """Puts the group's kernel for c10d's monitored_barrier_ CPU key in;
+    returns the op, or None (NOTE [ monitored_barrier observed ])."""
+    if not _torchapi.serves("observed collectives"):
+        return None
+    op = _torchapi.find("torch.ops.c10d.monitored_barrier_.default")
+    if op is None or "process_group" not in [a.name for a in op._schema.arguments]:
+        return None
+    cpu = _torchapi.get("torch._C.DispatchKey").CPU
+    if cpu in op.py_kernels:
+        return None     # torch's own Python kernel: the calls stay direct
+    import datetime
+
+    def kernel(tensor, process_group, device_ids, timeout, wait_all_ranks):
+        pg = _unbox(process_group)
+        if type(pg) is not _group_type:
+            return op._op_dk(cpu, tensor, process_group, device_ids, timeout, wait_all_ranks)
+        events = None
+        if profiling() and _torchapi.serves("profiler events"):
+            _load_record()
+            one = torch.empty(1)
+            prefix = _backend_name(pg) + ":"
+            peers = pg.world - 1
+            order = (["recv"] * peers + ["send"] * peers) if pg.my_rank == 0 else ["send", "recv"]
+            events = _Events([(prefix + name, [one]) for name in order]) if peers else None
+        inside.serving = getattr(inside, "serving", 0) + 1
+        try:
+            method(pg, None if timeout is None or timeout < 0
+                   else datetime.timedelta(milliseconds=timeout), wait_all_ranks)
+        finally:
+            inside.serving -= 1
+            if events is not None:
+                events.end()
+    op.py_impl(cpu)(kernel)
+    return op
+
+
+def _load_record():
+    """record_function's entry and the end tied to a future, read once."""
+    global _record
+    if _record is None:
+        _record = (_torchapi.get("torch._C._autograd._record_function_with_args_enter"),
+                   _torchapi.get("torch.ops.profiler._call_end_callbacks_on_jit_fut")
+                   ._RecordFunction)
