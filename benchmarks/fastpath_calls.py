@@ -96,6 +96,8 @@ def cases(dist, pg, n):
         "all_to_all": ways("all_to_all", all_to_all, outs, ins),
         "gather": ways("gather", lambda: core.gather([o.data_ptr() for o in outs], t.data_ptr(),
                                                      nb, 0, timeout), t, outs, 0),
+        "scatter": ways("scatter", lambda: core.scatter(t.data_ptr(), [i.data_ptr() for i in ins],
+                                                        nb, 0, timeout), t, ins, 0),
     }
     return {op: calls for op, calls in out.items() if calls is not None}
 

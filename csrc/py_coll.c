@@ -628,7 +628,137 @@ static PyObject *py_coll_create(PyObject *m, PyObject *args) {
     return PyLong_FromLong(fd);
 }
 
+/* NOTE [ A list of tensors read in one call ]
+ * A collective that takes a list of tensors (all_gather's outputs,
+ * reduce_scatter's and all_to_all's inputs, gather's and scatter's root
+ * list) must check every tensor as torch's function does and read its
+ * address.  Written in Python that loop cost about as much as the core's
+ * whole call for one tensor (each attribute read goes through the
+ * interpreter), so the bindings read the list here, through the objects'
+ * own attributes: nothing here knows a tensor's layout, only the names
+ * `is_cpu`, `dtype`, `shape`, `is_contiguous()` and `data_ptr()` of
+ * objects of the exact type the caller names. */
+
+static PyObject *str_is_cpu, *str_dtype, *str_shape, *str_is_contiguous, *str_data_ptr;
+
+/* Interns the attribute names tensor_pieces reads, once.  Returns 0, or -1
+ * with MemoryError set. */
+static int piece_names(void) {
+    if (str_data_ptr != NULL)
+        return 0;
+    str_is_cpu = PyUnicode_InternFromString("is_cpu");
+    str_dtype = PyUnicode_InternFromString("dtype");
+    str_shape = PyUnicode_InternFromString("shape");
+    str_is_contiguous = PyUnicode_InternFromString("is_contiguous");
+    PyObject *last = PyUnicode_InternFromString("data_ptr");
+    if (str_is_cpu == NULL || str_dtype == NULL || str_shape == NULL ||
+        str_is_contiguous == NULL || last == NULL) {
+        Py_XDECREF(last);
+        return -1;
+    }
+    str_data_ptr = last;
+    return 0;
+}
+
+/* 1 when t is of type `type` exactly, on the CPU, of dtype `dtype` (by
+ * identity), contiguous and of shape `shape`, with its address in *addr;
+ * 0 when it is not; -1 with the exception set when reading an attribute
+ * raised. */
+static int piece_of(PyObject *t, PyObject *type, PyObject *dtype, PyObject *shape,
+                    unsigned long long *addr) {
+    if ((PyObject *)Py_TYPE(t) != type)
+        return 0;
+    PyObject *v = PyObject_GetAttr(t, str_is_cpu);
+    if (v == NULL)
+        return -1;
+    int ok = v == Py_True;
+    Py_DECREF(v);
+    if (!ok)
+        return 0;
+    if ((v = PyObject_GetAttr(t, str_dtype)) == NULL)
+        return -1;
+    ok = v == dtype;
+    Py_DECREF(v);
+    if (!ok)
+        return 0;
+    if ((v = PyObject_CallMethodNoArgs(t, str_is_contiguous)) == NULL)
+        return -1;
+    ok = v == Py_True;
+    Py_DECREF(v);
+    if (!ok)
+        return 0;
+    if ((v = PyObject_GetAttr(t, str_shape)) == NULL)
+        return -1;
+    ok = PyObject_RichCompareBool(v, shape, Py_EQ);
+    Py_DECREF(v);
+    if (ok <= 0)
+        return ok;
+    if ((v = PyObject_CallMethodNoArgs(t, str_data_ptr)) == NULL)
+        return -1;
+    *addr = PyLong_AsUnsignedLongLong(v);
+    Py_DECREF(v);
+    if (*addr == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    return 1;
+}
+
+/* tensor_pieces(ts, type, dtype, shape, world, nbytes): ts as the core's
+ * gather, scatter and the list forms take `world` pieces, when ts is a
+ * list of `world` objects each of type `type` exactly, on the CPU, of
+ * dtype `dtype`, contiguous and of shape `shape` (the caller reads these
+ * and nbytes, the bytes of one piece, from the tensor it checked itself):
+ * the first's address (an int) when they lie end to end (rank q's piece at
+ * q * nbytes, none empty or at address 0), else the list of their
+ * addresses.  None for any other ts (the caller then goes to torch's
+ * function, which raises its own error).  An exception raised by reading
+ * an attribute propagates; nothing is changed either way. */
+static PyObject *py_tensor_pieces(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6)
+        return PyErr_Format(PyExc_TypeError, "tensor_pieces takes 6 arguments (%zd given)",
+                            nargs);
+    PyObject *ts = args[0], *type = args[1], *dtype = args[2], *shape = args[3];
+    Py_ssize_t w = PyLong_AsSsize_t(args[4]);
+    if (w == -1 && PyErr_Occurred())
+        return NULL;
+    unsigned long long nb = PyLong_AsUnsignedLongLong(args[5]);
+    if (nb == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    if (!PyList_CheckExact(ts) || PyList_GET_SIZE(ts) != w || w < 1 || w > MPC_COLL_MAX_RANKS)
+        Py_RETURN_NONE;
+    if (piece_names() < 0)
+        return NULL;
+    unsigned long long addrs[MPC_COLL_MAX_RANKS];
+    int apart = nb == 0;
+    for (Py_ssize_t q = 0; q < w; q++) {
+        /* attribute reads run code that could change the list: hold the
+         * item, and look at the list's size again */
+        PyObject *t = PyList_GET_ITEM(ts, q);
+        Py_INCREF(t);
+        int r = piece_of(t, type, dtype, shape, &addrs[q]);
+        Py_DECREF(t);
+        if (r < 0)
+            return NULL;
+        if (r == 0 || PyList_GET_SIZE(ts) != w)
+            Py_RETURN_NONE;
+        apart = apart || addrs[q] == 0 || addrs[q] != addrs[0] + (unsigned long long)q * nb;
+    }
+    if (!apart)
+        return PyLong_FromUnsignedLongLong(addrs[0]);
+    PyObject *res = PyList_New(w);
+    for (Py_ssize_t q = 0; res != NULL && q < w; q++) {
+        PyObject *a = PyLong_FromUnsignedLongLong(addrs[q]);
+        if (a == NULL)
+            Py_CLEAR(res);
+        else
+            PyList_SET_ITEM(res, q, a);
+    }
+    return res;
+}
+
 PyMethodDef mpc_py_coll_methods[] = {
+    {"tensor_pieces", (PyCFunction)(void (*)(void))py_tensor_pieces, METH_FASTCALL,
+     "tensor_pieces(ts, type, dtype, shape, world, nbytes) -> the first address (end to end), the list of\n"
+     "addresses, or None: NOTE [ A list of tensors read in one call ]"},
     {"coll_create", py_coll_create, METH_VARARGS,
      "coll_create(world, chunk) -> fd of a new shared-memory group"},
     {NULL},

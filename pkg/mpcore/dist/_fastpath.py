@@ -214,7 +214,7 @@ from datetime import timedelta as _timedelta
 import torch
 from torch.distributed import distributed_c10d as _c10d
 
-from .. import _hooks, _torchapi
+from .. import _core, _hooks, _torchapi
 from ._buffers import BUFFER_MIN, buffer_of, with_buffer
 from ._dist import ShmGroup
 from ._group import ProcessGroupMpcore
@@ -331,53 +331,38 @@ def _queue(shm, result, fn, args, keep, nbytes=None):
     return lane.post(_Work, result, fn, args, keep, nbytes <= lane.SMALL)
 
 
-def _pieces(ts, like, w):
-    """ts as the core takes a list of w pieces, for a list of w plain CPU
-    tensors of like's dtype and shape: the first's address when they lie
-    end to end (rank q's piece at q * like.nbytes), else the list of their
-    addresses; None for any other list."""
-    if type(ts) is not list or len(ts) != w:
-        return None
-    dtype, shape = like.dtype, like.shape
-    addrs = []
-    for t in ts:
-        if not (type(t) is _Tensor and t.is_cpu and t.dtype is dtype and t.is_contiguous()
-                and t.shape == shape):
-            return None
-        addrs.append(t.data_ptr())
-    at = first = addrs[0]
-    nb = like.nbytes
-    if not (first and nb):
-        return addrs
-    for a in addrs:
-        if a != at:
-            return addrs
-        at += nb
-    return first
+# _pieces(ts, torch.Tensor, dtype, shape, w, nbytes): ts as the core takes
+# a list of w pieces, for a list of w plain contiguous CPU tensors of that
+# dtype and shape (nbytes: one's bytes): the first's address when they lie
+# end to end (rank q's piece at q * nbytes), else the list of their
+# addresses; None for any other list.  In C (NOTE [ A list of tensors read
+# in one call ] in py_coll.c): the same loop in Python cost more than the
+# core's call.
+_pieces = _core.tensor_pieces
 
 
 def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
     g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
     if (not (_compiling() or _profiling() or _modes())
-            and type(g) is _PG and g.batch is None and g.shm is not None and group_dst is None
+            and type(g) is _PG and g.batch is None and group_dst is None
+            and (shm := g.shm) is not None
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
             and not _has_torch_function((tensor,))):
         root = g.group_ranks.get(0 if dst is None else dst)
         if root is not None:
+            n = tensor.nbytes
             if root != g.my_rank:
                 outs = None if gather_list else 0
             else:
-                outs = _pieces(gather_list, tensor, g.world)
+                outs = _pieces(gather_list, _Tensor, tensor.dtype, tensor.shape, g.world, n)
             if outs is not None:
-                shm = g.shm
                 if async_op:   # the Work's result is the root's outputs' list, as the method's
                     return _queue(shm, gather_list if outs else [], shm.core.gather,
-                                  (outs, tensor.data_ptr(), tensor.nbytes, root),
-                                  (tensor, gather_list))
+                                  (outs, tensor.data_ptr(), n, root), (tensor, gather_list))
                 lane = shm.lanes.get(_COLLECTIVES)
                 if lane is not None and lane.queued:
                     shm.drain()
-                shm.core.gather(outs, tensor.data_ptr(), tensor.nbytes, root, shm.timeout)
+                shm.core.gather(outs, tensor.data_ptr(), n, root, shm.timeout)
                 return None
     return _TORCH["gather"](tensor, gather_list, dst, group=group, async_op=async_op,
                             group_dst=group_dst)
@@ -386,25 +371,25 @@ def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group
 def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
     g = _WORLD._default_pg if group is None else group   # as gather's
     if (not (_compiling() or _profiling() or _modes())
-            and type(g) is _PG and g.batch is None and g.shm is not None and group_src is None
+            and type(g) is _PG and g.batch is None and group_src is None
+            and (shm := g.shm) is not None
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
             and not _has_torch_function((tensor,))):
         root = g.group_ranks.get(0 if src is None else src)
         if root is not None:
+            n = tensor.nbytes
             if root != g.my_rank:
                 ins = None if scatter_list else 0
             else:
-                ins = _pieces(scatter_list, tensor, g.world)
+                ins = _pieces(scatter_list, _Tensor, tensor.dtype, tensor.shape, g.world, n)
             if ins is not None:
-                shm = g.shm
                 if async_op:
                     return _queue(shm, [tensor], shm.core.scatter,
-                                  (tensor.data_ptr(), ins, tensor.nbytes, root),
-                                  (tensor, scatter_list))
+                                  (tensor.data_ptr(), ins, n, root), (tensor, scatter_list), n)
                 lane = shm.lanes.get(_COLLECTIVES)
                 if lane is not None and lane.queued:
                     shm.drain()
-                shm.core.scatter(tensor.data_ptr(), ins, tensor.nbytes, root, shm.timeout)
+                shm.core.scatter(tensor.data_ptr(), ins, n, root, shm.timeout)
                 return None
     return _TORCH["scatter"](tensor, scatter_list, src, group=group, async_op=async_op,
                              group_src=group_src)
@@ -576,15 +561,21 @@ reduce_scatter_tensor = _reduce_scatter_base("reduce_scatter_tensor")
 def all_gather(tensor_list, tensor, group=None, async_op=False):
     g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
     if (not (_compiling() or _profiling() or _modes())
-            and type(g) is _PG and g.batch is None and g.shm is not None
+            and type(g) is _PG and g.batch is None and (shm := g.shm) is not None
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
             and not _has_torch_function((tensor,))):
-        outs = _pieces(tensor_list, tensor, g.world)
+        n, w = tensor.nbytes, g.world
+        outs = _pieces(tensor_list, _Tensor, tensor.dtype, tensor.shape, w, n)
         if outs is not None:
-            shm = g.shm
             if type(outs) is int:   # one buffer: the core writes into it
-                return _call(shm, async_op, (tensor, tensor_list), tensor_list,
-                             shm.core.all_gather, outs, tensor.data_ptr(), tensor.nbytes)
+                if async_op:
+                    return _queue(shm, tensor_list, shm.core.all_gather,
+                                  (outs, tensor.data_ptr(), n), (tensor, tensor_list), n * w)
+                lane = shm.lanes.get(_COLLECTIVES)
+                if lane is not None and lane.queued:
+                    shm.drain()
+                shm.core.all_gather(outs, tensor.data_ptr(), n, shm.timeout)
+                return None
             flat = _torch_empty((g.world,) + tuple(tensor.shape), dtype=tensor.dtype)
             return _call(shm, async_op, (tensor, flat), tensor_list, _gather_apart, shm.core,
                          flat, tensor_list, tensor.data_ptr(), tensor.nbytes)
@@ -600,17 +591,30 @@ def _gather_apart(core, flat, outs, addr, nbytes, timeout):
 def reduce_scatter(output, input_list, op=_SUM, group=None, async_op=False):
     g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
     if (not (_compiling() or _profiling() or _modes())
-            and type(g) is _PG and g.batch is None and g.shm is not None and type(op) is RED
+            and type(g) is _PG and g.batch is None and type(op) is RED
+            and (shm := g.shm) is not None
             and type(output) is _Tensor and output.is_cpu and output.is_contiguous()
             and not _has_torch_function((output,))):
+        dt = output.dtype
         if op is _SUM:
-            codes = _SUMS.get(output.dtype)
+            codes = _SUMS.get(dt)
         else:
-            row = _ROWS.get(output.dtype)
+            row = _ROWS.get(dt)
             codes = row[op.value] if row is not None else None
-        ins = _pieces(input_list, output, g.world) if codes is not None else None
+        ins = (_pieces(input_list, _Tensor, dt, output.shape, g.world, output.nbytes)
+               if codes is not None else None)
+        if type(ins) is int:    # laid end to end: the core reads them where they lie
+            if async_op:
+                return _queue(shm, [output], shm.core.reduce_scatter,
+                              (output.data_ptr(), ins, output.numel(), codes[0], codes[1]),
+                              (output, input_list))
+            lane = shm.lanes.get(_COLLECTIVES)
+            if lane is not None and lane.queued:
+                shm.drain()
+            shm.core.reduce_scatter(output.data_ptr(), ins, output.numel(), codes[0], codes[1],
+                                    shm.timeout)
+            return None
         if ins is not None:
-            shm = g.shm
             flat = None if type(ins) is int else _torch_cat([t.view(-1) for t in input_list])
             return _call(shm, async_op, (output, input_list, flat), [output],
                          shm.core.reduce_scatter, output.data_ptr(),
@@ -622,15 +626,28 @@ def reduce_scatter(output, input_list, op=_SUM, group=None, async_op=False):
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
     g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
     if (not (_compiling() or _profiling() or _modes())
-            and type(g) is _PG and g.batch is None and g.shm is not None
+            and type(g) is _PG and g.batch is None and (shm := g.shm) is not None
             and type(input_tensor_list) is list and input_tensor_list
-            and not _has_torch_function(tuple(input_tensor_list))):
+            and not _has_torch_function(input_tensor_list)):
         first, w = input_tensor_list[0], g.world
-        ins = _pieces(input_tensor_list, first, w) if type(first) is _Tensor else None
-        outs = _pieces(output_tensor_list, first, w) if ins is not None else None
+        if type(first) is _Tensor:
+            n, dt, sh = first.nbytes, first.dtype, first.shape
+            ins = _pieces(input_tensor_list, _Tensor, dt, sh, w, n)
+            outs = _pieces(output_tensor_list, _Tensor, dt, sh, w, n) if ins is not None else None
+        else:
+            outs = None
+        if type(outs) is int and type(ins) is int:   # both end to end: the core's one call
+            sizes = [n] * w
+            if async_op:
+                return _queue(shm, output_tensor_list, shm.core.all_to_all,
+                              (outs, ins, sizes, sizes), input_tensor_list, n * w)
+            lane = shm.lanes.get(_COLLECTIVES)
+            if lane is not None and lane.queued:
+                shm.drain()
+            shm.core.all_to_all(outs, ins, sizes, sizes, shm.timeout)
+            return None
         if outs is not None:
-            shm = g.shm
-            sizes = [first.nbytes] * w
+            sizes = [n] * w
             src = None if type(ins) is int else _torch_cat([t.view(-1) for t in input_tensor_list])
             at = ins if src is None else src.data_ptr()
             if type(outs) is int:
