@@ -58,6 +58,13 @@ del w2, held, w
 w3 = dist.barrier(async_op=True)
 out["weakref_not_reused"] = ref() is None or w3 is not ref()
 w3.wait()
+# nor is one the program gave an attribute of its own
+w3.tag = "mine"
+w3_id = id(w3)
+del w3
+w3 = dist.barrier(async_op=True)
+out["attribute_not_reused"] = [id(w3) != w3_id, hasattr(w3, "tag")]
+w3.wait()
 
 # a call that fails reports its error at wait(), and keeps it while held
 lane = lane_of(w3)
@@ -107,6 +114,7 @@ def test_a_work_is_given_again_only_when_nobody_holds_it():
     assert out["held_not_reused"] is True
     assert out["held_result"] is True
     assert out["weakref_not_reused"] is True
+    assert out["attribute_not_reused"] == [True, False]
     assert out["error"] == "boom"
     assert out["error_kept"] == [True, True, True, True, True, False, "boom"]
     assert out["spare_let_go"] is True

@@ -304,6 +304,7 @@ _futures = threading.Lock()   # orders a lane-less Work's future against its com
 _get_ident = threading.get_ident
 _refs = sys.getrefcount              # NOTE [ A Work used again ]
 _weakrefs = weakref.getweakrefcount
+_FIELDS = 5   # a Work's own attributes (Work.__init__): one that has more was given some
 
 
 class _Lane:
@@ -371,8 +372,10 @@ class _Lane:
     count says that no program, torch's C++ (which holds a Python Work by
     a Python reference, from torch 2.7) or queued call has it, and no weak
     reference sees it; a Work that anyone still holds is never given
-    again.  On a torch whose C++ does not hold the Python Work (NOTE [ A
-    Work only torch's C++ holds ] in _work.py) none is used again.  The
+    again, nor one a program gave attributes of its own (they would show
+    on the next call's).  On a torch whose C++ does not hold the Python
+    Work (NOTE [ A Work only torch's C++ holds ] in _work.py) none is used
+    again.  The
     spare holds its last call's tensors until the next call or until the
     lane has had nothing to do for IDLE_S, when the thread lets it go."""
 
@@ -417,7 +420,8 @@ class _Lane:
         the lane's spare when only the lane holds it, else a new
         work_type(result) (NOTE [ A Work used again ]); returns the Work."""
         work = self.spare
-        if work is not None and _refs(work) == 3 and work._done and not _weakrefs(work):
+        if (work is not None and _refs(work) == 3 and work._done and not _weakrefs(work)
+                and len(work.__dict__) == _FIELDS):
             work._tensors = result
             work._done = False
             work._exc = None
@@ -483,8 +487,30 @@ class _Lane:
                         self.waiting -= 1
                     continue
                 self.running = True
-                item = queue.popleft()
-            return self._call(item)
+                work, fn, args, keep = queue.popleft()
+            # _call(), inline: its cost counts here (NOTE [ Asynchronous calls
+            # on the fast path ] in _fastpath.py)
+            exc = None
+            try:
+                try:
+                    fn(*args, self.timeout)
+                except BaseException as e:  # reported through the Work
+                    exc = e
+                del fn, args, keep
+                if work.profiler_events is not None:
+                    _end_events(work)
+            finally:
+                with self.lock:   # NOTE [ A call's end ]
+                    work._exc = exc
+                    work._done = True
+                    fut = work._future
+                    self.running = False
+                    self.queued -= 1
+                    if queue or self.waiting:
+                        self.cond.notify_all()
+            if fut is not None:   # NOTE [ Callbacks that call again ]
+                work.settle(fut)
+            return
 
     def await_done(self, work, timeout=None):
         """True once `work` is done, run by whoever runs it; False when
