@@ -264,6 +264,11 @@ def _rows():
         ("torch._C._distributed_c10d.Work.unbox", "read", "callable", "observed collectives",
          False),
         ("torch.classes.c10d.ReduceOp", "read", "callable", "observed collectives", True),
+        # NOTE [ c10d's ReduceOp of another kind ] in dist/_profile.py
+        ("torch._C._autograd._enable_record_function", "read", "callable",
+         "observed collectives", True),
+        ("torch.utils._python_dispatch._disable_current_modes", "read", "callable",
+         "observed collectives", True),
     )
     for n in _C10D_OPS:
         yield (f"torch.ops.c10d.{n}.default", "read", "attrs:py_impl,py_kernels,_op_dk,_schema",

@@ -418,7 +418,7 @@ def observed(self, name, method, args, kwargs=None, called=None):
         else:
             route = None
     if route is not None and called in _DIRECT:
-        route = _direct(called, method, args)
+        route = _direct(called, method, args, self)
     call = getattr(inside, "call", None)
     if route is None or getattr(inside, "serving", 0):
         if profiling():
@@ -457,8 +457,9 @@ _DIRECT = {"alltoall_base": "alltoall_base_", "all_to_all_single": "alltoall_bas
            "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced_"}
 
 
-def _direct(called, method, args):
-    """A route that calls c10d's op of `called` itself; None where it cannot."""
+def _direct(called, method, args, pg):
+    """A route that calls c10d's op of `called` on group pg itself; None
+    where it cannot."""
     import torch.distributed as dist
     op_name = _DIRECT[called]
     op = _torchapi.find(f"torch.ops.c10d.{op_name}.default")
@@ -478,9 +479,13 @@ def _direct(called, method, args):
     else:
         values.update(outputs=list(args[0]), inputs=list(args[1]))
         if op_name == "reduce_scatter_tensor_coalesced_":
-            if opts.reduceOp.op != dist.ReduceOp.SUM:
-                return None
-            values["reduce_op"] = _torchapi.get("torch.classes.c10d.ReduceOp")()
+            kind = opts.reduceOp.op
+            if kind == dist.ReduceOp.SUM:
+                values["reduce_op"] = _torchapi.get("torch.classes.c10d.ReduceOp")()
+            else:   # NOTE [ c10d's ReduceOp of another kind ]
+                values["reduce_op"] = _script_reduce_op(pg, kind)
+                if values["reduce_op"] is None:
+                    return None
     names = [a.name for a in op._schema.arguments]
     if any(a.name not in values and a.name != "process_group" and not a.has_default_value()
            for a in op._schema.arguments):
@@ -594,6 +599,10 @@ def _kernel(op, method, names, extra, opts_cls):
             if type(pg) is not _group_type:
                 return op._op_dk(key, *a, **kw)
             a = arguments(a, kw)
+            taken = getattr(inside, "capture", None)
+            if taken is not None and "reduce_op" in names:
+                taken.append(a[names.index("reduce_op")])   # _script_reduce_op's call
+                raise _Captured()
             margs = [a[i] for i in pos]
             if opts_cls is not None:
                 call = getattr(inside, "call", None)
@@ -727,3 +736,66 @@ def _load_record():
         _record = (_torchapi.get("torch._C._autograd._record_function_with_args_enter"),
                    _torchapi.get("torch.ops.profiler._call_end_callbacks_on_jit_fut")
                    ._RecordFunction)
+
+
+# NOTE [ c10d's ReduceOp of another kind ]
+# c10d's ops take their reduction as a TorchScript object
+# (torch.classes.c10d.ReduceOp), which Python can make only as SUM; torch's
+# C++ ProcessGroup methods make it of any kind from their options.  The
+# reduce-scatter of a coalesced block is called from Python here (_direct),
+# so for another reduction the object is taken from torch's C++ once per
+# kind and kept: an all_reduce of an empty tensor with that reduction goes
+# through torch's C++ ProcessGroup method on the group (_forward), which
+# makes the object and dispatches c10d's allreduce_ to this module's kernel;
+# the kernel, seeing the capture asked for on the thread, keeps the object
+# and raises before anything reaches the group (no collective is made, on
+# this rank or any other).  Nothing observes that call: dispatch modes are
+# set aside for it, and the profiler's record functions are off for its
+# duration (they are turned back on after it, as the profiler that is
+# running had them).  A PREMUL_SUM, whose factor lives in the object,
+# stays direct.  Measured: a coalesced reduce_scatter_tensor with MAX,
+# MIN, PRODUCT or AVG under CommDebugMode counts c10d's
+# reduce_scatter_tensor_coalesced_ once, as gloo's does, where it counted
+# _reduce_scatter_base_ before (the parts of the block, each routed).
+class _Captured(Exception):
+    """Raised by a kernel once it kept the reduction _script_reduce_op asked for."""
+
+
+_REDUCE_OPS = {}    # RedOpType -> c10d's ReduceOp object of that kind (None: cannot)
+
+
+def _script_reduce_op(pg, kind):
+    """c10d's ReduceOp object of reduction `kind` (a ReduceOp.RedOpType),
+    taken from torch's C++ through group pg, or None where it cannot be
+    (NOTE [ c10d's ReduceOp of another kind ])."""
+    import torch.distributed as dist
+    if kind in _REDUCE_OPS:
+        return _REDUCE_OPS[kind]
+    so = None
+    forward = _forward("allreduce")
+    enable = _torchapi.find("torch._C._autograd._enable_record_function")
+    no_modes = _torchapi.find("torch.utils._python_dispatch._disable_current_modes")
+    if (kind != dist.ReduceOp.PREMUL_SUM and forward is not None and "allreduce" in _routes
+            and enable is not None and no_modes is not None):
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp(kind)
+        outer = getattr(inside, "capture", None)
+        inside.capture = taken = []
+        recording = profiling()
+        try:
+            with no_modes():
+                if recording:
+                    enable(False)
+                try:
+                    with _python_dispatcher():
+                        forward(pg, [torch.empty(0)], opts)
+                except Exception:   # _Captured, as torch's C++ hands it back
+                    pass
+                finally:
+                    if recording:
+                        enable(True)
+        finally:
+            inside.capture = outer
+        so = taken[0] if taken else None
+    _REDUCE_OPS[kind] = so
+    return so
