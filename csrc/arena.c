@@ -771,6 +771,42 @@ void mpc_block_release(const mpc_block *b) {
         mpc__unmap_if_orphan(b->seg_id);
 }
 
+/* NOTE [ A disowned segment ]
+ * A large block that is written once and read by others (a DataLoader's
+ * shipment of its dataset) would, once freed, stay with its owner as a
+ * cached segment (MPC_CACHE_BYTES): hundreds of megabytes that no later
+ * allocation of that size may want.  Its owner disowns it instead while
+ * it still holds it: the segment is marked as an orphan's (as if its owner
+ * had gone), so that whichever process frees the block asks the keeper to
+ * retire the segment, and it is no longer owned here, so that this
+ * process's mapping goes with its last hold (mpc__unmap_if_orphan), as
+ * every other process's does.  Nothing is allocated in it again.  Holding
+ * the block while disowning keeps its count above zero, so the free that
+ * retires the segment comes after the mark. */
+int mpc_block_disown(const mpc_block *b) {
+    uint32_t slot;
+    int r = mpc_client_slot(&slot);
+    if (r < 0)
+        return r;
+    pthread_mutex_lock(&mpc__lock);
+    mpc_seg *s = mpc__lookup(b->seg_id);
+    int w;
+    uint32_t bit = mpc__myslot_bit(slot, &w);
+    if (s == NULL || atomic_load(&s->hdr->meta[b->index].gen) != b->gen ||
+        !(atomic_load(&s->hdr->meta[b->index].holders[w]) & (1ull << bit)))
+        r = mpc_fail(MPC_ESTALE, "block %u of segment %016" PRIx64 " is not live and held here",
+                     b->index, b->seg_id);
+    else if (!s->owned)
+        r = mpc_fail(EINVAL, "segment %016" PRIx64 " is not this process's", b->seg_id);
+    else if (s->cls < 0) {
+        atomic_fetch_or(&s->hdr->flags, MPC_SEG_ORPHAN);
+        s->owned = 0;
+        r = 1;
+    } /* else: an arena's block, whose place the next small block takes (0) */
+    pthread_mutex_unlock(&mpc__lock);
+    return r;
+}
+
 void mpc_forget_idle(void) {
     pthread_mutex_lock(&mpc__lock);
     for (mpc_seg *s = mpc__all, *n; s; s = n) {

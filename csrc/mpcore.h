@@ -243,6 +243,19 @@ int mpc_block_claim(const mpc_block *b);
  * fails: a block that is already gone is ignored. */
 void mpc_block_release(const mpc_block *b);
 
+/* Gives up this process's ownership of the segment of b, a block of more
+ * than the arena's largest size class that this process allocated and
+ * still holds: nothing is allocated in the segment again, it is retired
+ * (its memory returned) as soon as its block is freed, by whichever
+ * process frees it, and each process's mapping of it, this one's
+ * included, goes with that process's last hold (NOTE [ A disowned segment ]
+ * in arena.c).  Returns 1 when disowned; 0, changing nothing, when b lies
+ * in an arena segment (a freed block's place there goes to the next small
+ * block); -MPC_ESTALE if b is not live and held here, or -EINVAL if this
+ * process does not own its segment (error set, nothing changed); or
+ * mpc_client_slot's error. */
+int mpc_block_disown(const mpc_block *b);
+
 /* Unmaps every mapping of another process's segment in which this process
  * holds no block (the next attach maps it again), and marks the others to
  * be unmapped when this process's last hold in them goes.  Used when the

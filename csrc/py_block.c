@@ -121,6 +121,15 @@ static PyObject *block_ticket(BlockObject *self, PyObject *args) {
     return Py_BuildValue("(KII)", (unsigned long long)self->b.seg_id, self->b.index, self->b.gen);
 }
 
+/* disown(): NOTE [ A disowned segment ] in arena.c. */
+static PyObject *block_disown(BlockObject *self, PyObject *unused) {
+    mpc_clear_error();
+    int r = mpc_block_disown(&self->b);
+    if (r < 0)
+        return mpc_py_raise(mpc_type_state(Py_TYPE(self)), r);
+    return PyBool_FromLong(r);
+}
+
 static PyObject *block_claim(BlockObject *self, PyObject *unused) {
     mpc_clear_error();
     int r;
@@ -314,6 +323,11 @@ static PyObject *block_repr(BlockObject *self) {
 static PyMethodDef block_methods[] = {
     {"ticket", (PyCFunction)block_ticket, METH_VARARGS,
      "Takes a ticket that keeps the block alive in transit; returns its reference."},
+    {"disown", (PyCFunction)block_disown, METH_NOARGS,
+     "Gives up this process's ownership of the block's own segment (a large block it made\n"
+     "and holds): the segment is retired once the block is freed, by whichever process frees\n"
+     "it, and each mapping goes with its process's last hold.  True when disowned; False\n"
+     "for a block in an arena (shared with small blocks), which is left as it is."},
     {"claim", (PyCFunction)block_claim, METH_NOARGS,
      "In a forked child: turns the ticket its parent took into this process's hold."},
     {"check_view", (PyCFunction)block_check_view_py, METH_VARARGS,

@@ -734,10 +734,20 @@ SHIPPED = []
 _pack = _ship.pack
 
 
+def maps():
+    """(low, high, inode) of each mapping of this process."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            yield lo, hi, parts[4]
+
+
 def pack(obj):
     s = _pack(obj)
     if s is not None:
-        SHIPPED.append((s._block.handle, s._nbytes))
+        at = s._block.address
+        SHIPPED.append((s._block.handle, next(i for lo, hi, i in maps() if lo <= at < hi)))
     return s
 
 
@@ -754,13 +764,19 @@ def settle():
 
 
 def freed():
-    """Whether the last shipment's block was freed: a block of its size
-    takes its segment again, with a later generation."""
+    """Whether the last shipment's block was freed and its memory given
+    back (NOTE [ A disowned segment ] in arena.c): nothing here maps its
+    segment, and the keeper knows the segment no more."""
     gc.collect()
     settle()
-    (seg, index, gen), nbytes = SHIPPED[-1]
-    b = _blocks.alloc(nbytes)
-    return b.handle[0] == seg and b.handle[2] > gen
+    (seg, index, gen), inode = SHIPPED[-1]
+    if any(i == inode for _, _, i in maps()):
+        return False
+    try:   # a later generation: redeems no ticket, whatever the keeper says
+        mpcore._core.attach((seg, index, gen + 2))
+    except mpcore.HandleError as e:
+        return "unknown shared-memory segment" in str(e)
+    return False
 
 
 def count(make, epochs=2):
@@ -891,14 +907,18 @@ def test_torchs_warning_for_a_pickle_error_is_read_from_its_handler():
     assert _ship._handler_warning(plain) == ((), None, None)
 
 
-def _freed(handle, nbytes):
-    """Whether the block `handle` of `nbytes` bytes, made here, was freed: a
-    new block of its size takes its segment again, with a later generation."""
+def _given_back(handle):
+    """Whether the block `handle`, made here, was freed and its segment
+    retired (NOTE [ A disowned segment ] in arena.c): the keeper knows it no
+    more."""
     import gc
-    from mpcore.shm import _blocks
     gc.collect()
-    b = _blocks.alloc(nbytes)
-    return b.handle[0] == handle[0] and b.handle[2] > handle[2]
+    seg, index, gen = handle
+    try:   # a later generation: redeems no ticket, whatever the keeper says
+        mpcore._core.attach((seg, index, gen + 2))
+    except mpcore.HandleError as e:
+        return "unknown shared-memory segment" in str(e)
+    return False
 
 
 def test_a_shipment_is_read_back_and_freed_with_its_ring_when_no_worker_took_it():
@@ -910,7 +930,7 @@ def test_a_shipment_is_read_back_and_freed_with_its_ring_when_no_worker_took_it(
     ds = {"t": torch.arange(1000), "pad": [f"/data/{i:07d}.jpg" for i in range(100_000)],
           "arr": np.arange(100_000)}
     s = _ship.pack(ds)
-    handle, nbytes = s._block.handle, s._nbytes
+    handle = s._block.handle
     taken, left = _queue.Queue(capacity=64 << 10), _queue.Queue(capacity=64 << 10)
     s.send(_queue.ring_of(taken))
     s.send(_queue.ring_of(left))
@@ -920,7 +940,7 @@ def test_a_shipment_is_read_back_and_freed_with_its_ring_when_no_worker_took_it(
     assert got["t"].data_ptr() == ds["t"].data_ptr()      # one storage in one process
     assert np.array_equal(got["arr"], ds["arr"]) and not np.shares_memory(got["arr"], ds["arr"])
     from mpcore.shm import _blocks
-    held = _blocks.alloc(nbytes)   # the message left in a ring holds the block: another one
-    assert held.handle[0] != handle[0]
+    # the message left in a ring holds the block: not freed, its segment known
+    assert not _given_back(handle)
     del left
-    assert _freed(handle, nbytes)
+    assert _given_back(handle)

@@ -39,11 +39,19 @@ the main process, before its first batch (torch does the same).  Instead:
     that makes workers again (each epoch without persistent_workers, a new
     loader, load_state_dict) pickles again, as torch does, so that a
     change to the dataset between epochs reaches the new workers.
+  - The block's memory goes back to the system once the last worker has
+    unpickled it.  A freed large block's segment would otherwise stay with
+    the main process for reuse (within the arena's cache budget, NOTE
+    [ Blocks and references ] in arena.c): the whole pickle's size (183 MB
+    for 2,000,000 small dicts), for the life of the program, for a
+    shipment made once.  So the main process disowns the segment when it
+    lets the block go (NOTE [ A disowned segment ] in arena.c): its own
+    mapping goes at once, each worker's with its hold, and whichever
+    process frees the block has the keeper retire the segment.  A later
+    loader's shipment makes a segment of its own, a cost small beside
+    its pickle.
 Cost: one pickle, whatever the number of workers, and no copy of it per
-worker into the zygote's request.  Once freed, the block's segment stays
-with the main process for reuse, as every freed large block's does (within
-the arena's cache budget, NOTE [ Blocks and references ] in arena.c): the
-next loader's shipment of the same dataset takes it again.  Each worker
+worker into the zygote's request.  Each worker
 still unpickles its own copy, so the time to its first batch still grows
 with the size of the dataset (a SharedList or SharedDict, share_dataset(),
 pickles as a handle: that is what makes it not grow).  numpy arrays travel inside the pickle and
@@ -151,11 +159,15 @@ class Shipment:
 
     def close(self):
         """Lets go of the block (the workers' tickets keep it) and drops
-        the pickle's own tickets.  Idempotent."""
+        the pickle's own tickets.  The block's segment is disowned first,
+        so that its memory goes back once the last worker has unpickled
+        (NOTE [ A dataset travels once ]).  Idempotent."""
         refs, self._refs = self._refs, []
         for ref in refs:
             _core.drop_ticket(ref)
-        self._block = None
+        block, self._block = self._block, None
+        if block is not None:
+            block.disown()
         self._blocks = []
 
 
