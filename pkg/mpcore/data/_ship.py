@@ -47,8 +47,12 @@ the main process, before its first batch (torch does the same).  Instead:
     shipment made once.  So the main process disowns the segment when it
     lets the block go (NOTE [ A disowned segment ] in arena.c): its own
     mapping goes at once, each worker's with its hold, and whichever
-    process frees the block has the keeper retire the segment.  A later
-    loader's shipment makes a segment of its own, a cost small beside
+    process frees the block has the keeper retire the segment.  Measured
+    (2,000,000 small dicts, 'spawn', 2 workers, the loader dropped after
+    its first batch): the main process's RSS 1,284 MB with the segment
+    cached, 1,101 MB disowned (1,096 MB before the loader); USS 1,207 and
+    1,024 MB.  A later loader's shipment makes a segment of its own: about
+    0.2 s for 183 MB here (0.02 s into a cached one), beside 4.1 s for
     its pickle.
 Cost: one pickle, whatever the number of workers, and no copy of it per
 worker into the zygote's request.  Each worker
