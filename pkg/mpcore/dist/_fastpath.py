@@ -76,10 +76,15 @@ serves, and torch's function the rest:
   whose sizes agree as the group's method requires, an op as all_reduce's;
 - all_gather, reduce_scatter and all_to_all: lists of the group's size of
   plain tensors of the input's dtype and shape.  A list laid end to end in
-  memory (views of one tensor, list(x.unbind(0))) goes to the core as one
-  address; otherwise all_gather gathers into one new tensor and copies
-  each piece out, and reduce_scatter and all_to_all concatenate the inputs
-  first, as the group's methods do, for the same results.
+  memory (views of one tensor, list(x.unbind(0)), and any list of one)
+  goes to the core as one address, the core's own call; otherwise
+  all_gather gathers into one new tensor and copies each piece out, and
+  reduce_scatter and all_to_all concatenate the inputs first, as the
+  group's methods do, for the same results.  gather's and scatter's root
+  lists are read the same way (a list laid apart goes to the core as the
+  pieces' addresses).  The lists are read in C, _core.tensor_pieces (NOTE
+  [ A list of tensors read in one call ] in py_coll.c): the same loop in
+  Python cost more than the core's call.
 On a torch where all_gather_into_tensor and reduce_scatter_tensor are
 deprecated aliases of the *_single functions, they stay torch's: they call
 the fast path of the name they stand for through the module and warn as
@@ -91,14 +96,29 @@ of one run compare): all_reduce +0.84 us (1.34 for the core's 0.50),
 barrier +0.38 (0.58 for 0.20), broadcast +0.73 (1.15 for 0.42),
 all_gather_single +1.23 (1.72 for 0.48), reduce_scatter_single +1.28
 (1.82 for 0.54), gather +1.61 (2.30 for 0.69), all_to_all_single +1.75
-(its split sizes and overlap checked too), and of lists laid apart
-all_gather +2.01, reduce_scatter +2.38, all_to_all +3.17;
+(its split sizes and overlap checked too), and of lists (of one tensor
+on one rank) all_gather +2.01, reduce_scatter +2.38, all_to_all +3.17;
 all_gather_into_tensor +2.60 and reduce_scatter_tensor +2.54 through
 torch's deprecated aliases.  Through torch's function (the path before,
 and the one an observed call takes) the same calls cost 6.24, 5.82, 6.42,
-5.70, 7.38, 8.44, 9.20, 18.5, 22.9 and 40.5 us.  The script's two-rank mode (`--p2p`) times a 4 KB send/recv
-ping-pong: dist.* 7.01 us a round trip against the core's 3.47, about
-0.9 us a call over the core's (two sends and two receives a round trip).
+5.70, 7.38, 8.44, 9.20, 18.5, 22.9 and 40.5 us.  With the lists read in C,
+the list forms cost about what the *_single forms cost: in one process, each
+call of the code before it timed beside the code after it (interleaved,
+best of 7 runs, one run at load 9.8, where whole figures are about twice
+the quiet cores'), over the core's call, before and after: all_gather
++3.71 and +2.57, reduce_scatter +4.33 and +2.83, all_to_all +5.13 and
++3.08, gather +2.81 and +2.29, scatter +2.93 and +2.27, against
+all_gather_single's +2.49 and +2.46 (unchanged code: the run's noise).
+The script's own run after it, at load 8.7: all_gather +1.66,
+reduce_scatter +1.75, all_to_all +2.12, gather +1.45, scatter +1.35,
+all_gather_single +1.48, reduce_scatter_single +1.70, all_to_all_single
++2.06, all_reduce +1.63, barrier +0.50, broadcast +0.86.  What is left is
+the checks every fast path makes and torch's own attribute reads, five
+for each tensor of a list (is_cpu, dtype, is_contiguous(), shape and
+data_ptr(), the shape, a new torch.Size, the dearest of them).  The
+script's two-rank mode (`--p2p`) times a 4 KB send/recv ping-pong: dist.*
+7.01 us a round trip against the core's 3.47, about 0.9 us a call over
+the core's (two sends and two receives a round trip).
 Between two ranks (`mpcore bench --only mpi-2r-allreduce-4k,mpi-2r-barrier,
 mpi-2r-broadcast-4k`, one run at load 3.5, others' work on the cores):
 barrier 2.50 us through torch, 2.12 the core's, 3.83 Open MPI's;
