@@ -142,7 +142,9 @@ _EVENTS = {
     "allgather_coalesced": _ins(1), "allgather_into_tensor_coalesced": _ins(1),
     # one all-reduce per rank's input (gloo reduces each and keeps its own)
     "reduce_scatter": lambda args: [("all_reduce", [t]) for t in args[1][0]],
-    "_reduce_scatter_base": _one(1), "reduce_scatter_tensor_coalesced": _ins(1),
+    "_reduce_scatter_base": _one(1),
+    # one all-reduce per input of the block (gloo reduces each pair as _reduce_scatter_base)
+    "reduce_scatter_tensor_coalesced": lambda args: [("all_reduce", [t]) for t in args[1]],
     "gather": _ins(1), "scatter": lambda args: [("", args[1][0] if args[1] else [])],
     "alltoall_base": _one(1), "alltoall": _ins(1), "barrier": lambda args: [("", [])],
     "send": _ins(0), "recv": _ins(0), "recv_anysource": _ins(0),
@@ -330,7 +332,8 @@ def recorded_as(name, called=None):
 # all_gather_single_coalesced, reduce_scatter_tensor_coalesced and
 # reduce_scatter_single_coalesced), and the group overrides both, so
 # there the op is called from Python as torch's C++ calls it (_direct),
-# for the reduce-scatter only with SUM (another reduction stays direct,
+# the reduce-scatter's reduction other than SUM made by torch's C++ (NOTE
+# [ c10d's ReduceOp of another kind ] below; a PREMUL_SUM stays direct,
 # unseen).  monitored_barrier goes through its op too (NOTE
 # [ monitored_barrier observed ] below).  Not routed: CUDA tensors
 # (torch's NCCL group dispatches its own ops),
