@@ -84,10 +84,39 @@ def test_a_list_changed_while_it_is_read_gives_none():
     assert pieces(ts, Shrinks, a.dtype, a.shape, 2, a.nbytes) is None
 
 
+def test_dtype_and_shape_from_the_first_item():
+    flat = torch.zeros(3, 2, 3)
+    ts = list(flat.unbind(0))
+    assert pieces(ts, T, None, None, 3, ts[0].nbytes) == flat.data_ptr()
+    apart = [torch.zeros(2, 3) for _ in range(2)]
+    assert pieces(apart, T, None, None, 2, 24) == [t.data_ptr() for t in apart]
+    for other in (torch.zeros(3, 2), torch.zeros(2, 3, dtype=torch.float64),
+                  torch.zeros(2, 6)[:, ::2]):
+        assert pieces([apart[0], other], T, None, None, 2, 24) is None
+    assert pieces([torch.zeros(2, 6)[:, ::2], apart[0]], T, None, None, 2, 24) is None
+    assert pieces([[0.0] * 6, apart[0]], T, None, None, 2, 24) is None
+
+
+def test_a_second_list_checked_alike():
+    ins = list(torch.zeros(2, 4).unbind(0))
+    outs = [torch.zeros(4) for _ in range(2)]
+    got = pieces(ins, T, None, None, 2, 16, outs)
+    assert got == (ins[0].data_ptr(), [t.data_ptr() for t in outs])
+    assert pieces(ins, T, ins[0].dtype, ins[0].shape, 2, 16, outs) == got
+    # the second list is held to the first's dtype and shape
+    assert pieces(ins, T, None, None, 2, 16, [torch.zeros(4), torch.zeros(2, 2)]) is None
+    assert pieces(ins, T, None, None, 2, 16,
+                  [torch.zeros(4), torch.zeros(4, dtype=torch.int32)]) is None
+    assert pieces(ins, T, None, None, 2, 16, outs[:1]) is None
+    assert pieces(ins[:1], T, None, None, 2, 16, outs) is None
+
+
 def test_bad_arguments_raise():
     like = torch.zeros(2)
-    with pytest.raises(TypeError, match="6 arguments"):
+    with pytest.raises(TypeError, match="6 or 7 arguments"):
         pieces([like], T, like.dtype, like.shape, 1)
+    with pytest.raises(TypeError, match="both None or neither"):
+        pieces([like], T, None, like.shape, 1, like.nbytes)
     with pytest.raises(TypeError):
         pieces([like], T, like.dtype, like.shape, "one", like.nbytes)
     with pytest.raises(OverflowError):

@@ -257,6 +257,7 @@ _FUNCOL = "torch.distributed._functional_collectives"
 _SUM = RED.SUM
 _ROWS = CORE_ROWS
 _SUMS = {dt: row[RED.SUM.value] for dt, row in CORE_ROWS.items() if row[RED.SUM.value]}
+_ITEM = {dt: dt.itemsize for dt in CORE_ROWS}   # a dict's read costs less than numel()
 _FEW = BUFFER_MIN // 16   # fewer elements than this are under BUFFER_MIN bytes in any dtype
 _COLLECTIVES = ShmGroup.COLLECTIVES
 _torch_empty = torch.empty
@@ -353,11 +354,12 @@ def _queue(shm, result, fn, args, keep, nbytes=None):
 
 # _pieces(ts, torch.Tensor, dtype, shape, w, nbytes): ts as the core takes
 # a list of w pieces, for a list of w plain contiguous CPU tensors of that
-# dtype and shape (nbytes: one's bytes): the first's address when they lie
-# end to end (rank q's piece at q * nbytes), else the list of their
-# addresses; None for any other list.  In C (NOTE [ A list of tensors read
-# in one call ] in py_coll.c): the same loop in Python cost more than the
-# core's call.
+# dtype and shape (nbytes: one's bytes; dtype and shape None: the first's):
+# the first's address when they lie end to end (rank q's piece at q *
+# nbytes), else the list of their addresses; None for any other list.  A
+# seventh argument, a second list checked alike: the pair, or None.  In C
+# (NOTE [ A list of tensors read in one call ] in py_coll.c): the same
+# loop in Python cost more than the core's call.
 _pieces = _core.tensor_pieces
 
 
@@ -419,12 +421,11 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
                       group=None, async_op=False):
     g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
     if (not (_compiling() or _profiling() or _modes())
-            and type(g) is _PG and g.batch is None and g.shm is not None
+            and type(g) is _PG and g.batch is None and (shm := g.shm) is not None
             and type(output) is _Tensor and type(input) is _Tensor
             and output.is_cpu and input.is_cpu and output.dtype is input.dtype
             and output.is_contiguous() and input.is_contiguous()
             and not _has_torch_function((output, input))):
-        shm = g.shm
         n, m, w = input.nbytes, output.nbytes, g.world
         o, i = output.data_ptr(), input.data_ptr()
         si, so = input.shape, output.shape
@@ -432,13 +433,15 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
                 and si and so and not si[0] % w and not so[0] % w
                 and (i >= o + m or o >= i + n)):
             # even splits, apart, not in a group buffer: the sizes are the bytes' shares
+            sent = [n // w] * w
+            got = sent if m == n else [m // w] * w
             if async_op:
-                return _queue(shm, [output], shm.core.all_to_all,
-                              (o, i, [n // w] * w, [m // w] * w), (input, output), m)
+                return _queue(shm, [output], shm.core.all_to_all, (o, i, sent, got),
+                              (input, output), m)
             lane = shm.lanes.get(_COLLECTIVES)
             if lane is not None and lane.queued:
                 shm.drain()
-            shm.core.all_to_all(o, i, [n // w] * w, [m // w] * w, shm.timeout)
+            shm.core.all_to_all(o, i, sent, got, shm.timeout)
             return None
         if (isinstance(output_split_sizes, (list, tuple, type(None)))
                 and isinstance(input_split_sizes, (list, tuple, type(None)))):
@@ -621,17 +624,17 @@ def reduce_scatter(output, input_list, op=_SUM, group=None, async_op=False):
         else:
             row = _ROWS.get(dt)
             codes = row[op.value] if row is not None else None
-        ins = (_pieces(input_list, _Tensor, dt, output.shape, g.world, output.nbytes)
+        ins = (_pieces(input_list, _Tensor, dt, output.shape, g.world, nb := output.nbytes)
                if codes is not None else None)
         if type(ins) is int:    # laid end to end: the core reads them where they lie
             if async_op:
                 return _queue(shm, [output], shm.core.reduce_scatter,
-                              (output.data_ptr(), ins, output.numel(), codes[0], codes[1]),
+                              (output.data_ptr(), ins, nb // _ITEM[dt], codes[0], codes[1]),
                               (output, input_list))
             lane = shm.lanes.get(_COLLECTIVES)
             if lane is not None and lane.queued:
                 shm.drain()
-            shm.core.reduce_scatter(output.data_ptr(), ins, output.numel(), codes[0], codes[1],
+            shm.core.reduce_scatter(output.data_ptr(), ins, nb // _ITEM[dt], codes[0], codes[1],
                                     shm.timeout)
             return None
         if ins is not None:
@@ -650,12 +653,11 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
             and type(input_tensor_list) is list and input_tensor_list
             and not _has_torch_function(input_tensor_list)):
         first, w = input_tensor_list[0], g.world
-        if type(first) is _Tensor:
-            n, dt, sh = first.nbytes, first.dtype, first.shape
-            ins = _pieces(input_tensor_list, _Tensor, dt, sh, w, n)
-            outs = _pieces(output_tensor_list, _Tensor, dt, sh, w, n) if ins is not None else None
-        else:
-            outs = None
+        both = None
+        if type(first) is _Tensor:   # both lists against the first input's dtype and shape
+            n = first.nbytes
+            both = _pieces(input_tensor_list, _Tensor, None, None, w, n, output_tensor_list)
+        ins, outs = both if both is not None else (None, None)
         if type(outs) is int and type(ins) is int:   # both end to end: the core's one call
             sizes = [n] * w
             if async_op:
