@@ -181,7 +181,8 @@ static int mpc_exec(PyObject *m) {
     if (mpc_py_block_exec(m, st) < 0 || mpc_py_tensor_exec(m, st) < 0 ||
         mpc_py_ring_exec(m, st) < 0 ||
         mpc_py_proc_exec(m, st) < 0 || mpc_py_pool_exec(m, st) < 0 ||
-        mpc_py_coll_exec(m, st) < 0 || mpc_py_nccl_exec(m, st) < 0)
+        mpc_py_coll_exec(m, st) < 0 || mpc_py_nccl_exec(m, st) < 0 ||
+        mpc_py_lane_exec(m, st) < 0)
         return -1;
     return 0;
 }

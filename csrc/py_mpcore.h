@@ -131,6 +131,7 @@ int mpc_py_proc_exec(PyObject *m, mpc_state *st);
 int mpc_py_pool_exec(PyObject *m, mpc_state *st);
 int mpc_py_coll_exec(PyObject *m, mpc_state *st);
 int mpc_py_nccl_exec(PyObject *m, mpc_state *st);
+int mpc_py_lane_exec(PyObject *m, mpc_state *st);
 extern PyMethodDef mpc_py_block_methods[];
 extern PyMethodDef mpc_py_shm_methods[];
 extern PyMethodDef mpc_py_tensor_methods[];

@@ -1,0 +1,435 @@
+/* py_lane.c: the state of a group's lane (mpcore.dist._dist._Lane, a Python
+ * subclass of Lane) and the lane's two calls on an asynchronous collective's
+ * path, post and wait_for (NOTE [ A lane's hot path in C ] in _dist.py).
+ * The rest of the lane is Python, under the same lock: every change of the
+ * state here is made holding the lane's lock, as the Python methods do. */
+#include "py_mpcore.h"
+
+#include <stddef.h>
+
+#include <structmember.h>
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *name;
+    PyObject *timeout;
+    PyObject *queue;  /* collections.deque of (work, fn, args, keep), or None: stop */
+    PyObject *lock;   /* threading.RLock */
+    PyObject *cond;   /* threading.Condition(lock) */
+    PyObject *thread;
+    PyObject *ident;  /* the thread's ident, or None */
+    PyObject *spare;  /* NOTE [ A Work used again ] */
+    Py_ssize_t queued;
+    Py_ssize_t waiting;
+    Py_ssize_t small_puts;
+    char running;
+    char polling;
+} LaneObject;
+
+/* A Work's own attributes (Work.__init__ in _dist.py): one with more was
+ * given some by a program and is not given again. */
+#define WORK_FIELDS 5
+#define STACK_ARGS 16
+
+static PyObject *s_acquire, *s_release, *s_append, *s_popleft, *s_notify, *s_notify_all,
+    *s_wait, *s_done, *s_exc, *s_future, *s_tensors, *s_lane, *s_reusable, *s_events,
+    *s_settle, *s_drain, *s_start, *s_end_events;
+
+static int lane_traverse(LaneObject *self, visitproc visit, void *arg) {
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->name);
+    Py_VISIT(self->timeout);
+    Py_VISIT(self->queue);
+    Py_VISIT(self->lock);
+    Py_VISIT(self->cond);
+    Py_VISIT(self->thread);
+    Py_VISIT(self->ident);
+    Py_VISIT(self->spare);
+    return 0;
+}
+
+static int lane_clear(LaneObject *self) {
+    Py_CLEAR(self->name);
+    Py_CLEAR(self->timeout);
+    Py_CLEAR(self->queue);
+    Py_CLEAR(self->lock);
+    Py_CLEAR(self->cond);
+    Py_CLEAR(self->thread);
+    Py_CLEAR(self->ident);
+    Py_CLEAR(self->spare);
+    return 0;
+}
+
+static void lane_dealloc(LaneObject *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    lane_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+/* Calls obj.name() and drops the result.  Returns 0, or -1 with an
+ * exception set. */
+static int call0(PyObject *obj, PyObject *name) {
+    PyObject *r = PyObject_CallMethodNoArgs(obj, name);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* Releases the lane's lock keeping the exception that is set, if any.
+ * Returns -1 (for the caller's error path). */
+static int unlock_keeping_error(LaneObject *self) {
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyObject *r = PyObject_CallMethodNoArgs(self->lock, s_release);
+    Py_XDECREF(r);
+    PyErr_Restore(t, v, tb);
+    return -1;
+}
+
+/* Whether this thread is the lane's own.  Never fails. */
+static int lane_here(LaneObject *self) {
+    if (self->ident == NULL || !PyLong_Check(self->ident))
+        return 0;
+    unsigned long id = PyLong_AsUnsignedLong(self->ident);
+    if (id == (unsigned long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return id == PyThread_get_thread_ident();
+}
+
+/* work._done as 1 or 0, or -1 with an exception set. */
+static int work_done(PyObject *work) {
+    PyObject *d = PyObject_GetAttr(work, s_done);
+    if (d == NULL)
+        return -1;
+    int r = PyObject_IsTrue(d);
+    Py_DECREF(d);
+    return r;
+}
+
+/* Whether the spare Work may be given again: the lane holds the only
+ * reference, no weak reference sees it, it has only its own attributes
+ * and its call is done (NOTE [ A Work used again ]).  Returns 1 or 0, or
+ * -1 with an exception set. */
+static int spare_free(PyObject *work) {
+    if (Py_REFCNT(work) != 1)
+        return 0;
+    PyTypeObject *tp = Py_TYPE(work);
+    if (tp->tp_weaklistoffset <= 0)
+        return 0; /* a layout not known here: never given again */
+    if (*(PyObject **)((char *)work + tp->tp_weaklistoffset) != NULL)
+        return 0;
+    PyObject *d = PyObject_GenericGetDict(work, NULL);
+    if (d == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    Py_ssize_t n = PyDict_GET_SIZE(d);
+    Py_DECREF(d);
+    if (n != WORK_FIELDS)
+        return 0;
+    return work_done(work);
+}
+
+/* Lane.post(work_type, result, fn, args, keep, small): queues fn(*args,
+ * timeout) with its Work, the spare when spare_free says so, else a new
+ * work_type(result) (kept as the spare when its `reusable` is true).
+ * Returns the Work, or NULL with an exception set (nothing queued, unless
+ * the lane's drain, run on its own thread, raised). */
+static PyObject *lane_post(LaneObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError,
+                        "post() takes work_type, result, fn, args, keep and small");
+        return NULL;
+    }
+    PyObject *result = args[1];
+    int small = PyObject_IsTrue(args[5]);
+    if (small < 0)
+        return NULL;
+    PyObject *work = self->spare;
+    int free = work != NULL && work != Py_None ? spare_free(work) : 0;
+    if (free < 0)
+        return NULL;
+    if (free) {
+        Py_INCREF(work);
+        if (PyObject_SetAttr(work, s_tensors, result) < 0 ||
+            PyObject_SetAttr(work, s_done, Py_False) < 0 ||
+            PyObject_SetAttr(work, s_exc, Py_None) < 0 ||
+            PyObject_SetAttr(work, s_future, Py_None) < 0)
+            goto err_work;
+    } else {
+        work = PyObject_CallOneArg(args[0], result);
+        if (work == NULL)
+            return NULL;
+        if (PyObject_SetAttr(work, s_lane, (PyObject *)self) < 0)
+            goto err_work;
+        PyObject *re = PyObject_GetAttr(work, s_reusable);
+        int r = re == NULL ? -1 : PyObject_IsTrue(re);
+        Py_XDECREF(re);
+        if (r < 0)
+            goto err_work;
+        if (r) {
+            PyObject *old = self->spare;
+            Py_INCREF(work);
+            self->spare = work;
+            Py_XDECREF(old);
+        }
+    }
+    PyObject *item = PyTuple_Pack(4, work, args[2], args[3], args[4]);
+    if (item == NULL)
+        goto err_work;
+    if (call0(self->lock, s_acquire) < 0)
+        goto err_item;
+    if ((self->thread == NULL || self->thread == Py_None) && call0((PyObject *)self, s_start) < 0)
+        goto err_locked;
+    PyObject *r = PyObject_CallMethodOneArg(self->queue, s_append, item);
+    if (r == NULL)
+        goto err_locked;
+    Py_DECREF(r);
+    self->queued++;
+    if (small)
+        self->small_puts++;
+    int here = lane_here(self);
+    if (!(here || (small && self->polling)) && call0(self->cond, s_notify) < 0)
+        goto err_locked_queued;
+    Py_DECREF(item);
+    if (call0(self->lock, s_release) < 0)
+        goto err_work;
+    /* a callback on the lane's thread (NOTE [ Callbacks that call again ]) */
+    if (here && (r = PyObject_CallMethodOneArg((PyObject *)self, s_drain, work)) == NULL)
+        goto err_work;
+    if (here)
+        Py_DECREF(r);
+    return work;
+err_locked_queued:
+err_locked:
+    unlock_keeping_error(self);
+err_item:
+    Py_DECREF(item);
+err_work:
+    Py_DECREF(work);
+    return NULL;
+}
+
+/* Takes the exception that is set, normalized, its traceback on it.
+ * Returns it (a new reference; NULL only when none was set). */
+static PyObject *take_error(void) {
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyErr_NormalizeException(&t, &v, &tb);
+    if (tb != NULL && v != NULL)
+        PyException_SetTraceback(v, tb);
+    Py_XDECREF(t);
+    Py_XDECREF(tb);
+    return v;
+}
+
+/* Calls fn(*args, timeout).  Returns its result, or NULL with the
+ * exception it raised taken into *exc (a new reference). */
+static PyObject *run_call(PyObject *fn, PyObject *fargs, PyObject *timeout, PyObject **exc) {
+    PyObject *r;
+    if (PyTuple_Check(fargs) && PyTuple_GET_SIZE(fargs) < STACK_ARGS) {
+        PyObject *stack[STACK_ARGS];
+        Py_ssize_t n = PyTuple_GET_SIZE(fargs);
+        for (Py_ssize_t i = 0; i < n; i++)
+            stack[i] = PyTuple_GET_ITEM(fargs, i);
+        stack[n] = timeout;
+        r = PyObject_Vectorcall(fn, stack, (size_t)n + 1, NULL);
+    } else {
+        PyObject *t = PySequence_Tuple(fargs);
+        PyObject *all = NULL;
+        if (t != NULL) {
+            PyObject *last = PyTuple_Pack(1, timeout);
+            if (last != NULL)
+                all = PySequence_Concat(t, last);
+            Py_XDECREF(last);
+            Py_DECREF(t);
+        }
+        r = all == NULL ? NULL : PyObject_Call(fn, all, NULL);
+        Py_XDECREF(all);
+    }
+    if (r == NULL)
+        *exc = take_error();
+    return r;
+}
+
+/* Lane.wait_for(work): until `work`, a call of this lane, is done, running
+ * it on this thread when it is next and nobody runs it (NOTE [ A waiter
+ * runs its own call ]); on the lane's own thread, drain(work).  Returns
+ * None (the call's own error is the Work's, raised by Work.wait), or NULL
+ * with an exception set when waiting failed (a signal's handler raised). */
+static PyObject *lane_wait_for(LaneObject *self, PyObject *work) {
+    if (lane_here(self)) /* NOTE [ Callbacks that call again ] */
+        return PyObject_CallMethodOneArg((PyObject *)self, s_drain, work);
+    if (call0(self->lock, s_acquire) < 0)
+        return NULL;
+    PyObject *item = NULL;
+    for (;;) {
+        int d = work_done(work);
+        if (d < 0)
+            return unlock_keeping_error(self), NULL;
+        if (d) {
+            if (call0(self->lock, s_release) < 0)
+                return NULL;
+            Py_RETURN_NONE;
+        }
+        if (!self->running && self->queue != NULL && self->queue != Py_None) {
+            Py_ssize_t n = PyObject_Size(self->queue);
+            if (n < 0)
+                return unlock_keeping_error(self), NULL;
+            if (n > 0) {
+                PyObject *head = PySequence_GetItem(self->queue, 0);
+                if (head == NULL)
+                    return unlock_keeping_error(self), NULL;
+                int next = PyTuple_Check(head) && PyTuple_GET_SIZE(head) == 4 &&
+                           PyTuple_GET_ITEM(head, 0) == work;
+                Py_DECREF(head);
+                if (next)
+                    break;
+            }
+        }
+        self->waiting++;
+        PyObject *r = PyObject_CallMethodNoArgs(self->cond, s_wait);
+        self->waiting--;
+        if (r == NULL)
+            return unlock_keeping_error(self), NULL;
+        Py_DECREF(r);
+    }
+    self->running = 1;
+    item = PyObject_CallMethodNoArgs(self->queue, s_popleft);
+    if (item == NULL) {
+        self->running = 0;
+        return unlock_keeping_error(self), NULL;
+    }
+    if (call0(self->lock, s_release) < 0) {
+        Py_DECREF(item);
+        return NULL;
+    }
+    /* the call, as _Lane._call runs it */
+    Py_INCREF(work);
+    PyObject *exc = NULL, *fail = NULL;
+    PyObject *r = run_call(PyTuple_GET_ITEM(item, 1), PyTuple_GET_ITEM(item, 2), self->timeout,
+                           &exc);
+    Py_XDECREF(r);
+    Py_DECREF(item); /* nothing of a finished call is held until the next one */
+    PyObject *events = PyObject_GetAttr(work, s_events);
+    if (events == NULL) {
+        fail = take_error();
+    } else {
+        if (events != Py_None) {
+            r = PyObject_CallMethodOneArg((PyObject *)self, s_end_events, work);
+            if (r == NULL)
+                fail = take_error();
+            Py_XDECREF(r);
+        }
+        Py_DECREF(events);
+    }
+    /* NOTE [ A call's end ]: the lane's bookkeeping never skipped */
+    PyObject *fut = NULL;
+    int ok = call0(self->lock, s_acquire) == 0;
+    if (ok) {
+        ok = PyObject_SetAttr(work, s_exc, exc != NULL ? exc : Py_None) == 0 &&
+             PyObject_SetAttr(work, s_done, Py_True) == 0 &&
+             (fut = PyObject_GetAttr(work, s_future)) != NULL;
+        self->running = 0;
+        self->queued--;
+        Py_ssize_t n = self->queue != NULL && self->queue != Py_None ? PyObject_Size(self->queue)
+                                                                    : 0;
+        if (ok && (n > 0 || self->waiting) && call0(self->cond, s_notify_all) < 0)
+            ok = 0;
+        if (!ok)
+            unlock_keeping_error(self);
+        else if (call0(self->lock, s_release) < 0)
+            ok = 0;
+    }
+    Py_XDECREF(exc);
+    if (ok && fut != Py_None && /* NOTE [ Callbacks that call again ] */
+        (r = PyObject_CallMethodOneArg(work, s_settle, fut)) == NULL)
+        ok = 0;
+    else if (ok && fut != Py_None)
+        Py_DECREF(r);
+    Py_XDECREF(fut);
+    Py_DECREF(work);
+    if (!ok) {
+        Py_XDECREF(fail);
+        return NULL;
+    }
+    if (fail != NULL) { /* the profiler's events failed to end: as _call, raised here */
+        PyErr_SetObject((PyObject *)Py_TYPE(fail), fail);
+        Py_DECREF(fail);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef lane_methods[] = {
+    {"post", (PyCFunction)(void (*)(void))lane_post, METH_FASTCALL,
+     "post(work_type, result, fn, args, keep, small): queue fn(*args, timeout); its Work"},
+    {"wait_for", (PyCFunction)lane_wait_for, METH_O,
+     "wait_for(work): until work's call is done, running it here when it is next"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef lane_members[] = {
+    {"name", T_OBJECT, offsetof(LaneObject, name), 0, NULL},
+    {"timeout", T_OBJECT, offsetof(LaneObject, timeout), 0, NULL},
+    {"queue", T_OBJECT, offsetof(LaneObject, queue), 0, NULL},
+    {"lock", T_OBJECT, offsetof(LaneObject, lock), 0, NULL},
+    {"cond", T_OBJECT, offsetof(LaneObject, cond), 0, NULL},
+    {"thread", T_OBJECT, offsetof(LaneObject, thread), 0, NULL},
+    {"ident", T_OBJECT, offsetof(LaneObject, ident), 0, NULL},
+    {"spare", T_OBJECT, offsetof(LaneObject, spare), 0, NULL},
+    {"queued", T_PYSSIZET, offsetof(LaneObject, queued), 0, NULL},
+    {"waiting", T_PYSSIZET, offsetof(LaneObject, waiting), 0, NULL},
+    {"small_puts", T_PYSSIZET, offsetof(LaneObject, small_puts), 0, NULL},
+    {"running", T_BOOL, offsetof(LaneObject, running), 0, NULL},
+    {"polling", T_BOOL, offsetof(LaneObject, polling), 0, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyType_Slot lane_slots[] = {
+    {Py_tp_doc, "The state of a group's lane, and its post and wait_for (py_lane.c)."},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_dealloc, lane_dealloc},
+    {Py_tp_traverse, lane_traverse},
+    {Py_tp_clear, lane_clear},
+    {Py_tp_methods, lane_methods},
+    {Py_tp_members, lane_members},
+    {0, NULL},
+};
+
+static PyType_Spec lane_spec = {
+    .name = "mpcore._core.Lane",
+    .basicsize = sizeof(LaneObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .slots = lane_slots,
+};
+
+int mpc_py_lane_exec(PyObject *m, mpc_state *st) {
+    (void)st;
+    struct {
+        PyObject **s;
+        const char *text;
+    } names[] = {
+        {&s_acquire, "acquire"}, {&s_release, "release"}, {&s_append, "append"},
+        {&s_popleft, "popleft"}, {&s_notify, "notify"}, {&s_notify_all, "notify_all"},
+        {&s_wait, "wait"}, {&s_done, "_done"}, {&s_exc, "_exc"}, {&s_future, "_future"},
+        {&s_tensors, "_tensors"}, {&s_lane, "lane"}, {&s_reusable, "reusable"},
+        {&s_events, "profiler_events"}, {&s_settle, "settle"}, {&s_drain, "drain"},
+        {&s_start, "_start"}, {&s_end_events, "_end_events"},
+    };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        if (*names[i].s == NULL && (*names[i].s = PyUnicode_InternFromString(names[i].text)) == NULL)
+            return -1;
+    }
+    PyObject *type = PyType_FromModuleAndSpec(m, &lane_spec, NULL);
+    if (type == NULL)
+        return -1;
+    int r = PyModule_AddObjectRef(m, "Lane", type);
+    Py_DECREF(type);
+    return r;
+}
