@@ -501,10 +501,8 @@ def torch_api():
                 available = False
             if available:
                 from .dist import _profile
-                fr = {"left_to_gloo": _profile.flight_recorder(),
+                fr = {"left_to_gloo": _profile.leave_gloo_to_gloo(),
                       "note": _profile.flight_recorder_note()}
-                if fr["left_to_gloo"] is not None:
-                    _torchapi.fall_back("distributed backend", fr["left_to_gloo"])
         _torchapi.check_all()
     out = _torchapi.report()
     out["flight_recorder"] = fr

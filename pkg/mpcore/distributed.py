@@ -115,9 +115,7 @@ def install():
     gloo's (NOTE [ The Flight Recorder ] in dist/_profile.py): the backend
     is registered by its name, and nothing else changes."""
     _backend.register()
-    why = _profile.flight_recorder()
-    if why is not None:
-        _torchapi.fall_back("distributed backend", why)
+    if _profile.leave_gloo_to_gloo() is not None:
         return
     _dist.serve_agent_store()
     if _c10d.BackendConfig is not _BackendConfig:

@@ -31,6 +31,7 @@ import torch._C._distributed_c10d as c10d_c
 
 init()
 RESULTS["_has_recorder"] = {"value": hasattr(c10d_c, "_dump_fr_trace")}
+RESULTS["ddp"] = {"value": torch.nn.parallel.DistributedDataParallel.__module__}
 
 
 def mine():
@@ -129,6 +130,7 @@ def test_recorder_asked_keeps_gloos_groups(asked):
     for r, ident in enumerate(got.value("_identity")):
         assert ident["type"] != MPCORE_PG and ident["backend"] == "gloo", (r, ident)
     assert all(got.value("_mpcore_imported"))   # `mpcore run` served the program
+    assert got.value("ddp") == ref.value("ddp")   # torch's own DDP too
     want, have = ref.value("entries"), got.value("entries")
     for r in range(2):
         assert have[r] == want[r], f"rank {r}:\n got {have[r]}\nwant {want[r]}"
@@ -187,8 +189,8 @@ def _has_recorder():
 
 @pytest.mark.timeout(300)
 def test_doctor_says_gloo_groups_not_served():
-    """With the recorder asked for, doctor lists the distributed backend as
-    not served and why, in text and in --json (on a torch without the
+    """With the recorder asked for, doctor lists the distributed backend
+    (and DDP) as not served and why, in text and in --json (on a torch without the
     recorder: served, as always)."""
     r = _doctor("--json", env=ASKED)
     t = json.loads(r.stdout)["torch_api"]
@@ -202,6 +204,8 @@ def test_doctor_says_gloo_groups_not_served():
     assert backend[0]["why"].startswith(WARNING), backend
     assert "TORCH_FR_BUFFER_SIZE=2000" in backend[0]["why"], backend
     assert t["flight_recorder"]["left_to_gloo"] == backend[0]["why"]
+    ddp = [f for f in t["features"] if f["feature"] == "DDP"]
+    assert ddp[0]["served"] is False and ddp[0]["why"] == backend[0]["why"], ddp
     text = " ".join(_doctor(env=ASKED).stdout.split())   # the lines joined as one
     assert f"not served: distributed backend ({WARNING} (TORCH_FR_BUFFER_SIZE=2000)" in text, text
     assert "gloo groups are gloo's" in text

@@ -69,9 +69,10 @@ from .. import _torchapi
 # So a program that asks for the recorder (either variable set to a
 # positive number, on a torch that binds _dump_fr_trace) gets gloo's own
 # groups: mpcore leaves "gloo" to gloo (NOTE [ Which backend a group gets ]
-# in distributed.py: the backend is not installed), one warning says why,
-# and `mpcore doctor` lists "distributed backend" as not served, with this
-# reason; the dump then has the entries plain torch has.  A group asked
+# in distributed.py: the backend is not installed, nor is DDP under `mpcore
+# run`), one warning says why, and `mpcore doctor` lists "distributed
+# backend" and "DDP" as not served, with this reason; the dump then has
+# the entries plain torch has.  A group asked
 # for as "mpcore" by name stays mpcore's, and records nothing.  The
 # recorder torch keeps on by default (no variable set) does not turn
 # mpcore off: every program would lose mpcore's backend on the torches
@@ -113,6 +114,17 @@ def flight_recorder():
         return None
     return (f"torch's Flight Recorder is on ({var}={value}) and records the collectives of "
             f"gloo's own groups alone")
+
+
+def leave_gloo_to_gloo():
+    """flight_recorder(), with the fallback recorded where it gives a
+    reason: the distributed backend and DDP (whose replacement serves
+    mpcore's groups alone) are not served, and the program is told once."""
+    why = flight_recorder()
+    if why is not None:
+        _torchapi.fall_back("distributed backend", why)
+        _torchapi.fall_back("DDP", why)
+    return why
 
 
 def flight_recorder_note():

@@ -80,14 +80,12 @@ def _patch_torch_distributed(td):
     """Registers mpcore's backend and makes it what CPU groups get
     (NOTE [ Which backend a group gets ] in distributed.py), unless the
     program asked for torch's Flight Recorder, which records gloo's own
-    groups alone: then nothing of torch.distributed changes (NOTE [ The
-    Flight Recorder ] in dist/_profile.py)."""
+    groups alone: then nothing of torch.distributed changes, nor DDP (NOTE
+    [ The Flight Recorder ] in dist/_profile.py)."""
     from .. import _torchapi
     if td.is_available() and _torchapi.serves("distributed backend"):
         from ..dist import _profile
-        why = _profile.flight_recorder()
-        if why is not None:
-            _torchapi.fall_back("distributed backend", why)
+        if _profile.leave_gloo_to_gloo() is not None:
             return
         from .. import distributed
         distributed.install()
