@@ -152,17 +152,25 @@ us) took about 0.35 us off.  Then the Work itself: the lane gives the
 Work it made last again when nothing but the lane holds it (NOTE [ A
 Work used again ] in _dist.py), and a call's end is one hold of the
 lane's lock, with no lock of the Work's own or for its future (NOTE
-[ A call's end ]), and a put reads no clock.  Measured after it (one run,
-4 KB, best of 7 runs of 5000 calls, the core's all_reduce at 0.57 us, as
-on quiet cores): async - dist +3.00 us for all_reduce, +2.64 barrier,
-+2.92 broadcast, +2.71 all_gather_single, +3.32 reduce_scatter_single;
-the code before, in a run on busier cores just before it (the core's
-all_reduce at 1.00 us), +6.1 to +10.2.  What is left is Python: the
-_queue and post calls, the lane's lock twice, a Work.wait and the
-lane's wait_for.  A microsecond over the blocking call would take the
-lane and the Work's state in C, with wait() a callable torch's pybind
-still takes for a Python override (a C function it takes for its own,
-and its C++ holders would then wait on torch's base Work).
+[ A call's end ]), and a put reads no clock; then the lane's state and
+its post and wait_for in C (NOTE [ A lane's hot path in C ] in
+_dist.py).  Measured (4 KB, best of 5 runs of 5000 calls; old and new
+code alternated in one sitting, the core's all_reduce at 0.52 to 0.59
+us, as on quiet cores): async - dist, for all_reduce, barrier,
+broadcast, all_gather_single and reduce_scatter_single, +5.3, +4.9,
++5.0 (the three first) before; +2.72, +2.56, +2.83, +2.77, +3.16 with
+the Work used again and the Python lane; +1.55, +1.39, +1.57, +1.57,
++1.91 with the lane in C (another run of it: +1.68, +1.43, +1.53,
++1.57, +2.10).  Not the microsecond asked for: what is left
+is about 0.25 us of Python in Work.wait and _queue (a _queue in C
+measured no better, within the noise), four calls of the lane's
+threading.RLock and three of its deque from C (0.3 us), and about ten
+attribute reads and writes of the Work, a pybind object with a dict
+(0.2 us).  The rest of the way would be a lock, a queue and the Work's
+state of the lane's own in C (threading.Condition's waits and the
+lane's Python methods on them), and wait() a C callable that torch's
+pybind still takes for a Python override (a C function it takes for its
+own, and its C++ holders would then wait on torch's base Work).
 
 NOTE [ A fast path for the functional collectives ]
 torch.distributed._functional_collectives (what DTensor and FSDP2's
