@@ -109,13 +109,18 @@ the quiet cores'), over the core's call, before and after: all_gather
 +3.71 and +2.57, reduce_scatter +4.33 and +2.83, all_to_all +5.13 and
 +3.08, gather +2.81 and +2.29, scatter +2.93 and +2.27, against
 all_gather_single's +2.49 and +2.46 (unchanged code: the run's noise).
-The script's own run after it, at load 8.7: all_gather +1.66,
-reduce_scatter +1.75, all_to_all +2.12, gather +1.45, scatter +1.35,
-all_gather_single +1.48, reduce_scatter_single +1.70, all_to_all_single
-+2.06, all_reduce +1.63, barrier +0.50, broadcast +0.86.  What is left is
-the checks every fast path makes and torch's own attribute reads, five
-for each tensor of a list (is_cpu, dtype, is_contiguous(), shape and
-data_ptr(), the shape, a new torch.Size, the dearest of them).  The
+The script's own run after it (all_to_all's two lists then read in one
+call, against its first input's dtype and shape), at load 6.5, where
+all_reduce took +0.92: all_gather +1.45, gather +1.32, scatter +1.27,
+reduce_scatter +1.54, all_to_all +1.77, all_to_all_single +1.80 (the
+code before: +2.10), all_gather_single +1.45, reduce_scatter_single
++1.34, barrier +0.53, broadcast +0.83.  What is left is the checks every
+fast path makes and torch's own attribute reads, five for each tensor of
+a list (is_cpu, dtype, is_contiguous(), shape and data_ptr(), the shape,
+a new torch.Size, the dearest of them), which cost as much from C as
+from Python: all_to_all_single's pair read in C (one call returning the
+addresses, bytes and first dimensions of both) took no less than the
+same reads in Python, and was not kept.  The
 script's two-rank mode (`--p2p`) times a 4 KB send/recv ping-pong: dist.*
 7.01 us a round trip against the core's 3.47, about 0.9 us a call over
 the core's (two sends and two receives a round trip).
