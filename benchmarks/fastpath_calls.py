@@ -26,6 +26,18 @@ the core, and async - dist, what asking for a Work costs over a blocking
 call.  On two ranks the wall times of all_reduce, barrier and broadcast
 through torch.distributed next to the core's and Open MPI's are the
 `mpcore bench --only mpi-2r-...` rows.
+
+NOTE [ Two ranks, each way on either ]
+On two ranks a call through torch.distributed has cost more over the
+core's own call (wall time) than the fast path's CPU time on one rank.
+`--mixed` asks why: for all_reduce 4 KB, barrier and broadcast 4 KB, each
+rank makes the core's call, the dist.* call, or the core's call after a
+pure-Python delay ("pad", as long as the fast path's CPU time over the
+core's on one rank, PADS_US, or --pad), in all nine pairs, interleaved run by run (wall us per
+call on rank 0, median and best of the runs).  If the software above the
+core only added its own time, dist/dist would cost what pad/pad costs, and
+core/dist what dist/dist costs; a pair that costs more says where the time
+goes (the ranks' arrival order, one rank's delay waking the other).
 """
 import argparse
 import datetime
@@ -170,6 +182,95 @@ def p2p(calls, runs, size):
           "(two sends and two receives)")
 
 
+# each operation's pad: the fast path's CPU time over the core's on one rank
+# (NOTE [ The rest of torch's collectives ] in _fastpath.py, quiet cores)
+PADS_US = {"all_reduce": 0.84, "barrier": 0.38, "broadcast": 0.73}
+
+
+def _mixed_rank(rank, port, calls, runs, size, pad_us, out):
+    """One rank of --mixed (NOTE [ Two ranks, each way on either ])."""
+    import time
+    import torch
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    import mpcore.distributed  # noqa: F401
+    from mpcore import _core
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("mpcore", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    shm = dist.group.WORLD.shm
+    core, timeout = shm.core, shm.timeout
+    f32, op_sum = _core.COLL_DTYPES["float32"], _core.COLL_OPS["SUM"]
+    n = size // 4
+    t, tc = torch.zeros(n), torch.zeros(n)
+    addr = tc.data_ptr()
+    ops = {"all_reduce": (lambda: core.all_reduce(addr, n, f32, op_sum, timeout),
+                          lambda: dist.all_reduce(t)),
+           "barrier": (lambda: core.barrier(timeout), dist.barrier),
+           "broadcast": (lambda: core.broadcast(addr, n * 4, 0, timeout),
+                         lambda: dist.broadcast(t, 0))}
+
+    def cpu_us(call, k=20000):
+        t0 = time.thread_time()
+        for _ in range(k):
+            call()
+        return (time.thread_time() - t0) / k * 1e6
+    spin = list(range(1))
+
+    def pad_of(us):
+        """A pure-Python call of about `us` CPU us (a list of k Nones
+        made), and its CPU us."""
+        k = 1
+        while (took := cpu_us(lambda: [None for _ in spin * k], 2000)) < us and k < 1 << 12:
+            k *= 2
+        k = max(1, round(k * us / took))
+        pad = lambda: [None for _ in spin * k]   # noqa: E731
+        return pad, cpu_us(pad, 2000)
+    res = {}
+    for name, (via_core, via_dist) in ops.items():
+        pad, took = pad_of(pad_us if pad_us is not None else PADS_US[name])
+        core.barrier(timeout)
+        ways = {"core": via_core, "dist": via_dist,
+                "pad": lambda pad=pad, via_core=via_core: (pad(), via_core())}
+        pairs = [(a, b) for a in ways for b in ways]
+        per = {p: [] for p in pairs}
+        for r in range(runs + 1):
+            for p in (pairs if r % 2 else pairs[::-1]):
+                call = ways[p[rank]]
+                core.barrier(timeout)
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    call()
+                if r:           # the first run warms up
+                    per[p].append((time.perf_counter() - t0) / calls * 1e6)
+        res[name] = {p: (statistics.median(v), min(v)) for p, v in per.items()}
+        res[name]["pad us"] = took
+    if rank == 0:
+        out.put(res)
+    dist.destroy_process_group()
+
+
+def mixed(calls, runs, size, pad_us):
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    ps = [ctx.Process(target=_mixed_rank, args=(r, port, calls, runs, size, pad_us, out))
+          for r in range(2)]
+    for p in ps:
+        p.start()
+    res = out.get(timeout=1800)
+    for p in ps:
+        p.join(60)
+    print(f"two ranks, {size} bytes float32, each way on either rank (rank 0 / rank 1), wall us "
+          f"per call on rank 0, median (best) of {runs} runs of {calls}, interleaved; load "
+          f"average {os.getloadavg()[0]:.1f}")
+    for name, per in res.items():
+        print(f"  {name} (rank 0's pad: {per.pop('pad us'):.2f} us of CPU)")
+        for (a, b), (med, best) in per.items():
+            print(f"    {a:>4s} / {b:<4s} {med:8.2f} ({best:.2f})")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", type=int, default=4096, help="bytes of float32 (default 4096)")
@@ -178,7 +279,15 @@ def main(argv=None):
     ap.add_argument("--only", default="", help="operations, comma-separated (default: all)")
     ap.add_argument("--p2p", action="store_true",
                     help="instead: a send/recv ping-pong between two ranks, dist.* and the core's")
+    ap.add_argument("--mixed", action="store_true",
+                    help="instead: two ranks, each way on either (NOTE [ Two ranks, each way on "
+                         "either ])")
+    ap.add_argument("--pad", type=float, default=None,
+                    help="--mixed: the pad's CPU us (default: each operation's in PADS_US)")
     args = ap.parse_args(argv)
+    if args.mixed:
+        mixed(min(args.calls, 5000), args.runs, args.size, args.pad)
+        return 0
     if args.p2p:
         p2p(args.calls, args.runs, args.size)
         return 0
