@@ -489,24 +489,12 @@ def torch_api():
         import torch  # noqa: F401
     except ImportError:
         pass
-    fr = {"left_to_gloo": None, "note": None}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # the fallback warning: reported below instead
-        if _torchapi.torch_version() is not None and _torchapi.check_window():
-            # NOTE [ The Flight Recorder ] in dist/_profile.py
-            try:
-                import torch.distributed as td
-                available = td.is_available()
-            except ImportError:
-                available = False
-            if available:
-                from .dist import _profile
-                fr = {"left_to_gloo": _profile.leave_gloo_to_gloo(),
-                      "note": _profile.flight_recorder_note()}
+        from .dist._recorder import doctor_facts   # NOTE [ The Flight Recorder ] there
+        fr = doctor_facts()
         _torchapi.check_all()
-    out = _torchapi.report()
-    out["flight_recorder"] = fr
-    return out
+    return dict(_torchapi.report(), flight_recorder=fr)
 
 
 def torch_api_problems(t):
@@ -531,9 +519,8 @@ def _text_torch_api(t):
     for f in t["features"]:
         if not f["served"]:
             yield f"not served: {f['feature']} ({f['why']}): {f['otherwise']}"
-    fr = t.get("flight_recorder") or {}
-    if fr.get("note"):
-        yield fr["note"]
+    if (t.get("flight_recorder") or {}).get("note"):
+        yield t["flight_recorder"]["note"]
     changed = sum(r["status"] in ("replaced", "added") for r in t["table"])
     yield (f"{len(t['table'])} rows in mpcore's table of torch changes, {changed} replaced or "
            f"added here (`mpcore doctor --json` lists them)")

@@ -205,7 +205,7 @@ def _rows():
         (f"{C10D}.monitored_barrier", "replace", "callable", "distributed backend", False),
         ("torch.distributed.monitored_barrier", "replace", "callable", "distributed backend",
          False),
-        # NOTE [ The Flight Recorder ] in dist/_profile.py: the generic recorder's dump,
+        # NOTE [ The Flight Recorder ] in dist/_recorder.py: the generic recorder's dump,
         # which torch has where its gloo records
         ("torch._C._distributed_c10d._dump_fr_trace", "read", "callable", "distributed backend",
          True),

@@ -26,14 +26,14 @@ dist.get_backend() says "gloo" to a program that asked for gloo (or for
 the CPU's default by that map, as Lightning does), and its own tests of
 that name go as under python.  A program that asked for torch's Flight
 Recorder keeps gloo's groups (NOTE [ The Flight Recorder ] in
-dist/_profile.py).
+dist/_recorder.py).
 """
 import datetime
 
 import torch.distributed as _td
 from torch.distributed import distributed_c10d as _c10d
 
-from .dist import _backend, _dist, _profile
+from .dist import _backend, _dist, _recorder
 from . import _torchapi
 
 ReduceOp = _td.ReduceOp
@@ -112,10 +112,10 @@ def install():
     for the CPU (NOTE [ Which backend a group gets ]), and torch's
     monitored_barrier serve it (NOTE [ monitored_barrier ]).  Idempotent.
     Where the program asked for torch's Flight Recorder, gloo's groups stay
-    gloo's (NOTE [ The Flight Recorder ] in dist/_profile.py): the backend
+    gloo's (NOTE [ The Flight Recorder ] in dist/_recorder.py): the backend
     is registered by its name, and nothing else changes."""
     _backend.register()
-    if _profile.leave_gloo_to_gloo() is not None:
+    if _recorder.leave_gloo_to_gloo() is not None:
         return
     _dist.serve_agent_store()
     if _c10d.BackendConfig is not _BackendConfig:

@@ -1,6 +1,6 @@
 """torch's Flight Recorder sees the collectives of a program under `mpcore
 run` as it sees them under python (NOTE [ The Flight Recorder ] in
-dist/_profile.py): a program that asks for it (TORCH_FR_BUFFER_SIZE
+dist/_recorder.py): a program that asks for it (TORCH_FR_BUFFER_SIZE
 positive) keeps gloo's own groups, whose dump then holds plain torch's
 entries; one warning says why, and `mpcore doctor` lists the distributed
 backend as not served, with the reason.  Asked for with 0, or not asked for,

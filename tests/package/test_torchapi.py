@@ -278,8 +278,8 @@ TABLED = (os.path.join("shm", "_torch.py"), os.path.join("queue", "_records.py")
           os.path.join("data", "_single.py"), "distributed.py", "parallel.py",
           *(os.path.join("dist", n) for n in ("_args.py", "_backend.py", "_buffers.py", "_dist.py",
                                               "_fastpath.py", "_group.py", "_hier.py", "_nccl.py",
-                                              "_profile.py", "_reduce.py", "_uncompiled.py",
-                                              "_work.py")))
+                                              "_profile.py", "_recorder.py", "_reduce.py",
+                                              "_uncompiled.py", "_work.py")))
 
 
 def test_the_private_reads_check_sees_aliases():

@@ -81,11 +81,11 @@ def _patch_torch_distributed(td):
     (NOTE [ Which backend a group gets ] in distributed.py), unless the
     program asked for torch's Flight Recorder, which records gloo's own
     groups alone: then nothing of torch.distributed changes, nor DDP (NOTE
-    [ The Flight Recorder ] in dist/_profile.py)."""
+    [ The Flight Recorder ] in dist/_recorder.py)."""
     from .. import _torchapi
     if td.is_available() and _torchapi.serves("distributed backend"):
-        from ..dist import _profile
-        if _profile.leave_gloo_to_gloo() is not None:
+        from ..dist import _recorder
+        if _recorder.leave_gloo_to_gloo() is not None:
             return
         from .. import distributed
         distributed.install()
