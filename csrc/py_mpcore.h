@@ -139,6 +139,7 @@ extern PyMethodDef mpc_py_ring_methods[];
 extern PyMethodDef mpc_py_proc_methods[];
 extern PyMethodDef mpc_py_collate_methods[];
 extern PyMethodDef mpc_py_coll_methods[];
+extern PyMethodDef mpc_py_pieces_methods[];
 extern PyMethodDef mpc_py_nccl_methods[];
 
 #endif

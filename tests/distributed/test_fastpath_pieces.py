@@ -1,5 +1,5 @@
 """How the fast paths read a list of tensors (NOTE [ A list of tensors read
-in one call ] in csrc/py_coll.c): _core.tensor_pieces gives the first
+in one call ] in csrc/py_pieces.c): _core.tensor_pieces gives the first
 address of a list laid end to end, the list of addresses otherwise, and
 None for every list the core does not take as it stands (torch's function
 then serves the call and raises its own errors)."""

@@ -83,7 +83,7 @@ serves, and torch's function the rest:
   group's methods do, for the same results.  gather's and scatter's root
   lists are read the same way (a list laid apart goes to the core as the
   pieces' addresses).  The lists are read in C, _core.tensor_pieces (NOTE
-  [ A list of tensors read in one call ] in py_coll.c): the same loop in
+  [ A list of tensors read in one call ] in py_pieces.c): the same loop in
   Python cost more than the core's call.
 On a torch where all_gather_into_tensor and reduce_scatter_tensor are
 deprecated aliases of the *_single functions, they stay torch's: they call
@@ -371,7 +371,7 @@ def _queue(shm, result, fn, args, keep, nbytes=None):
 # the first's address when they lie end to end (rank q's piece at q *
 # nbytes), else the list of their addresses; None for any other list.  A
 # seventh argument, a second list checked alike: the pair, or None.  In C
-# (NOTE [ A list of tensors read in one call ] in py_coll.c): the same
+# (NOTE [ A list of tensors read in one call ] in py_pieces.c): the same
 # loop in Python cost more than the core's call.
 _pieces = _core.tensor_pieces
 
