@@ -23,7 +23,10 @@ REDUCTIONS = ("SUM", "MAX", "MIN", "PRODUCT", "AVG")
 
 PARITY = r'''
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.utils._debug_mode import DebugMode
+try:
+    from torch.utils._debug_mode import DebugMode
+except ImportError:     # a torch without it (2.6): that part is compared as None
+    DebugMode = None
 
 init()
 PREFIX = str(dist.get_backend()) + ":"    # "gloo:" or "mpcore:", as torch's tests build it
@@ -55,12 +58,16 @@ def observed(fn):
             return f"{type(e).__name__}: {e}"
     with CommDebugMode() as mode:
         under_mode = outcome(fn)
-    with DebugMode() as dm:
+    logged = None
+    if DebugMode is not None:
+        with DebugMode() as dm:
+            under_debug = outcome(fn)
+        logged = [line.strip().split("(")[0] for line in dm.debug_string().splitlines()
+                  if "c10d" in line]
+    else:
         under_debug = outcome(fn)
     return {"counts": {str(k): v for k, v in mode.get_comm_counts().items()},
-            "total": mode.get_total_counts(),
-            "debug_mode": [line.strip().split("(")[0] for line in dm.debug_string().splitlines()
-                           if "c10d" in line],
+            "total": mode.get_total_counts(), "debug_mode": logged,
             "events": events(lambda: outcome(fn)),
             "values": [under_mode, under_debug, outcome(fn)]}
 
@@ -108,7 +115,7 @@ def test_gloo_shows_monitored_barrier(runs, check):
         names = [e[0] for e in got["events"]]
         assert "c10d::monitored_barrier_" in names and "send" in names and "recv" in names, \
             (r, got)
-        assert got["debug_mode"] == ["c10d::monitored_barrier_"], (r, got)
+        assert got["debug_mode"] in (["c10d::monitored_barrier_"], None), (r, got)
         assert got["counts"] == {} and got["total"] == 0, (r, got)
 
 
