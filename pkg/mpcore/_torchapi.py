@@ -232,6 +232,8 @@ def _rows():
         (f"{C10D}._resolve_process_group", "read", "callable", "collective fast paths", False),
         # the default group without _World.default_pg's property call
         (f"{C10D}._world._default_pg", "read", "exists", "collective fast paths", False),
+        # the groups inside a _coalescing_manager, whose calls torch's functions gather
+        (f"{C10D}._world._pg_coalesce_state", "read", "exists", "collective fast paths", False),
     )
     for n in _FASTPATH + _FASTPATH_NEW:
         yield (f"{C10D}.{n}", "replace", "same params", "collective fast paths",

@@ -420,6 +420,38 @@ check("compiled/all_to_all_single")(lambda: graphs(compiled_all_to_all))
 check("compiled/all_reduce")(lambda: graphs(compiled_all_reduce))
 check("compiled/all_gather")(lambda: graphs(compiled_all_gather))
 
+
+@check("coalescing/unobserved")
+def _():
+    """The calls torch's _coalescing_manager gathers into one coalesced
+    call (all_reduce, all_gather_single, reduce_scatter_single), made in
+    one, unobserved: their results, and the manager's Works with
+    async_ops=True (or the error)."""
+    ag = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    rs = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+    out = {}
+    for async_ops in (False, True):
+        a, b = mine(), mine() * 2
+        gathered = [torch.zeros(4 * WORLD) for _ in range(2)]
+        scattered = [torch.zeros(4 // WORLD) for _ in range(2)]
+        calls = {"all_reduce": lambda: (dist.all_reduce(a), dist.all_reduce(b)),
+                 "all_gather_single": lambda: (ag(gathered[0], a), ag(gathered[1], b)),
+                 "reduce_scatter_single": lambda: (rs(scattered[0], a), rs(scattered[1], b))}
+        for name, call in calls.items():
+            try:
+                with dist._coalescing_manager(async_ops=async_ops) as cm:
+                    call()
+                if async_ops:
+                    works = [isinstance(w, dist.Work) for w in cm.works]
+                    cm.wait()
+                else:
+                    works = None
+                out[f"{name}/{async_ops}"] = {"works": works, "values": [
+                    t.tolist() for t in (a, b, *gathered, *scattered)]}
+            except Exception as e:   # the comparison with gloo says whether it should raise
+                out[f"{name}/{async_ops}"] = f"{type(e).__name__}: {e}"
+    return out
+
 finish()
 '''
 
@@ -563,6 +595,20 @@ def test_dispatched_calls_give_gloos_results(runs, mode, world):
         same(got[r]["values"], ref[r]["values"], f"{mode} rank {r} values")
         for k in ("is_work", "wait", "completed", "exception", "future", "source_rank"):
             assert got[r]["work"][k] == ref[r]["work"][k], (mode, r, k, got[r]["work"])
+
+
+@pytest.mark.parametrize("mode,world", RUNS)
+def test_calls_in_a_coalescing_manager_as_gloo(runs, mode, world):
+    """Unobserved calls inside torch's _coalescing_manager are gathered
+    into one coalesced call as gloo's are: the same results, and with
+    async_ops=True the manager holds the one Work to wait on (a fast path
+    that served them at once left it None)."""
+    ref = gloo(runs, "coalescing/unobserved")
+    got = runs.get(mode, world).value("coalescing/unobserved")
+    for r in range(world):
+        assert all(isinstance(v, dict) for v in ref[r].values()), ref[r]
+        assert ref[r]["all_reduce/True"]["works"] == [True], ref[r]
+        assert got[r] == ref[r], (mode, r, got[r], ref[r])
 
 
 @pytest.mark.parametrize("mode,world", RUNS)

@@ -177,6 +177,17 @@ lane's Python methods on them), and wait() a C callable that torch's
 pybind still takes for a Python override (a C function it takes for its
 own, and its C++ holders would then wait on torch's base Work).
 
+NOTE [ Calls a coalescing manager gathers ]
+Inside torch's _coalescing_manager(group) (DTensor's and FSDP's way of
+making several all_reduces, all_gather_singles or reduce_scatter_singles
+one call), torch's function does not call the group: it appends the call
+to _world.pg_coalesce_state[group], and the manager makes one coalesced
+call at its end, whose Work it holds with async_ops=True.  Those three
+fast paths step aside while their group is in that dict, so torch's
+function gathers the call as gloo's: served at once, the calls left the
+manager nothing to wait on (its Works None, and torch 2.6's manager an
+unbound `work`).  The check is one dict lookup, usually of an empty dict.
+
 NOTE [ A fast path for the functional collectives ]
 torch.distributed._functional_collectives (what DTensor and FSDP2's
 helpers call) goes through the dispatcher three times per call: the
@@ -257,6 +268,8 @@ from ._uncompiled import run_uncompiled
 
 _WORLD = _torchapi.find(f"{_torchapi.C10D}._world")   # None only outside the torch window
 _torchapi.find(f"{_torchapi.C10D}._world._default_pg")   # read as _WORLD._default_pg
+# the groups inside torch's _coalescing_manager (NOTE [ Calls a coalescing manager gathers ])
+_COALESCING = _torchapi.find(f"{_torchapi.C10D}._world._pg_coalesce_state")
 _resolve_process_group = _torchapi.find(f"{_torchapi.C10D}._resolve_process_group")
 _TORCH = {}   # key (the function's name, "funcol." before a functional one's) -> torch's
 _has_torch_function = _torchapi.get("torch._C._has_torch_function")
@@ -470,7 +483,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
 def all_reduce(tensor, op=_SUM, group=None, async_op=False):
     g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
     if (not (_compiling() or _profiling() or _modes())
-            and type(g) is _PG and g.batch is None and type(op) is RED
+            and type(g) is _PG and g.batch is None and type(op) is RED and g not in _COALESCING
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
             and not _has_torch_function((tensor,))):
         if op is _SUM:    # an enum's .value costs more than the rest of a row's read
@@ -529,6 +542,7 @@ def _all_gather_base(key):
         g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
         if (not (_compiling() or _profiling() or _modes())
                 and type(g) is _PG and g.batch is None and g.shm is not None
+                and g not in _COALESCING
                 and type(output_tensor) is _Tensor and type(input_tensor) is _Tensor
                 and output_tensor.is_cpu and input_tensor.is_cpu
                 and output_tensor.dtype is input_tensor.dtype
@@ -560,6 +574,7 @@ def _reduce_scatter_base(key):
         g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
         if (not (_compiling() or _profiling() or _modes())
                 and type(g) is _PG and g.batch is None and g.shm is not None
+                and g not in _COALESCING
                 and type(output) is _Tensor and type(input) is _Tensor and type(op) is RED
                 and output.is_cpu and input.is_cpu and (dt := output.dtype) is input.dtype
                 and output.is_contiguous() and input.is_contiguous()
