@@ -8,6 +8,7 @@ a wait is scaled by how slow the machine is now (NOTE [ Waits scale with
 how slow the machine is ] in helpers/timescale.py), and so is every test's
 pytest-timeout limit (pytest_runtest_protocol below)."""
 import os
+import signal
 
 import pytest
 
@@ -18,6 +19,12 @@ from helpers.timescale import TIME_SCALE, scaled
 
 def pytest_configure(config):
     TIME_SCALE.calibrate()
+    # A suite started in the background by a shell without job control
+    # (`make test &` in a script, nohup) inherits SIGINT ignored, and so
+    # would every program the tests start: the tests of Ctrl-C would wait
+    # for an interrupt that never comes.  They run as under a terminal.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_report_header(config):

@@ -6,6 +6,12 @@ all_gather_single and reduce_scatter_single, each with a fast path to the
 core for an mpcore group, and the functional wait_tensor, with one for
 their results.
 
+It stays one module: every fast path reads the same module globals on each
+call, among them what observes a call (_compiling, rebound once
+torch._dynamo is imported), and split, each part would need a call more
+per call or its own rebinding; a third of its length is the notes with
+the figures its inline checks are written to.
+
 NOTE [ A fast path for torch's module functions ]
 torch's dispatcher is the way into the backend (NOTE [ The backend is a
 ProcessGroup ] in _group.py), and torch's module functions are the
