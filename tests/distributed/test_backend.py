@@ -1539,6 +1539,46 @@ def test_monitored_barrier(pool):
                              "in 500 ms"), res
 
 
+MONITORED_THEN_EXIT = """
+import os
+import torch.distributed as dist
+dist.init_process_group("gloo")   # under mpcore run: mpcore's group, as gloo's
+assert type(dist.group.WORLD).__module__.startswith("mpcore"), type(dist.group.WORLD)
+dist.monitored_barrier()
+print("LEFT", flush=True)
+if dist.get_rank() == 0:
+    os._exit(0)   # at once, with the store it hosts
+dist.destroy_process_group()
+"""
+
+
+RUNS_THEN_EXIT = 8
+
+
+@pytest.mark.timeout(600)
+def test_monitored_barrier_then_exit(tmp_path):
+    """`monitored_barrier(); destroy_process_group()` at a program's end:
+    rank 0, which hosts the store, leaves only once every rank has read its
+    answer (NOTE [ monitored_barrier's protocol ]), so no rank meets a
+    store that is gone.  The race it closes lost about one run in three
+    here; RUNS_THEN_EXIT runs in a row each exit cleanly on both ranks."""
+    path = tmp_path / "prog.py"
+    path.write_text(MONITORED_THEN_EXIT)
+    for run in range(RUNS_THEN_EXIT):
+        port = free_port()
+        procs = [start_rank(path, r, 2, port, launcher=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True) for r in range(2)]
+        try:
+            outs = [p.communicate(timeout=scaled(120)) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+            assert p.returncode == 0 and "LEFT" in out, (run, r, p.returncode, err[-2000:])
+
+
 @pytest.mark.parametrize("kind", ["world", "new_group"])
 def test_fast_path_of_collectives(pool2, kind):
     """NOTE [ The rest of torch's collectives ] in _fastpath.py: all_reduce,

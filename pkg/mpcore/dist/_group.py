@@ -318,9 +318,12 @@ class ProcessGroupMpcore(Collectives, dist.ProcessGroup):
         [ Mailboxes ] in coll_p2p.c), and rank 0 could not go on waiting for the
         next rank.  Each call has keys of its own (the group counts its
         calls, as gloo's tags do); rank 0 deletes each arrival as it sees it,
-        and, once every rank came, the previous call's answer, which each of
-        them has read.  Unlike gloo's, the group stays usable after a
-        failure, and a rank that comes late is told of it at once."""
+        and, after an "ok", waits until every rank has said it read the
+        answer, then deletes those keys: rank 0 hosts the store in most jobs,
+        and `monitored_barrier(); destroy_process_group()` at a program's end
+        would otherwise take the store from a rank still reading it
+        (DistNetworkError there).  Unlike gloo's, the group stays usable after
+        a failure, and a rank that comes late is told of it at once."""
         import logging
         timeout_s = self.timeout_s if timeout is None else _dist.seconds(timeout)
         ms = int(round(timeout_s * 1000))
@@ -337,6 +340,7 @@ class ProcessGroupMpcore(Collectives, dist.ProcessGroup):
                 said = f"{type(e).__name__}: {e}"
             else:
                 if said == "ok":
+                    store.set(f"{key}read/{me}", "1")   # rank 0 may now leave
                     return
             raise RuntimeError(
                 f"Rank {me} successfully reached monitoredBarrier, but received errors while "
@@ -376,8 +380,13 @@ class ProcessGroupMpcore(Collectives, dist.ProcessGroup):
             fail(f"[Rank 0]: Ranks {', '.join(map(str, failed))} failed to pass monitoredBarrier "
                  f"in {ms} ms")
         store.set(answer, "ok")
-        if self._monitored > 1:   # every rank came here, so every rank read the last answer
-            store.delete_key(f"mpcore/monitored/{self._monitored - 1}/answer")
+        # Rank 0 returns once every rank has read the answer: it hosts the
+        # store in most jobs, and a program that leaves right after the
+        # barrier would take the store from a rank still reading it.
+        read = [f"{key}read/{q}" for q in range(1, w)]
+        store.wait(read, datetime.timedelta(seconds=self.timeout_s))
+        for k in read + [answer]:
+            store.delete_key(k)
 
     # -- coalescing (torch's _coalescing_manager, batch_isend_irecv) ---------------------------
     def _start_coalescing(self, device):
