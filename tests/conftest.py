@@ -8,7 +8,9 @@ a wait is scaled by how slow the machine is now (NOTE [ Waits scale with
 how slow the machine is ] in helpers/timescale.py), and so is every test's
 pytest-timeout limit (pytest_runtest_protocol below)."""
 import os
+import select
 import signal
+import time
 
 import pytest
 
@@ -81,7 +83,20 @@ def leak_check():
             if p not in own_keeper and p not in RUNNER_PIDS and not is_resource_tracker(p)
             and not is_own_zygote(p)]
     assert not kids, f"processes left behind: {kids}"
+    # A finished program's keeper sees it go and exits, which on a busy
+    # machine takes a moment: each is given until the deadline to end.
     stray = set(mpcore_processes()) - own_keeper - before
+    deadline = time.monotonic() + scaled(10)
+    for pid in sorted(stray):
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        try:
+            select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        finally:
+            os.close(fd)
+    stray &= set(mpcore_processes())
     assert not stray, f"keepers left behind: {stray}"
 
 
