@@ -8,14 +8,13 @@ a wait is scaled by how slow the machine is now (NOTE [ Waits scale with
 how slow the machine is ] in helpers/timescale.py), and so is every test's
 pytest-timeout limit (pytest_runtest_protocol below)."""
 import os
-import select
 import signal
 import time
 
 import pytest
 
 from helpers.procfs import children_of, is_own_zygote, is_resource_tracker, mpcore_processes
-from helpers.programs import RUNNER_PIDS, Scenario, ScenarioRunner
+from helpers.programs import RUNNER_PIDS, Scenario, ScenarioRunner, wait_exits
 from helpers.timescale import TIME_SCALE, scaled
 
 
@@ -86,16 +85,7 @@ def leak_check():
     # A finished program's keeper sees it go and exits, which on a busy
     # machine takes a moment: each is given until the deadline to end.
     stray = set(mpcore_processes()) - own_keeper - before
-    deadline = time.monotonic() + scaled(10)
-    for pid in sorted(stray):
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            continue
-        try:
-            select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-        finally:
-            os.close(fd)
+    wait_exits(sorted(stray), time.monotonic() + scaled(10))
     stray &= set(mpcore_processes())
     assert not stray, f"keepers left behind: {stray}"
 

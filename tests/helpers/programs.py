@@ -204,6 +204,20 @@ class Scenario:
                                 env=env, **kw)
 
 
+def wait_exits(pids, deadline):
+    """Waits, on their pidfds, until each of pids has exited or the deadline
+    (time.monotonic()) has passed."""
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            continue
+        try:
+            select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        finally:
+            os.close(fd)
+
+
 def wait_session_gone(sid, timeout=30):
     """Waits for every process of a finished program's session (its keeper,
     zygote, resource tracker, children) to exit, then to be reaped; fails
@@ -214,15 +228,7 @@ def wait_session_gone(sid, timeout=30):
     # list again until none is running.
     running = [pid for pid, s in session_members(sid) if s not in EXITED]
     while running and time.monotonic() < deadline:
-        for pid in running:
-            try:
-                fd = os.pidfd_open(pid)
-            except OSError:
-                continue
-            try:
-                select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-            finally:
-                os.close(fd)
+        wait_exits(running, deadline)
         running = [pid for pid, s in session_members(sid) if s not in EXITED]
     left = session_members(sid)
     while left and all(s in EXITED for _, s in left) and time.monotonic() < deadline:
