@@ -821,8 +821,8 @@ void mpc_forget_idle(void) {
     pthread_mutex_unlock(&mpc__lock);
 }
 
-void mpc_ref_drop(const mpc_ref *ref) {
-    mpc_journal_clear(ref);
+/* A ticket's count dropped, its journal left alone. */
+static void mpc__ref_drop_count(const mpc_ref *ref) {
     pthread_mutex_lock(&mpc__lock);
     mpc_seg *s;
     if (mpc__get_seg(ref->seg_id, 1, &s) < 0 || mpc__check_ref(s, ref) < 0) {
@@ -834,6 +834,18 @@ void mpc_ref_drop(const mpc_ref *ref) {
         mpc__free_unlocked(s, ref->index);
     else
         pthread_mutex_unlock(&mpc__lock);
+}
+
+void mpc_ref_drop(const mpc_ref *ref) {
+    mpc_journal_clear(ref);
+    mpc__ref_drop_count(ref);
+}
+
+int mpc_ref_drop_journaled(const mpc_ref *ref) {
+    if (!mpc_journal_clear(ref))
+        return 0;
+    mpc__ref_drop_count(ref);
+    return 1;
 }
 
 int mpc_block_find(const void *addr, uint64_t len, mpc_block *out) {

@@ -26,12 +26,23 @@
  * store to change two words (a block's count and a process's private
  * state), which the hardware does not offer for a count shared by 256
  * slots; a double drop would lose data, a leak only memory.
+ *
+ * NOTE [ A full journal ]
+ * A slot's journal holds MPC_JOURNAL_CAP entries; a process can hold more
+ * tickets in transit (a loader's pool keeping many batches of many
+ * tensors).  The tickets past the journal go to an overflow list in the
+ * process's own memory: the keeper cannot see them, so a death then leaks
+ * them, but the process itself still finds them when it forgets or drops a
+ * ticket it holds.  Without it, a pool dropping kept results (which drops
+ * only what its process journaled, so that a forked child never drops its
+ * parent's) leaked every ticket the full journal had not taken.
  * This file only keeps the entries; dropping what a dead slot's journal
  * lists is the keeper's (it passes the drop to mpc__journal_sweep), so the
  * journal knows nothing of blocks. */
 #include "internal.h"
 
 #include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 
@@ -55,6 +66,9 @@ static size_t mpc__jmaplen;
 static pthread_mutex_t mpc__journal_lock = PTHREAD_MUTEX_INITIALIZER;
 /* Entries at or above this index are free: scans stop there. */
 static int mpc__jtop;
+/* The entries the full journal did not take (NOTE [ A full journal ]). */
+static mpc_ref *mpc__jover;
+static size_t mpc__jover_n, mpc__jover_cap;
 
 int mpc__journal_create(int *fd) {
     uint64_t jsize = (sizeof(mpc_journal) * MPC_MAX_PROCS + MPC_PAGE - 1) / MPC_PAGE * MPC_PAGE;
@@ -123,6 +137,18 @@ int mpc_journal_add(const mpc_ref *ref) {
             r = 0;
             break;
         }
+    if (r < 0 && mpc__jover_n == mpc__jover_cap) {
+        size_t cap = mpc__jover_cap ? 2 * mpc__jover_cap : 256;
+        mpc_ref *p = realloc(mpc__jover, cap * sizeof *p);
+        if (p == NULL)
+            r = -ENOMEM;
+        else {
+            mpc__jover = p;
+            mpc__jover_cap = cap;
+        }
+    }
+    if (r == -ENOSPC)
+        mpc__jover[mpc__jover_n++] = *ref;
     pthread_mutex_unlock(&mpc__journal_lock);
     return r;
 }
@@ -142,6 +168,12 @@ int mpc_journal_clear(const mpc_ref *ref) {
         }
     while (mpc__jtop > 0 && atomic_load(&j->e[mpc__jtop - 1].seg_id) == 0)
         mpc__jtop--;
+    for (size_t i = mpc__jover_n; !found && i-- > 0;)
+        if (mpc__jover[i].seg_id == ref->seg_id && mpc__jover[i].index == ref->index &&
+            mpc__jover[i].gen == ref->gen) {
+            mpc__jover[i] = mpc__jover[--mpc__jover_n];
+            found = 1;
+        }
     pthread_mutex_unlock(&mpc__journal_lock);
     return found;
 }
@@ -154,4 +186,5 @@ void mpc__journal_after_fork_child(void) {
     mpc__jmap = NULL;
     mpc__myjournal = NULL;
     mpc__jtop = 0;
+    mpc__jover_n = 0; /* the parent's too; the memory is kept for reuse */
 }

@@ -262,8 +262,15 @@ int mpc_block_disown(const mpc_block *b);
  * producers of those segments are known to be finished.  Never fails. */
 void mpc_forget_idle(void);
 
-/* Drops a ticket without redeeming it.  Never fails. */
+/* Drops a ticket without redeeming it (and one journal entry of it, if the
+ * journal lists one).  Never fails. */
 void mpc_ref_drop(const mpc_ref *ref);
+
+/* Drops a ticket only if this process's journal lists one of that block:
+ * the entry is forgotten and the ticket dropped, and 1 returned; else 0,
+ * nothing done (a ticket this process never journaled, such as one a
+ * forked child inherited, is not its to drop).  Never fails. */
+int mpc_ref_drop_journaled(const mpc_ref *ref);
 
 /* Looks up which live block of this process contains [addr, addr+len).
  * Returns 1 and fills *out (without taking a hold) if found, 0 if not. */
@@ -346,9 +353,12 @@ int mpc_client_retire(uint64_t seg_id);
  * process dies in between.  Both calls are no-ops in a process without a
  * keeper connection. */
 
-/* Records a ticket this process holds in transit.  Returns 0, -ENOSPC when
- * the journal is full (the ticket is then merely not protected), or
- * -ENOENT when this process has no journal. */
+/* Records a ticket this process holds in transit.  Returns 0; -ENOSPC when
+ * the journal is full (the ticket is then kept in the process's own memory,
+ * where mpc_journal_clear finds it, but not protected against the process's
+ * death: NOTE [ A full journal ]); -ENOMEM when that memory cannot grow
+ * either (the ticket is not recorded); -ENOENT when this process has no
+ * journal. */
 int mpc_journal_add(const mpc_ref *ref);
 
 /* Forgets a recorded ticket (the first entry equal to ref).  Returns 1 if

@@ -35,8 +35,7 @@ static void msg_drop(void *p) {
     msg *m = p;
     Py_BEGIN_ALLOW_THREADS
     for (uint32_t i = 0; i < m->nrefs; i++)
-        if (mpc_journal_clear(&m->refs[i]))
-            mpc_ref_drop(&m->refs[i]);
+        mpc_ref_drop_journaled(&m->refs[i]);
     Py_END_ALLOW_THREADS
     free(m->refs);
     free(m->payload);

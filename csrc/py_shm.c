@@ -30,11 +30,9 @@ static PyObject *py_drop_journaled(PyObject *m, PyObject *refs) {
             Py_DECREF(fast);
             return NULL;
         }
-        if (mpc_journal_clear(&ref)) {
-            Py_BEGIN_ALLOW_THREADS
-            mpc_ref_drop(&ref);
-            Py_END_ALLOW_THREADS
-        }
+        Py_BEGIN_ALLOW_THREADS
+        mpc_ref_drop_journaled(&ref);
+        Py_END_ALLOW_THREADS
     }
     Py_DECREF(fast);
     Py_RETURN_NONE;

@@ -73,9 +73,9 @@ static PyObject *trec_build(mpc_state *st, BlockObject *b, uint64_t offset, uint
     mpc_journal_add(&ref);
     PyObject *res = Py_BuildValue("([(KII)]N)", (unsigned long long)ref.seg_id, ref.index, ref.gen,
                                   payload);
-    if (res == NULL && mpc_journal_clear(&ref)) {
+    if (res == NULL) {
         Py_BEGIN_ALLOW_THREADS
-        mpc_ref_drop(&ref);
+        mpc_ref_drop_journaled(&ref);
         Py_END_ALLOW_THREADS
     }
     return res;
@@ -171,11 +171,9 @@ fail:
     Py_DECREF(b);
     return -1;
 drop:
-    if (mpc_journal_clear(&ref)) {
-        Py_BEGIN_ALLOW_THREADS
-        mpc_ref_drop(&ref);
-        Py_END_ALLOW_THREADS
-    }
+    Py_BEGIN_ALLOW_THREADS
+    mpc_ref_drop_journaled(&ref);
+    Py_END_ALLOW_THREADS
     return -1;
 }
 

@@ -825,8 +825,7 @@ static int mpc__ring_get(mpc_ring *r, mpc_ref **refs, uint32_t *nrefs, void **pa
                            : mpc__ring_unspill(&spill, p, n);
                 if (rc < 0) {
                     for (uint32_t i = 0; i < nr; i++)
-                        if (mpc_journal_clear(&rr[i]))
-                            mpc_ref_drop(&rr[i]);
+                        mpc_ref_drop_journaled(&rr[i]);
                     free(rr);
                     free(p);
                     return rc;

@@ -119,14 +119,16 @@ def test_a_result_for_no_task_is_an_error():
         pool.next(scaled(1.0))
 
 
-def test_reset_drops_kept_results_and_their_blocks():
+@pytest.mark.parametrize("tickets", [1, 3])
+def test_reset_drops_kept_results_and_their_blocks(tickets):
+    # Several tickets of one block: a batch of tensors that share a block.
     pool, ring = make_pool(2, 1)
     pool.dispatch(), pool.dispatch()
     block = _core.alloc(1 << 16)
-    ref = block.ticket()
+    refs = [block.ticket() for _ in range(tickets)]
     handle = block.handle
     del block
-    send(ring, 1, 1, refs=[ref])  # arrives early: kept
+    send(ring, 1, 1, refs=refs)  # arrives early: kept
     with pytest.raises(Exception):
         pool.next(0.05)
     assert pool.kept == 1
@@ -134,6 +136,32 @@ def test_reset_drops_kept_results_and_their_blocks():
     assert pool.kept == 0
     with pytest.raises(_core.HandleError):
         _core.attach(handle + ())  # the block's last ticket is gone
+
+
+def test_a_full_journal_still_drops_what_the_process_holds():
+    # NOTE [ A full journal ]: more tickets in transit than a journal holds
+    # (1024), as a pool keeping many batches of many tensors has.  The
+    # tickets past it are still dropped: by drop_journaled, and by a pool
+    # dropping a kept result on reset.
+    pool, ring = make_pool(2, 1)  # its queue gives the process its journal
+    pool.dispatch(), pool.dispatch()
+    filler = _core.alloc(64)
+    filler_handle = filler.handle
+    refs = [filler.ticket(True) for _ in range(1500)]
+    del filler
+    block = _core.alloc(1 << 16)
+    ref = block.ticket()
+    handle = block.handle
+    del block
+    send(ring, 1, 1, refs=[ref])  # arrives early: kept, its ticket journaled past the 1024
+    with pytest.raises(Exception):
+        pool.next(0.05)
+    pool.reset()
+    with pytest.raises(_core.HandleError):
+        _core.attach(handle + ())
+    _core.drop_journaled(refs)
+    with pytest.raises(_core.HandleError):
+        _core.attach(filler_handle + ())  # all 1500 were dropped
 
 
 # --- collation into a block ---------------------------------------------------
