@@ -67,7 +67,25 @@ def cuda_routed(method):
 
 class Collectives:
     """The collectives of ProcessGroupMpcore, each routed to torch's NCCL
-    group for CUDA tensors where torch has NCCL (cuda_routed)."""
+    group for CUDA tensors where torch has NCCL (cuda_routed).
+
+    NOTE [ What an older torch's gloo refuses or gets wrong ]
+    gloo is the reference, but gloo itself changed across the torch window,
+    and these collectives do the same on every torch of it:
+      - where an older gloo refuses a call (torch 2.6: all_to_all of lists,
+        reduce_scatter of lists, all_reduce with AVG; torch 2.8: all_to_all
+        of lists), the group serves it.  That is strictly more useful, and it
+        cannot break a program that runs on that torch's gloo: such a program
+        never gets the call served, so at most it catches the refusal and
+        computes the same values another way.  A group that hands its calls
+        to gloo (self.gloo: NOTE [ What the core cannot serve ]) answers as
+        that gloo does.
+      - where an older gloo gives a wrong value (torch 2.6 and 2.8:
+        reduce_scatter_tensor, coalesced or not, sums whatever reduction it
+        is asked for, AVG undivided), the group gives the reduction asked
+        for.
+    test_dispatch_parity.py and test_dispatch_reductions.py check both against
+    values computed from the inputs, on the torches where gloo differs."""
 
     # -- all-reduce ---------------------------------------------------------------
     @cuda_routed
