@@ -24,7 +24,22 @@ typedef struct {
     Py_ssize_t small_puts;
     char running;
     char polling;
+    /* NOTE [ The lane's methods bound once ] */
+    PyObject *bound[7];
+    PyObject *bound_of[7]; /* the object each was bound to: borrowed, kept alive by it */
 } LaneObject;
+
+/* NOTE [ The lane's methods bound once ]
+ * post and wait_for call the lane's lock, condition and deque nine times
+ * a call; looking each method up by name (the type's lookup, a bound
+ * method made and dropped) cost more than a third of those calls.  So each
+ * is bound once, on first use, and bound again only if the lane's
+ * attribute now holds another object.  Measured on one rank, builds
+ * alternated (best of 5 runs of 20,000): post and wait_for of a call that
+ * does nothing, 0.92 to 0.99 us before, 0.82 to 0.84 after; in
+ * fastpath_calls.py's async - dist the gain is inside the run-to-run
+ * spread (+1.2 to +1.7 us either way, at load 5). */
+enum { B_ACQUIRE, B_RELEASE, B_NOTIFY, B_NOTIFY_ALL, B_WAIT, B_APPEND, B_POPLEFT };
 
 /* A Work's own attributes (Work.__init__ in _dist.py): one with more was
  * given some by a program and is not given again. */
@@ -45,6 +60,8 @@ static int lane_traverse(LaneObject *self, visitproc visit, void *arg) {
     Py_VISIT(self->thread);
     Py_VISIT(self->ident);
     Py_VISIT(self->spare);
+    for (int i = 0; i < 7; i++)
+        Py_VISIT(self->bound[i]);
     return 0;
 }
 
@@ -57,6 +74,10 @@ static int lane_clear(LaneObject *self) {
     Py_CLEAR(self->thread);
     Py_CLEAR(self->ident);
     Py_CLEAR(self->spare);
+    for (int i = 0; i < 7; i++) {
+        Py_CLEAR(self->bound[i]);
+        self->bound_of[i] = NULL;
+    }
     return 0;
 }
 
@@ -78,12 +99,52 @@ static int call0(PyObject *obj, PyObject *name) {
     return 0;
 }
 
+/* The lane's method `which` (B_*), bound to its lock, condition or deque
+ * as they are now: a new reference, or NULL with an exception set. */
+static PyObject *lane_method(LaneObject *self, int which) {
+    static PyObject **const names[7] = {&s_acquire, &s_release, &s_notify, &s_notify_all,
+                                        &s_wait, &s_append, &s_popleft};
+    PyObject *obj = which <= B_RELEASE ? self->lock : which <= B_WAIT ? self->cond : self->queue;
+    if (obj == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "the lane is not set up");
+        return NULL;
+    }
+    if (self->bound[which] == NULL || self->bound_of[which] != obj) {
+        PyObject *m = PyObject_GetAttr(obj, *names[which]);
+        if (m == NULL)
+            return NULL;
+        Py_XSETREF(self->bound[which], m);
+        self->bound_of[which] = obj;
+    }
+    return Py_NewRef(self->bound[which]);
+}
+
+/* Calls the lane's method `which` with arg (none when NULL).  Returns its
+ * result (a new reference), or NULL with an exception set. */
+static PyObject *lane_call(LaneObject *self, int which, PyObject *arg) {
+    PyObject *m = lane_method(self, which);
+    if (m == NULL)
+        return NULL;
+    PyObject *r = arg == NULL ? PyObject_CallNoArgs(m) : PyObject_CallOneArg(m, arg);
+    Py_DECREF(m);
+    return r;
+}
+
+/* lane_call dropping the result: 0, or -1 with an exception set. */
+static int lane_call0(LaneObject *self, int which) {
+    PyObject *r = lane_call(self, which, NULL);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
 /* Releases the lane's lock keeping the exception that is set, if any.
  * Returns -1 (for the caller's error path). */
 static int unlock_keeping_error(LaneObject *self) {
     PyObject *t, *v, *tb;
     PyErr_Fetch(&t, &v, &tb);
-    PyObject *r = PyObject_CallMethodNoArgs(self->lock, s_release);
+    PyObject *r = lane_call(self, B_RELEASE, NULL);
     Py_XDECREF(r);
     PyErr_Restore(t, v, tb);
     return -1;
@@ -182,11 +243,11 @@ static PyObject *lane_post(LaneObject *self, PyObject *const *args, Py_ssize_t n
     PyObject *item = PyTuple_Pack(4, work, args[2], args[3], args[4]);
     if (item == NULL)
         goto err_work;
-    if (call0(self->lock, s_acquire) < 0)
+    if (lane_call0(self, B_ACQUIRE) < 0)
         goto err_item;
     if ((self->thread == NULL || self->thread == Py_None) && call0((PyObject *)self, s_start) < 0)
         goto err_locked;
-    PyObject *r = PyObject_CallMethodOneArg(self->queue, s_append, item);
+    PyObject *r = lane_call(self, B_APPEND, item);
     if (r == NULL)
         goto err_locked;
     Py_DECREF(r);
@@ -194,10 +255,10 @@ static PyObject *lane_post(LaneObject *self, PyObject *const *args, Py_ssize_t n
     if (small)
         self->small_puts++;
     int here = lane_here(self);
-    if (!(here || (small && self->polling)) && call0(self->cond, s_notify) < 0)
+    if (!(here || (small && self->polling)) && lane_call0(self, B_NOTIFY) < 0)
         goto err_locked_queued;
     Py_DECREF(item);
-    if (call0(self->lock, s_release) < 0)
+    if (lane_call0(self, B_RELEASE) < 0)
         goto err_work;
     /* a callback on the lane's thread (NOTE [ Callbacks that call again ]) */
     if (here && (r = PyObject_CallMethodOneArg((PyObject *)self, s_drain, work)) == NULL)
@@ -265,7 +326,7 @@ static PyObject *run_call(PyObject *fn, PyObject *fargs, PyObject *timeout, PyOb
 static PyObject *lane_wait_for(LaneObject *self, PyObject *work) {
     if (lane_here(self)) /* NOTE [ Callbacks that call again ] */
         return PyObject_CallMethodOneArg((PyObject *)self, s_drain, work);
-    if (call0(self->lock, s_acquire) < 0)
+    if (lane_call0(self, B_ACQUIRE) < 0)
         return NULL;
     PyObject *item = NULL;
     for (;;) {
@@ -273,7 +334,7 @@ static PyObject *lane_wait_for(LaneObject *self, PyObject *work) {
         if (d < 0)
             return unlock_keeping_error(self), NULL;
         if (d) {
-            if (call0(self->lock, s_release) < 0)
+            if (lane_call0(self, B_RELEASE) < 0)
                 return NULL;
             Py_RETURN_NONE;
         }
@@ -293,19 +354,19 @@ static PyObject *lane_wait_for(LaneObject *self, PyObject *work) {
             }
         }
         self->waiting++;
-        PyObject *r = PyObject_CallMethodNoArgs(self->cond, s_wait);
+        PyObject *r = lane_call(self, B_WAIT, NULL);
         self->waiting--;
         if (r == NULL)
             return unlock_keeping_error(self), NULL;
         Py_DECREF(r);
     }
     self->running = 1;
-    item = PyObject_CallMethodNoArgs(self->queue, s_popleft);
+    item = lane_call(self, B_POPLEFT, NULL);
     if (item == NULL) {
         self->running = 0;
         return unlock_keeping_error(self), NULL;
     }
-    if (call0(self->lock, s_release) < 0) {
+    if (lane_call0(self, B_RELEASE) < 0) {
         Py_DECREF(item);
         return NULL;
     }
@@ -330,7 +391,7 @@ static PyObject *lane_wait_for(LaneObject *self, PyObject *work) {
     }
     /* NOTE [ A call's end ]: the lane's bookkeeping never skipped */
     PyObject *fut = NULL;
-    int ok = call0(self->lock, s_acquire) == 0;
+    int ok = lane_call0(self, B_ACQUIRE) == 0;
     if (ok) {
         ok = PyObject_SetAttr(work, s_exc, exc != NULL ? exc : Py_None) == 0 &&
              PyObject_SetAttr(work, s_done, Py_True) == 0 &&
@@ -339,11 +400,11 @@ static PyObject *lane_wait_for(LaneObject *self, PyObject *work) {
         self->queued--;
         Py_ssize_t n = self->queue != NULL && self->queue != Py_None ? PyObject_Size(self->queue)
                                                                     : 0;
-        if (ok && (n > 0 || self->waiting) && call0(self->cond, s_notify_all) < 0)
+        if (ok && (n > 0 || self->waiting) && lane_call0(self, B_NOTIFY_ALL) < 0)
             ok = 0;
         if (!ok)
             unlock_keeping_error(self);
-        else if (call0(self->lock, s_release) < 0)
+        else if (lane_call0(self, B_RELEASE) < 0)
             ok = 0;
     }
     Py_XDECREF(exc);
