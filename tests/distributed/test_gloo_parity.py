@@ -8,6 +8,9 @@ reference), with the "mpcore" backend asked for by name, and asking for
     empty tensor's data pointer is NULL; DTensor's uneven shards make them);
   - all_gather_coalesced, whose output lists are indexed [rank][input];
   - all_reduce of sparse COO tensors (gloo sums them, SUM only);
+  - the reductions gloo refuses (BAND of floats, AVG of ints, PREMUL_SUM):
+    the same exception type, the text beginning with gloo's, blocking and at
+    an async call's wait;
   - DistributedDataParallel: its logging data names the backend the program
     asked for and no hook it did not register; it pickles (torch.save) and
     loads as torch's DDP; its built-in FP16 hook;
@@ -261,6 +264,28 @@ def _():
     return e is not None and "only works with ReduceOp.SUM" in e["message"]
 
 
+# --- reductions gloo refuses: its exception type and text ---------------------------------
+
+def refused(t, op):
+    """What all_reduce (blocking, then async and waited on) and reduce say
+    of op on t: gloo raises RuntimeError, the async call at its wait."""
+    def waited():
+        dist.all_reduce(t.clone(), op=op, async_op=True).wait()
+    return [error(lambda: dist.all_reduce(t.clone(), op=op)), error(waited),
+            error(lambda: dist.reduce(t.clone(), 0, op=op))]
+
+
+REFUSED = {
+    "band_float": lambda: refused(torch.ones(2), dist.ReduceOp.BAND),
+    "bxor_double": lambda: refused(torch.ones(2, dtype=torch.float64), dist.ReduceOp.BXOR),
+    "avg_int": lambda: refused(torch.ones(2, dtype=torch.int32), dist.ReduceOp.AVG),
+    "avg_bool": lambda: refused(torch.ones(2, dtype=torch.bool), dist.ReduceOp.AVG),
+    "premul_sum": lambda: refused(torch.ones(2), dist._make_nccl_premul_sum(2.0)),
+}
+for _name, _fn in REFUSED.items():
+    check("refused/" + _name)(_fn)
+
+
 # --- DDP ----------------------------------------------------------------------------------
 
 import torch.nn as nn
@@ -440,6 +465,22 @@ def test_same_as_gloo(runs, check, mode, world):
     got = runs.get(mode, world).value(check)
     for r in range(world):
         same(got[r], ref[r], f"{mode} rank {r} {check}")
+
+
+@pytest.mark.parametrize("mode,world", RUNS)
+@pytest.mark.parametrize("case", ("band_float", "bxor_double", "avg_int", "avg_bool",
+                                  "premul_sum"))
+def test_refused_reductions_raise_as_gloo(runs, case, mode, world):
+    """gloo's exception type, and a text that begins with gloo's (what
+    torch's tests match) and then says what was wrong (NOTE [ Reductions
+    gloo refuses ])."""
+    ref = runs.get("gloo", world).value("refused/" + case)
+    got = runs.get(mode, world).value("refused/" + case)
+    for r in range(world):
+        for how, g, e in zip(("all_reduce", "async all_reduce", "reduce"), got[r], ref[r]):
+            assert e is not None and g is not None, (mode, r, case, how, g, e)
+            assert g["type"] == e["type"], (mode, r, case, how, g, e)
+            assert g["message"].startswith(e["message"]), (mode, r, case, how, g, e)
 
 
 def test_all_gather_coalesced_is_indexed_by_rank_then_input(runs):

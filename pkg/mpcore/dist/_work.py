@@ -144,7 +144,7 @@ def checked(what, red, tensors, async_op):
     otherwise the error is raised."""
     try:
         check_op(what, red, tensors)
-    except ValueError as e:
+    except RuntimeError as e:
         if not async_op:
             raise
         w = Work(tensors)
