@@ -84,6 +84,9 @@ class Collectives:
         reduce_scatter_tensor, coalesced or not, sums whatever reduction it
         is asked for, AVG undivided), the group gives the reduction asked
         for.
+    What gloo refuses on every torch (NOTE [ Reductions gloo refuses ] in
+    _reduce.py) mpcore refuses too; this note is about what only an older
+    torch's gloo lacks.
     test_dispatch_parity.py and test_dispatch_reductions.py check both against
     values computed from the inputs, on the torches where gloo differs."""
 
