@@ -38,6 +38,9 @@ call on rank 0, median and best of the runs).  If the software above the
 core only added its own time, dist/dist would cost what pad/pad costs, and
 core/dist what dist/dist costs; a pair that costs more says where the time
 goes (the ranks' arrival order, one rank's delay waking the other).
+Measured on quiet cores (benchmarks/README.md, The Open MPI rows):
+dist/dist costs what pad/pad costs, and both ranks' pads add up in wall
+time where one rank's costs only itself.
 """
 import argparse
 import datetime
