@@ -22,6 +22,8 @@ $(STAMP):
 	touch $(STAMP)
 
 install: $(STAMP)
+	@# setuptools' build/lib keeps modules the tree no longer has; the install would carry them
+	find build -path '*/mpcore/*.py' -delete 2>/dev/null || true
 	$(PY) -m pip install -q --no-build-isolation --no-deps --force-reinstall .
 
 demo: install

@@ -432,11 +432,16 @@ BUSBW_PLOT = "allreduce-busbw.png"   # written next to --plot's file
 # --- command line -------------------------------------------------------------
 
 def select(only):
+    """The cases `--only` names: a case's exact name selects that case alone
+    (`shared-start`, not `shared-start-plain` too); any other string every
+    case whose name or title contains it (`mpi-2r-`)."""
     if not only:
         return list(CASES.values())
     subs = [s.strip().lower() for s in only.split(",") if s.strip()]
+    exact = {s for s in subs if s in CASES}
+    subs = [s for s in subs if s not in exact]
     return [c for c in CASES.values()
-            if any(s in c.name.lower() or s in c.title.lower() for s in subs)]
+            if c.name in exact or any(s in c.name.lower() or s in c.title.lower() for s in subs)]
 
 
 def parse_args(argv):
@@ -448,7 +453,8 @@ def parse_args(argv):
     ap.add_argument("--quick", action="store_true",
                     help="short run (~60 s): one child per side, short timed parts")
     ap.add_argument("--only", metavar="SUBSTRING,...",
-                    help="run the cases whose name or title contains one of these")
+                    help="run the cases named exactly, or else whose name or title "
+                         "contains one of these")
     ap.add_argument("--repeat", type=int, default=None, metavar="N",
                     help="measure each side N times and keep the best (default 3; "
                          "--quick: 1)")

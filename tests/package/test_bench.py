@@ -119,3 +119,12 @@ def test_rows_with_columns_of_their_own_leave_the_main_table_as_it_was():
                                                 {"dist_us": 10.0, "core_us": 1.0})])
     assert both.startswith(alone.split("\n\n")[0])
     assert "barrier, 2 ranks" not in alone and "barrier, 2 ranks" in both
+
+
+def test_only_an_exact_name_selects_that_case_alone():
+    names = lambda only: [c.name for c in runner.select(only)]
+    assert names("shared-start") == ["shared-start"]
+    assert names("ddp-mlp") == ["ddp-mlp"]
+    assert "c10d-ddp-mlp" in names("ddp-ml")            # not a name: every case containing it
+    assert set(names("shared-start,shared-start-plain")) == {"shared-start", "shared-start-plain"}
+    assert len(names("mpi-2r-")) > 1 and all(n.startswith("mpi-2r-") for n in names("mpi-2r-"))

@@ -9,7 +9,7 @@ Python functions call the group's methods by name (group.allreduce(...),
 group.gather(...)); the C++ dispatcher (functional collectives, compiled
 graphs) reaches the same methods through the ProcessGroup's pybind
 trampoline.  Each method takes CPU tensors to the group's shared-memory
-region (mpcore._dist.ShmGroup over the C core, csrc/coll.c), CUDA tensors
+region (mpcore.dist._dist.ShmGroup over the C core, csrc/coll.c), CUDA tensors
 to mpcore's NCCL communicator of the group (made on first CUDA use, which
 every rank reaches at the same call), and returns a Work with torch's
 surface.  A call with asyncOp false runs at once on the caller's thread
