@@ -468,8 +468,16 @@ def parse_args(argv):
     return ap.parse_args(argv)
 
 
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    # A SIGTERM (timeout(1), a job's end) ends the run as Ctrl-C does: the
+    # measuring child's session goes with it (run_child), not left running.
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     if args.list:
         for c in CASES.values():
             print(f"{c.name:14s} {c.title}  [{c.unit}]")

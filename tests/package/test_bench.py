@@ -128,3 +128,43 @@ def test_only_an_exact_name_selects_that_case_alone():
     assert "c10d-ddp-mlp" in names("ddp-ml")            # not a name: every case containing it
     assert set(names("shared-start,shared-start-plain")) == {"shared-start", "shared-start-plain"}
     assert len(names("mpi-2r-")) > 1 and all(n.startswith("mpi-2r-") for n in names("mpi-2r-"))
+
+
+def test_a_terminated_run_takes_its_measuring_child_with_it():
+    # SIGTERM (timeout(1), a job's end) ends `mpcore bench` as Ctrl-C does:
+    # the measuring child runs in a session of its own, which goes too.
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from helpers import scaled
+    from helpers.procfs import EXITED, children_of, session_members
+
+    def cmdline(pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return f.read()
+        except OSError:
+            return b""
+    bench = subprocess.Popen([sys.executable, "-c", "import sys; from mpcore.bench import runner; "
+                              "sys.exit(runner.main(['--only', 'spawn-repeat', '--repeat', '1']))"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    try:
+        child, deadline = None, time.monotonic() + scaled(60)
+        while child is None and time.monotonic() < deadline and bench.poll() is None:
+            child = next((p for p, _ in children_of(bench.pid) if b"cases.py" in cmdline(p)), None)
+            time.sleep(0.02)
+        assert child is not None, "the run never started its measuring child"
+        alive = lambda: [p for p, st in session_members(child) if st not in EXITED]
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(scaled(30)) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + scaled(10)
+        while alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(), "the measuring child's session outlived the run"
+    finally:
+        if bench.poll() is None:
+            os.killpg(bench.pid, signal.SIGKILL)
+            bench.wait()
