@@ -9,6 +9,9 @@
 
 #include <structmember.h>
 
+/* the lane's methods that post and wait_for call (NOTE [ The lane's methods bound once ]) */
+enum { B_ACQUIRE, B_RELEASE, B_NOTIFY, B_NOTIFY_ALL, B_WAIT, B_APPEND, B_POPLEFT, B_COUNT };
+
 typedef struct {
     PyObject_HEAD
     PyObject *name;
@@ -25,8 +28,8 @@ typedef struct {
     char running;
     char polling;
     /* NOTE [ The lane's methods bound once ] */
-    PyObject *bound[7];
-    PyObject *bound_of[7]; /* the object each was bound to: borrowed, kept alive by it */
+    PyObject *bound[B_COUNT];
+    PyObject *bound_of[B_COUNT]; /* the object each was bound to: borrowed, kept alive by it */
 } LaneObject;
 
 /* NOTE [ The lane's methods bound once ]
@@ -39,7 +42,6 @@ typedef struct {
  * does nothing, 0.92 to 0.99 us before, 0.82 to 0.84 after; in
  * fastpath_calls.py's async - dist the gain is inside the run-to-run
  * spread (+1.2 to +1.7 us either way, at load 5). */
-enum { B_ACQUIRE, B_RELEASE, B_NOTIFY, B_NOTIFY_ALL, B_WAIT, B_APPEND, B_POPLEFT };
 
 /* A Work's own attributes (Work.__init__ in _dist.py): one with more was
  * given some by a program and is not given again. */
@@ -60,7 +62,7 @@ static int lane_traverse(LaneObject *self, visitproc visit, void *arg) {
     Py_VISIT(self->thread);
     Py_VISIT(self->ident);
     Py_VISIT(self->spare);
-    for (int i = 0; i < 7; i++)
+    for (int i = 0; i < B_COUNT; i++)
         Py_VISIT(self->bound[i]);
     return 0;
 }
@@ -74,7 +76,7 @@ static int lane_clear(LaneObject *self) {
     Py_CLEAR(self->thread);
     Py_CLEAR(self->ident);
     Py_CLEAR(self->spare);
-    for (int i = 0; i < 7; i++) {
+    for (int i = 0; i < B_COUNT; i++) {
         Py_CLEAR(self->bound[i]);
         self->bound_of[i] = NULL;
     }
@@ -102,7 +104,7 @@ static int call0(PyObject *obj, PyObject *name) {
 /* The lane's method `which` (B_*), bound to its lock, condition or deque
  * as they are now: a new reference, or NULL with an exception set. */
 static PyObject *lane_method(LaneObject *self, int which) {
-    static PyObject **const names[7] = {&s_acquire, &s_release, &s_notify, &s_notify_all,
+    static PyObject **const names[B_COUNT] = {&s_acquire, &s_release, &s_notify, &s_notify_all,
                                         &s_wait, &s_append, &s_popleft};
     PyObject *obj = which <= B_RELEASE ? self->lock : which <= B_WAIT ? self->cond : self->queue;
     if (obj == NULL) {
