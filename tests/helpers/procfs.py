@@ -163,14 +163,20 @@ def children_of(pid):
     return [(p, state) for p, state, ppid, _ in _proc_stats() if ppid == pid]
 
 
+def cmdline_of(pid):
+    """pid's command line as /proc gives it (NUL-separated bytes); b"" once
+    it is gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 def is_resource_tracker(pid):
     # multiprocessing's resource tracker, started by the first spawn of the
     # test process, lives as long as the test process: it is not a leak.
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"resource_tracker" in f.read()
-    except OSError:
-        return False
+    return b"resource_tracker" in cmdline_of(pid)
 
 
 def is_own_zygote(pid):

@@ -139,14 +139,8 @@ def test_a_terminated_run_takes_its_measuring_child_with_it():
     import sys
     import time
     from helpers import scaled
-    from helpers.procfs import EXITED, children_of, session_members
-
-    def cmdline(pid):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                return f.read()
-        except OSError:
-            return b""
+    from helpers.procfs import children_of, cmdline_of
+    from helpers.programs import wait_session_gone
     bench = subprocess.Popen([sys.executable, "-c", "import sys; from mpcore.bench import runner; "
                               "sys.exit(runner.main(['--only', 'spawn-repeat', '--repeat', '1']))"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -154,16 +148,13 @@ def test_a_terminated_run_takes_its_measuring_child_with_it():
     try:
         child, deadline = None, time.monotonic() + scaled(60)
         while child is None and time.monotonic() < deadline and bench.poll() is None:
-            child = next((p for p, _ in children_of(bench.pid) if b"cases.py" in cmdline(p)), None)
+            child = next((p for p, _ in children_of(bench.pid) if b"cases.py" in cmdline_of(p)),
+                         None)
             time.sleep(0.02)
         assert child is not None, "the run never started its measuring child"
-        alive = lambda: [p for p, st in session_members(child) if st not in EXITED]
         bench.send_signal(signal.SIGTERM)
         assert bench.wait(scaled(30)) == 128 + signal.SIGTERM
-        deadline = time.monotonic() + scaled(10)
-        while alive() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not alive(), "the measuring child's session outlived the run"
+        wait_session_gone(child, timeout=10)   # the measuring child's session went with the run
     finally:
         if bench.poll() is None:
             os.killpg(bench.pid, signal.SIGKILL)
