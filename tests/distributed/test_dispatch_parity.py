@@ -26,6 +26,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from helpers.ranks import RankRuns, same, stack_tests
+from helpers.releases import GLOO_REDUCE_SCATTER_SUMS, TORCH_RELEASE
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -526,8 +527,6 @@ WORK_CHECKS = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_in
 DISPATCH_CHECKS = ["dispatch/" + c[len("profile/"):] for c in PROFILE_CHECKS
                    if not c.startswith(("profile/kineto/", "profile/ddp"))]
 
-TORCH_RELEASE = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-
 # Where the gloo of a torch differs from gloo's later behaviour (NOTE [ What an older
 # torch's gloo refuses or gets wrong ] in dist/_collectives.py).  Each was seen on torch
 # 2.6.0 and, where listed, 2.8.0; 2.13.0 and 2.14.1 differ in none.  The releases between
@@ -560,9 +559,6 @@ SERVED_RECORDS = {
 }
 COMM_MODE_RECORDS = {"all_to_all": [{"c10d.alltoall_": 1}, 1],
                      "reduce_scatter": [{"c10d.reduce_scatter_": 1}, 1]}
-# Torches whose gloo reduce_scatter_tensor sums whatever reduction it is given (as
-# test_dispatch_reductions.py's GLOO_REDUCE_SCATTER_SUMS); mpcore's reduces as asked.
-GLOO_REDUCE_SCATTER_SUMS = ((2, 6), (2, 8))
 # Torches whose Work.exception() binding cannot convert its answer: it raises on gloo's
 # Work; mpcore's Work answers (None for the calls here, which succeed), as gloo's does on
 # a later torch.

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from helpers.ranks import RankRuns, same, stack_tests
+from helpers.releases import GLOO_REDUCE_SCATTER_SUMS, TORCH_RELEASE
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -117,15 +118,6 @@ def gloo(runs, check):
 
 MONITORED = ("monitored_barrier", "monitored_barrier/wait_all_ranks")
 
-# torch releases whose gloo reduce_scatter_tensor, coalesced or not, sums whatever
-# reduction it is asked for (AVG included, never divided): torch's
-# ProcessGroupGloo::reduce_scatter_tensor_coalesced (which _reduce_scatter_base calls
-# too) sets the reduction on all-reduce options it then does not pass to its
-# all-reduce.  Seen on torch 2.6.0 and 2.8.0; 2.13.0 and 2.14.1 reduce as asked.  The
-# releases between were not tried: one of them whose gloo sums too fails
-# test_gloo_reduces_as_asked, which names it.  mpcore reduces as asked on every torch.
-GLOO_REDUCE_SCATTER_SUMS = ((2, 6), (2, 8))
-TORCH_RELEASE = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 
 def reduced(runs, reduction, mode="gloo", world=2):
