@@ -113,6 +113,9 @@ static void Group_dealloc(PyObject *op) {
 
 static int64_t deadline_of(PyObject *timeout) { return mpc_py_deadline(1, timeout); }
 
+/* An optional argument mpc_py_args left NULL, as None. */
+#define OR_NONE(o) ((o) != NULL ? (o) : Py_None)
+
 static PyObject *Group_watch(PyObject *op, PyObject *unused) {
     mpc_coll *c = group_of(op);
     if (c == NULL)
@@ -189,99 +192,117 @@ static int buffer_arg(PyObject *op, PyObject *in, const char *what, mpc_coll_buf
     return 0;
 }
 
-static PyObject *Group_all_reduce(PyObject *op, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"address", "count", "dtype", "op", "timeout", "buffer", NULL};
-    unsigned long long addr, count;
+static PyObject *Group_all_reduce(PyObject *op, PyObject *const *args, Py_ssize_t nargs,
+                                  PyObject *kwnames) {
+    static const char *const names[] = {"address", "count", "dtype", "op", "timeout", "buffer",
+                                        NULL};
+    PyObject *a[6];
+    uint64_t addr, count;
     int dtype, rop;
-    PyObject *timeout = Py_None, *in = Py_None;
     mpc_coll_buf *b;
     mpc_coll *c = group_of(op);
-    if (c == NULL || !PyArg_ParseTupleAndKeywords(args, kw, "KKii|OO:all_reduce", kwlist, &addr,
-                                                  &count, &dtype, &rop, &timeout, &in) ||
-        buffer_arg(op, in, "all_reduce", &b) < 0)
+    if (c == NULL || mpc_py_args("all_reduce", args, nargs, kwnames, names, 4, a) < 0 ||
+        mpc_py_u64(a[0], "all_reduce", names[0], &addr) < 0 ||
+        mpc_py_u64(a[1], "all_reduce", names[1], &count) < 0 ||
+        mpc_py_int(a[2], "all_reduce", names[2], &dtype) < 0 ||
+        mpc_py_int(a[3], "all_reduce", names[3], &rop) < 0 ||
+        buffer_arg(op, OR_NONE(a[5]), "all_reduce", &b) < 0)
         return NULL;
-    int64_t dl = deadline_of(timeout);
+    int64_t dl = deadline_of(OR_NONE(a[4]));
     if (dl == -2)
         return NULL;
     RUN(op, mpc_coll_all_reduce(c, (void *)(uintptr_t)addr, count, dtype, rop, b, dl));
 }
 
-static PyObject *Group_broadcast(PyObject *op, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"address", "nbytes", "root", "timeout", NULL};
-    unsigned long long addr, n;
+static PyObject *Group_broadcast(PyObject *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"address", "nbytes", "root", "timeout", NULL};
+    PyObject *a[4];
+    uint64_t addr, n;
     int root;
-    PyObject *timeout = Py_None;
     mpc_coll *c = group_of(op);
-    if (c == NULL || !PyArg_ParseTupleAndKeywords(args, kw, "KKi|O:broadcast", kwlist, &addr, &n,
-                                                  &root, &timeout))
+    if (c == NULL || mpc_py_args("broadcast", args, nargs, kwnames, names, 3, a) < 0 ||
+        mpc_py_u64(a[0], "broadcast", names[0], &addr) < 0 ||
+        mpc_py_u64(a[1], "broadcast", names[1], &n) < 0 ||
+        mpc_py_int(a[2], "broadcast", names[2], &root) < 0)
         return NULL;
-    int64_t dl = deadline_of(timeout);
+    int64_t dl = deadline_of(OR_NONE(a[3]));
     if (dl == -2)
         return NULL;
     RUN(op, mpc_coll_broadcast(c, (void *)(uintptr_t)addr, n, root, dl));
 }
 
-static PyObject *Group_barrier(PyObject *op, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"timeout", NULL};
-    PyObject *timeout = Py_None;
+static PyObject *Group_barrier(PyObject *op, PyObject *const *args, Py_ssize_t nargs,
+                               PyObject *kwnames) {
+    static const char *const names[] = {"timeout", NULL};
+    PyObject *a[1];
     mpc_coll *c = group_of(op);
-    if (c == NULL || !PyArg_ParseTupleAndKeywords(args, kw, "|O:barrier", kwlist, &timeout))
+    if (c == NULL || mpc_py_args("barrier", args, nargs, kwnames, names, 0, a) < 0)
         return NULL;
-    int64_t dl = deadline_of(timeout);
+    int64_t dl = deadline_of(OR_NONE(a[0]));
     if (dl == -2)
         return NULL;
     RUN(op, mpc_coll_barrier(c, dl));
 }
 
-static PyObject *Group_all_gather(PyObject *op, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"out_address", "in_address", "nbytes", "timeout", "buffer", NULL};
-    unsigned long long out, in, n;
-    PyObject *timeout = Py_None, *inb = Py_None;
+static PyObject *Group_all_gather(PyObject *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"out_address", "in_address", "nbytes", "timeout", "buffer",
+                                        NULL};
+    PyObject *a[5];
+    uint64_t out, in, n;
     mpc_coll_buf *b;
     mpc_coll *c = group_of(op);
-    if (c == NULL ||
-        !PyArg_ParseTupleAndKeywords(args, kw, "KKK|OO:all_gather", kwlist, &out, &in, &n,
-                                     &timeout, &inb) ||
-        buffer_arg(op, inb, "all_gather", &b) < 0)
+    if (c == NULL || mpc_py_args("all_gather", args, nargs, kwnames, names, 3, a) < 0 ||
+        mpc_py_u64(a[0], "all_gather", names[0], &out) < 0 ||
+        mpc_py_u64(a[1], "all_gather", names[1], &in) < 0 ||
+        mpc_py_u64(a[2], "all_gather", names[2], &n) < 0 ||
+        buffer_arg(op, OR_NONE(a[4]), "all_gather", &b) < 0)
         return NULL;
-    int64_t dl = deadline_of(timeout);
+    int64_t dl = deadline_of(OR_NONE(a[3]));
     if (dl == -2)
         return NULL;
     RUN(op, mpc_coll_all_gather(c, (void *)(uintptr_t)out, (const void *)(uintptr_t)in, n, b, dl));
 }
 
-static PyObject *Group_reduce_scatter(PyObject *op, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"out_address", "in_address", "count", "dtype", "op", "timeout",
-                             "buffer", NULL};
-    unsigned long long out, in, count;
+static PyObject *Group_reduce_scatter(PyObject *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"out_address", "in_address", "count", "dtype", "op",
+                                        "timeout", "buffer", NULL};
+    PyObject *a[7];
+    uint64_t out, in, count;
     int dtype, rop;
-    PyObject *timeout = Py_None, *inb = Py_None;
     mpc_coll_buf *b;
     mpc_coll *c = group_of(op);
-    if (c == NULL || !PyArg_ParseTupleAndKeywords(args, kw, "KKKii|OO:reduce_scatter", kwlist,
-                                                  &out, &in, &count, &dtype, &rop, &timeout,
-                                                  &inb) ||
-        buffer_arg(op, inb, "reduce_scatter", &b) < 0)
+    if (c == NULL || mpc_py_args("reduce_scatter", args, nargs, kwnames, names, 5, a) < 0 ||
+        mpc_py_u64(a[0], "reduce_scatter", names[0], &out) < 0 ||
+        mpc_py_u64(a[1], "reduce_scatter", names[1], &in) < 0 ||
+        mpc_py_u64(a[2], "reduce_scatter", names[2], &count) < 0 ||
+        mpc_py_int(a[3], "reduce_scatter", names[3], &dtype) < 0 ||
+        mpc_py_int(a[4], "reduce_scatter", names[4], &rop) < 0 ||
+        buffer_arg(op, OR_NONE(a[6]), "reduce_scatter", &b) < 0)
         return NULL;
-    int64_t dl = deadline_of(timeout);
+    int64_t dl = deadline_of(OR_NONE(a[5]));
     if (dl == -2)
         return NULL;
     RUN(op, mpc_coll_reduce_scatter(c, (void *)(uintptr_t)out, (const void *)(uintptr_t)in,
                                     count, dtype, rop, b, dl));
 }
 
-static PyObject *Group_reduce(PyObject *op, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"address", "count", "dtype", "op", "root", "timeout", "buffer", NULL};
-    unsigned long long addr, count;
+static PyObject *Group_reduce(PyObject *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"address", "count", "dtype", "op", "root", "timeout",
+                                        "buffer", NULL};
+    PyObject *a[7];
+    uint64_t addr, count;
     int dtype, rop, root;
-    PyObject *timeout = Py_None, *in = Py_None;
     mpc_coll_buf *b;
     mpc_coll *c = group_of(op);
-    if (c == NULL || !PyArg_ParseTupleAndKeywords(args, kw, "KKiii|OO:reduce", kwlist, &addr,
-                                                  &count, &dtype, &rop, &root, &timeout, &in) ||
-        buffer_arg(op, in, "reduce", &b) < 0)
+    if (c == NULL || mpc_py_args("reduce", args, nargs, kwnames, names, 5, a) < 0 ||
+        mpc_py_u64(a[0], "reduce", names[0], &addr) < 0 ||
+        mpc_py_u64(a[1], "reduce", names[1], &count) < 0 ||
+        mpc_py_int(a[2], "reduce", names[2], &dtype) < 0 ||
+        mpc_py_int(a[3], "reduce", names[3], &rop) < 0 ||
+        mpc_py_int(a[4], "reduce", names[4], &root) < 0 ||
+        buffer_arg(op, OR_NONE(a[6]), "reduce", &b) < 0)
         return NULL;
-    int64_t dl = deadline_of(timeout);
+    int64_t dl = deadline_of(OR_NONE(a[5]));
     if (dl == -2)
         return NULL;
     RUN(op, mpc_coll_reduce(c, (void *)(uintptr_t)addr, count, dtype, rop, root, b, dl));
@@ -339,59 +360,62 @@ static int buffers_of(PyObject *bufs, int world, uint64_t nbytes, const char *wh
     return 0;
 }
 
-static PyObject *Group_gather(PyObject *op, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"outs", "in_address", "nbytes", "root", "timeout", NULL};
-    unsigned long long in, n;
+static PyObject *Group_gather(PyObject *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"outs", "in_address", "nbytes", "root", "timeout", NULL};
+    PyObject *a[5];
+    uint64_t in, n;
     int root;
-    PyObject *outs, *timeout = Py_None;
     void *bufs[MPC_COLL_MAX_RANKS];
     mpc_coll *c = group_of(op);
-    if (c == NULL ||
-        !PyArg_ParseTupleAndKeywords(args, kw, "OKKi|O:gather", kwlist, &outs, &in, &n, &root,
-                                     &timeout) ||
-        buffers_of(outs, mpc_coll_world(c), n, "gather's outputs", bufs) < 0)
+    if (c == NULL || mpc_py_args("gather", args, nargs, kwnames, names, 4, a) < 0 ||
+        mpc_py_u64(a[1], "gather", names[1], &in) < 0 ||
+        mpc_py_u64(a[2], "gather", names[2], &n) < 0 ||
+        mpc_py_int(a[3], "gather", names[3], &root) < 0 ||
+        buffers_of(a[0], mpc_coll_world(c), n, "gather's outputs", bufs) < 0)
         return NULL;
-    int64_t dl = deadline_of(timeout);
+    int64_t dl = deadline_of(OR_NONE(a[4]));
     if (dl == -2)
         return NULL;
     RUN(op, mpc_coll_gather(c, bufs, (const void *)(uintptr_t)in, n, root, dl));
 }
 
-static PyObject *Group_scatter(PyObject *op, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"out_address", "ins", "nbytes", "root", "timeout", NULL};
-    unsigned long long out, n;
+static PyObject *Group_scatter(PyObject *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"out_address", "ins", "nbytes", "root", "timeout", NULL};
+    PyObject *a[5];
+    uint64_t out, n;
     int root;
-    PyObject *ins, *timeout = Py_None;
     void *bufs[MPC_COLL_MAX_RANKS];
     mpc_coll *c = group_of(op);
-    if (c == NULL ||
-        !PyArg_ParseTupleAndKeywords(args, kw, "KOKi|O:scatter", kwlist, &out, &ins, &n, &root,
-                                     &timeout) ||
-        buffers_of(ins, mpc_coll_world(c), n, "scatter's inputs", bufs) < 0)
+    if (c == NULL || mpc_py_args("scatter", args, nargs, kwnames, names, 4, a) < 0 ||
+        mpc_py_u64(a[0], "scatter", names[0], &out) < 0 ||
+        mpc_py_u64(a[2], "scatter", names[2], &n) < 0 ||
+        mpc_py_int(a[3], "scatter", names[3], &root) < 0 ||
+        buffers_of(a[1], mpc_coll_world(c), n, "scatter's inputs", bufs) < 0)
         return NULL;
-    int64_t dl = deadline_of(timeout);
+    int64_t dl = deadline_of(OR_NONE(a[4]));
     if (dl == -2)
         return NULL;
     RUN(op, mpc_coll_scatter(c, (void *)(uintptr_t)out, (const void *const *)bufs, n, root, dl));
 }
 
-static PyObject *Group_all_to_all(PyObject *op, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"out_address", "in_address", "send_sizes", "recv_sizes", "timeout",
-                             "buffer", NULL};
-    unsigned long long out, in;
-    PyObject *send, *recv, *timeout = Py_None, *inb = Py_None;
+static PyObject *Group_all_to_all(PyObject *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"out_address", "in_address", "send_sizes", "recv_sizes",
+                                        "timeout", "buffer", NULL};
+    PyObject *a[6];
+    uint64_t out, in;
     mpc_coll_buf *b;
     mpc_coll *c = group_of(op);
-    if (c == NULL || !PyArg_ParseTupleAndKeywords(args, kw, "KKOO|OO:all_to_all", kwlist, &out,
-                                                  &in, &send, &recv, &timeout, &inb) ||
-        buffer_arg(op, inb, "all_to_all", &b) < 0)
+    if (c == NULL || mpc_py_args("all_to_all", args, nargs, kwnames, names, 4, a) < 0 ||
+        mpc_py_u64(a[0], "all_to_all", names[0], &out) < 0 ||
+        mpc_py_u64(a[1], "all_to_all", names[1], &in) < 0 ||
+        buffer_arg(op, OR_NONE(a[5]), "all_to_all", &b) < 0)
         return NULL;
     int world = mpc_coll_world(c);
     uint64_t s[MPC_COLL_MAX_RANKS], r[MPC_COLL_MAX_RANKS];
-    if (sizes_of(send, world, "all_to_all's send_sizes", s) < 0 ||
-        sizes_of(recv, world, "all_to_all's recv_sizes", r) < 0)
+    if (sizes_of(a[2], world, "all_to_all's send_sizes", s) < 0 ||
+        sizes_of(a[3], world, "all_to_all's recv_sizes", r) < 0)
         return NULL;
-    int64_t dl = deadline_of(timeout);
+    int64_t dl = deadline_of(OR_NONE(a[4]));
     if (dl == -2)
         return NULL;
     RUN(op, mpc_coll_all_to_all(c, (void *)(uintptr_t)out, (const void *)(uintptr_t)in, s, r, b,
@@ -409,35 +433,43 @@ static int tag_of(long long tag, uint32_t *out) {
     return 0;
 }
 
-static PyObject *Group_send(PyObject *op, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"address", "nbytes", "dst", "tag", "timeout", NULL};
-    unsigned long long addr, n;
+/* The address, size, peer and tag of a send or receive (a[0..3], the tag
+ * 0 when not given).  Returns 0, or -1 with the exception set. */
+static int p2p_args(PyObject *const *a, const char *fname, const char *const *names,
+                    uint64_t *addr, uint64_t *n, int *peer, uint32_t *tag) {
+    long long t = 0;
+    if (mpc_py_u64(a[0], fname, names[0], addr) < 0 || mpc_py_u64(a[1], fname, names[1], n) < 0 ||
+        mpc_py_int(a[2], fname, names[2], peer) < 0 ||
+        (a[3] != NULL && (t = PyLong_AsLongLong(a[3])) == -1 && PyErr_Occurred()))
+        return -1;
+    return tag_of(t, tag);
+}
+
+static PyObject *Group_send(PyObject *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"address", "nbytes", "dst", "tag", "timeout", NULL};
+    PyObject *a[5];
+    uint64_t addr, n;
     int dst;
-    long long tag = 0;
     uint32_t t;
-    PyObject *timeout = Py_None;
     mpc_coll *c = group_of(op);
-    if (c == NULL ||
-        !PyArg_ParseTupleAndKeywords(args, kw, "KKi|LO:send", kwlist, &addr, &n, &dst, &tag,
-                                     &timeout) ||
-        tag_of(tag, &t) < 0)
+    if (c == NULL || mpc_py_args("send", args, nargs, kwnames, names, 3, a) < 0 ||
+        p2p_args(a, "send", names, &addr, &n, &dst, &t) < 0)
         return NULL;
-    int64_t dl = deadline_of(timeout);
+    int64_t dl = deadline_of(OR_NONE(a[4]));
     if (dl == -2)
         return NULL;
     RUN(op, mpc_coll_send(c, (const void *)(uintptr_t)addr, n, dst, t, dl));
 }
 
-static PyObject *Group_try_send(PyObject *op, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"address", "nbytes", "dst", "tag", NULL};
-    unsigned long long addr, n;
+static PyObject *Group_try_send(PyObject *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"address", "nbytes", "dst", "tag", NULL};
+    PyObject *a[4];
+    uint64_t addr, n;
     int dst, rc;
-    long long tag = 0;
     uint32_t t;
     mpc_coll *c = group_of(op);
-    if (c == NULL ||
-        !PyArg_ParseTupleAndKeywords(args, kw, "KKi|L:try_send", kwlist, &addr, &n, &dst, &tag) ||
-        tag_of(tag, &t) < 0)
+    if (c == NULL || mpc_py_args("try_send", args, nargs, kwnames, names, 3, a) < 0 ||
+        p2p_args(a, "try_send", names, &addr, &n, &dst, &t) < 0)
         return NULL;
     WAIT(rc, mpc_coll_try_send(c, (const void *)(uintptr_t)addr, n, dst, t));
     if (rc < 0)
@@ -445,20 +477,17 @@ static PyObject *Group_try_send(PyObject *op, PyObject *args, PyObject *kw) {
     return PyBool_FromLong(rc);
 }
 
-static PyObject *Group_recv(PyObject *op, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"address", "nbytes", "src", "tag", "timeout", NULL};
-    unsigned long long addr, n;
+static PyObject *Group_recv(PyObject *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"address", "nbytes", "src", "tag", "timeout", NULL};
+    PyObject *a[5];
+    uint64_t addr, n;
     int src;
-    long long tag = 0;
     uint32_t t;
-    PyObject *timeout = Py_None;
     mpc_coll *c = group_of(op);
-    if (c == NULL ||
-        !PyArg_ParseTupleAndKeywords(args, kw, "KKi|LO:recv", kwlist, &addr, &n, &src, &tag,
-                                     &timeout) ||
-        tag_of(tag, &t) < 0)
+    if (c == NULL || mpc_py_args("recv", args, nargs, kwnames, names, 3, a) < 0 ||
+        p2p_args(a, "recv", names, &addr, &n, &src, &t) < 0)
         return NULL;
-    int64_t dl = deadline_of(timeout);
+    int64_t dl = deadline_of(OR_NONE(a[4]));
     if (dl == -2)
         return NULL;
     int rc;
@@ -475,8 +504,9 @@ static PyObject *Group_close(PyObject *op, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-/* A method that takes its arguments by position or by name. */
-#define KW(fn) (PyCFunction)(void (*)(void))(fn), METH_VARARGS | METH_KEYWORDS
+/* A method that takes its arguments by position or by name, read without a
+ * tuple (NOTE [ Arguments read without a tuple ] in py_core.c). */
+#define FAST(fn) (PyCFunction)(void (*)(void))(fn), METH_FASTCALL | METH_KEYWORDS
 
 static PyMethodDef Group_methods[] = {
     {"watch", Group_watch, METH_NOARGS, "watch(): from now on, a peer that exits breaks the group"},
@@ -487,34 +517,34 @@ static PyMethodDef Group_methods[] = {
      "set_labels(ranks): the group's messages call rank q ranks[q] (a subgroup's global ranks)"},
     {"direct", Group_direct, METH_NOARGS,
      "direct() -> whether large data movers copy straight between the ranks' memory"},
-    {"all_reduce", KW(Group_all_reduce),
+    {"all_reduce", FAST(Group_all_reduce),
      "all_reduce(address, count, dtype, op, timeout=None, buffer=None): in place; buffer:\n"
      "the GroupBuffer holding the data, if it is in one"},
-    {"broadcast", KW(Group_broadcast), "broadcast(address, nbytes, root, timeout=None)"},
-    {"barrier", KW(Group_barrier), "barrier(timeout=None)"},
-    {"all_gather", KW(Group_all_gather),
+    {"broadcast", FAST(Group_broadcast), "broadcast(address, nbytes, root, timeout=None)"},
+    {"barrier", FAST(Group_barrier), "barrier(timeout=None)"},
+    {"all_gather", FAST(Group_all_gather),
      "all_gather(out_address, in_address, nbytes, timeout=None, buffer=None)"},
-    {"reduce_scatter", KW(Group_reduce_scatter),
+    {"reduce_scatter", FAST(Group_reduce_scatter),
      "reduce_scatter(out_address, in_address, count, dtype, op, timeout=None, buffer=None)"},
-    {"reduce", KW(Group_reduce),
+    {"reduce", FAST(Group_reduce),
      "reduce(address, count, dtype, op, root, timeout=None, buffer=None): root's data\n"
      "becomes the reduction; the others' stays; buffer as all_reduce's"},
-    {"gather", KW(Group_gather),
+    {"gather", FAST(Group_gather),
      "gather(outs, in_address, nbytes, root, timeout=None): on root, outs (one address of\n"
      "world * nbytes, or world addresses of nbytes) gets every rank's in; ignored elsewhere"},
-    {"scatter", KW(Group_scatter),
+    {"scatter", FAST(Group_scatter),
      "scatter(out_address, ins, nbytes, root, timeout=None): out gets the root's ins[rank]\n"
      "(one address of world * nbytes, or world addresses of nbytes); ins read on root only"},
-    {"all_to_all", KW(Group_all_to_all),
+    {"all_to_all", FAST(Group_all_to_all),
      "all_to_all(out_address, in_address, send_sizes, recv_sizes, timeout=None, buffer=None):\n"
      "byte counts per rank; in and out hold the pieces for/from ranks 0..world-1 end to end;\n"
      "buffer: the GroupBuffer that holds in, if any"},
-    {"send", KW(Group_send),
+    {"send", FAST(Group_send),
      "send(address, nbytes, dst, tag=0, timeout=None)"},
-    {"try_send", KW(Group_try_send),
+    {"try_send", FAST(Group_try_send),
      "try_send(address, nbytes, dst, tag=0) -> True once sent, False (nothing done) when the "
      "message does not fit in dst's mailbox now; never waits"},
-    {"recv", KW(Group_recv),
+    {"recv", FAST(Group_recv),
      "recv(address, nbytes, src, tag=0, timeout=None) -> the source rank; src=-1: any"},
     {"close", Group_close, METH_NOARGS, "close(): unmaps the group"},
     {NULL},

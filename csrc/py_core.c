@@ -2,6 +2,7 @@
  * place where the core's error codes become Python exceptions. */
 #include "py_mpcore.h"
 
+#include <limits.h>
 #include <string.h>
 
 #include <numpy/numpyconfig.h>
@@ -72,6 +73,106 @@ PyObject *mpc_py_raise(mpc_state *st, int err) {
         PyErr_SetFromErrno(PyExc_OSError);
     }
     return NULL;
+}
+
+/* NOTE [ Arguments read without a tuple ]
+ * The collectives' bindings are called once per collective, and at 4 KB
+ * the core's own work is a few hundred nanoseconds: a METH_VARARGS method
+ * first gets its arguments packed into a tuple, then unpacked by
+ * PyArg_ParseTupleAndKeywords reading its format string, together about a
+ * tenth of a microsecond of a barrier's fifth.  So those bindings are
+ * vectorcall methods (METH_FASTCALL | METH_KEYWORDS), which get the
+ * caller's argument array as it is, and read it by name here, then convert
+ * each argument themselves (mpc_py_u64, mpc_py_int).  The checks are
+ * PyArg's: too many, unknown or repeated keywords, missing required ones. */
+int mpc_py_args(const char *fname, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                const char *const *names, int required, PyObject **out) {
+    int n = 0;
+    while (names[n] != NULL)
+        n++;
+    if (nargs > n) {
+        PyErr_Format(PyExc_TypeError, "%s() takes at most %d arguments (%zd given)", fname, n,
+                     nargs + (kwnames ? PyTuple_GET_SIZE(kwnames) : 0));
+        return -1;
+    }
+    for (int i = 0; i < n; i++)
+        out[i] = i < nargs ? args[i] : NULL;
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t k = 0; k < nkw; k++) {
+        PyObject *key = PyTuple_GET_ITEM(kwnames, k);
+        int i = 0;
+        for (; i < n; i++)
+            if (PyUnicode_CompareWithASCIIString(key, names[i]) == 0)
+                break;
+        if (i == n) {
+            PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument '%U'", fname,
+                         key);
+            return -1;
+        }
+        if (out[i] != NULL) {
+            PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%s'", fname,
+                         names[i]);
+            return -1;
+        }
+        out[i] = args[nargs + k];
+    }
+    for (int i = 0; i < required; i++)
+        if (out[i] == NULL) {
+            PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s' (pos %d)", fname,
+                         names[i], i + 1);
+            return -1;
+        }
+    return 0;
+}
+
+/* o's value, or -1 with its error told as fname's argument `name`'s. */
+static int int_arg(PyObject *o, const char *fname, const char *name, long long lo,
+                   unsigned long long hi, unsigned long long *v) {
+    if (!PyLong_Check(o)) { /* as PyArg's formats, what has __index__ */
+        PyObject *i = PyNumber_Index(o);
+        if (i == NULL) {
+            PyErr_Format(PyExc_TypeError, "%s() argument '%s' must be int, not %s", fname,
+                         name, Py_TYPE(o)->tp_name);
+            return -1;
+        }
+        int r = int_arg(i, fname, name, lo, hi, v);
+        Py_DECREF(i);
+        return r;
+    }
+    int over = 0;
+    long long s = PyLong_AsLongLongAndOverflow(o, &over);
+    if (s == -1 && PyErr_Occurred())
+        return -1;
+    if (over == 0 && s >= lo && (s < 0 || (unsigned long long)s <= hi)) {
+        *v = (unsigned long long)s;
+        return 0;
+    }
+    if (over > 0 && lo >= 0 && hi == ULLONG_MAX) { /* past LLONG_MAX: a u64 still */
+        unsigned long long u = PyLong_AsUnsignedLongLong(o);
+        if (!(u == (unsigned long long)-1 && PyErr_Occurred())) {
+            *v = u;
+            return 0;
+        }
+        PyErr_Clear();
+    }
+    PyErr_Format(PyExc_OverflowError, "%s() argument '%s' is out of range", fname, name);
+    return -1;
+}
+
+int mpc_py_u64(PyObject *o, const char *fname, const char *name, uint64_t *v) {
+    unsigned long long u;
+    if (int_arg(o, fname, name, 0, ULLONG_MAX, &u) < 0)
+        return -1;
+    *v = (uint64_t)u;
+    return 0;
+}
+
+int mpc_py_int(PyObject *o, const char *fname, const char *name, int *v) {
+    unsigned long long u;
+    if (int_arg(o, fname, name, INT_MIN, INT_MAX, &u) < 0)
+        return -1;
+    *v = (int)(long long)u;
+    return 0;
 }
 
 int64_t mpc_py_deadline(int block, PyObject *timeout) {

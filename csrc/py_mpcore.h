@@ -39,6 +39,22 @@ PyObject *mpc_py_raise(mpc_state *st, int err);
  * negative timeout. */
 int64_t mpc_py_deadline(int block, PyObject *timeout);
 
+/* A vectorcall method's arguments (METH_FASTCALL | METH_KEYWORDS) by name:
+ * out[i] is the argument for names[i] (a NULL-terminated list), given by
+ * position or keyword, borrowed, or NULL where not given.  Returns 0, or -1
+ * with TypeError naming fname for too many arguments, an unknown or
+ * repeated keyword, or one of the first `required` names missing: what
+ * PyArg_ParseTupleAndKeywords checks, without its tuple and format string
+ * (NOTE [ Arguments read without a tuple ] in py_core.c). */
+int mpc_py_args(const char *fname, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                const char *const *names, int required, PyObject **out);
+
+/* Reads an int argument (or what has __index__) into *v.  Returns 0, or
+ * -1 with TypeError (not an int) or OverflowError (out of range, negative
+ * for mpc_py_u64), each naming fname's argument `name`. */
+int mpc_py_u64(PyObject *o, const char *fname, const char *name, uint64_t *v);
+int mpc_py_int(PyObject *o, const char *fname, const char *name, int *v);
+
 /* A NULL-terminated, malloc'd copy of a sequence of str (a command), or
  * NULL with an exception set; freed by mpc_py_argv_free. */
 char **mpc_py_argv_new(PyObject *seq);

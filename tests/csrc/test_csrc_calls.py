@@ -122,3 +122,22 @@ def test_bad_keywords_are_named(group):
         group.all_reduce(x.ctypes.data, 8, d, op, 10, timeout=10)   # given twice
     with pytest.raises(TypeError, match="count"):
         group.all_reduce(x.ctypes.data, dtype=d, op=op)              # missing
+    with pytest.raises(TypeError, match="at most 6 arguments"):
+        group.all_reduce(x.ctypes.data, 8, d, op, 10, None, 0)
+    # each argument's type and range, by its name
+    with pytest.raises(TypeError, match="'address' must be int, not float"):
+        group.all_reduce(1.5, 8, d, op)
+    with pytest.raises(OverflowError, match="'count' is out of range"):
+        group.all_reduce(x.ctypes.data, -1, d, op)
+    with pytest.raises(OverflowError, match="'root' is out of range"):
+        group.broadcast(x.ctypes.data, 32, 1 << 40)
+    with pytest.raises(TypeError, match="'nbytes' must be int, not str"):
+        group.all_gather(x.ctypes.data, x.ctypes.data, "32")
+    with pytest.raises(ValueError, match="tag -1 is not in"):
+        group.send(x.ctypes.data, 32, 0, tag=-1)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'dst'"):
+        group.recv(x.ctypes.data, 32, dst=0)
+    with pytest.raises(TypeError, match="multiple values for argument 'timeout'"):
+        group.barrier(1, timeout=1)
+    # an int of another type (numpy's, anything with __index__) is taken, as before
+    group.broadcast(np.uint64(x.ctypes.data), np.int32(32), np.int64(0), timeout=10)
