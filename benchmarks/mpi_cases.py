@@ -34,6 +34,10 @@ it shows four figures:
     reduces a second time into a group buffer (NOTE [ Memory reduced again
     and again ] in _backend.py), which the core's own call here does not
     do: from 1 MB on, the call through torch can be the faster one.
+A fresh tensor's rows time a fourth call on the mpcore side, the making
+alone (torch.full, the same threads), and their notes give each side's
+all_reduce past it: every side's figure holds the making, which at 16 MB
+takes about as long as the all_reduce itself.
 Every kind of rank times a job alike: a check of the result with known
 values, warm-up calls, calibrate() over runs of "barrier, n calls, the
 slowest rank's time" (every rank then picks the same n), then ROUNDS runs
@@ -171,7 +175,12 @@ def _torch_calls(torch, dist, core, op, nbytes, rank, world):
                 core.all_reduce(t.data_ptr(), numel, codes[0], codes[1], timeout)
                 return t
             calls["core"] = fresh_core
+            # the making alone, timed alike: what every side's figure holds
+            # besides the all_reduce (NOTE [ Open MPI as a peer ])
+            calls["make"] = lambda: torch.full((numel,), float(rank + 1))
         for name, call in calls.items():
+            if name == "make":
+                continue
             t = call()
             check((t == want_sum).all(), f"{name}: all_reduce of a new tensor gave "
                                          f"{t[:2].tolist()}, want {want_sum}")
@@ -415,6 +424,8 @@ def mpi_row(env, target_s, world, job):
         extra.update(dist_us=s["dist_s"] * 1e6, core_us=s["core_s"] * 1e6,
                      dist_runs_us=[x * 1e6 for x in s["dist_runs_s"]],
                      core_runs_us=[x * 1e6 for x in s["core_runs_s"]])
+        if "make_s" in s:
+            extra.update(make_us=s["make_s"] * 1e6, make_runs_us=[x * 1e6 for x in s["make_runs_s"]])
     scale = 1e6 if nbytes < US_BELOW else 1e3
     return _c.Measurement(s["dist_s"] * scale, s["n"], s["dist_s"] * s["n"] * s["rounds"], extra)
 
@@ -440,9 +451,11 @@ def _fmt_us(us):
 
 
 def figures(row):
-    """The row's best figures in us: gloo, mpi, core, dist (None: none)."""
+    """The row's best figures in us: gloo, mpi, core, dist, and make (a
+    fresh tensor's making alone) (None: none)."""
     return {"gloo": _best(row, "torch", "gloo_us"), "mpi": _best(row, "torch", "mpi_us"),
-            "core": _best(row, "mpcore", "core_us"), "dist": _best(row, "mpcore", "dist_us")}
+            "core": _best(row, "mpcore", "core_us"), "dist": _best(row, "mpcore", "dist_us"),
+            "make": _best(row, "mpcore", "make_us")}
 
 
 def _targets(row, f):
@@ -490,6 +503,15 @@ def _notes(row):
     if any("mpi_missing" in e for e in ex):
         out.append(f"Open MPI: {MISSING}")
     out += sorted({f"Open MPI FAILED: {e['mpi_error']}" for e in ex if "mpi_error" in e})
+    f = figures(row)
+    if f["make"] is not None and f["mpi"] is not None and f["dist"] is not None:
+        mpi, dist = f["mpi"] - f["make"], f["dist"] - f["make"]
+        out.append(f"making the tensor alone (torch.full): {_fmt_us(f['make'])}; the all_reduce "
+                   f"past it: Open MPI {_fmt_us(mpi)}, via torch.distributed {_fmt_us(dist)}"
+                   + (f" ({mpi / dist:.2f}x)" if mpi > 0 and dist > 0 else "")
+                   + (f"; {LARGE_TARGET:g}x Open MPI would need {_fmt_us(f['mpi'] / LARGE_TARGET)}"
+                      " in all, less than the making alone" if f["make"] * LARGE_TARGET
+                      >= f["mpi"] else ""))
     done = [e for e in ex if "mpi_us" in e]
     if done:
         e = done[0]

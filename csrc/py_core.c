@@ -84,7 +84,14 @@ PyObject *mpc_py_raise(mpc_state *st, int err) {
  * vectorcall methods (METH_FASTCALL | METH_KEYWORDS), which get the
  * caller's argument array as it is, and read it by name here, then convert
  * each argument themselves (mpc_py_u64, mpc_py_int).  The checks are
- * PyArg's: too many, unknown or repeated keywords, missing required ones. */
+ * PyArg's: too many, unknown or repeated keywords, missing required ones.
+ * Measured, builds alternated in one sitting (benchmarks/fastpath_calls.py,
+ * one rank, 4 KB, the core's own call, CPU us, best of 5 runs, five rounds
+ * on cores slower that day than usual): barrier 0.22 to 0.37 after, 0.39
+ * to 0.55 before; all_reduce 0.67 to 1.12, 0.99 to 1.40.  On two ranks
+ * (`mpcore bench --only mpi-2r-...`, one run each): the core's barrier
+ * 0.686 us after, 0.771 before; all_reduce 4 KB through torch.distributed
+ * 4.49, 5.27; broadcast 4 KB 3.21, 4.53. */
 int mpc_py_args(const char *fname, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
                 const char *const *names, int required, PyObject **out) {
     int n = 0;

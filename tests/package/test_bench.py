@@ -102,6 +102,25 @@ def test_an_mpi_row_shows_every_figure_its_ratios_and_targets():
     assert "mpcore vs torch" not in table
 
 
+def test_a_fresh_tensor_row_gives_each_sides_all_reduce_past_the_making():
+    row = _mpi_row("mpi-2r-allreduce-fresh-16m",
+                   {"gloo_us": 15000.0, "mpi_us": 3200.0, "mpi_library": "Open MPI v5",
+                    "mpi4py": "4", "mpi_command": "mpiexec -n 2"},
+                   {"dist_us": 3000.0, "core_us": 2900.0, "make_us": 1800.0}, 15.0, 3.0)
+    table = runner.format_table([row])
+    note = next(line for line in table.splitlines() if "making the tensor alone" in line)
+    # Open MPI 3.2 ms less 1.8 of making: 1.4; via torch 3.0 less 1.8: 1.2 (1.17x)
+    assert "(torch.full): 1.80 ms" in note and "Open MPI 1.40 ms" in note
+    assert "via torch.distributed 1.20 ms (1.17x)" in note
+    # 2x Open MPI, with the making counted, is 1.6 ms in all: under the making
+    assert "2x Open MPI would need 1.60 ms in all, less than the making alone" in note
+    assert "MISSED >= 2x Open MPI" in _row_line(table, "all_reduce 16 MB, new tensor each call")
+    # a row without the making's figure has no such note
+    plain = _mpi_row("mpi-2r-allreduce-fresh-16m", {"gloo_us": 15000.0, "mpi_us": 3200.0},
+                     {"dist_us": 3000.0, "core_us": 2900.0}, 15.0, 3.0)
+    assert "making the tensor alone" not in runner.format_table([plain])
+
+
 def test_an_mpi_row_whose_open_mpi_run_failed_says_so():
     row = _mpi_row("mpi-2r-barrier", {"gloo_us": 900.0, "mpi_error": "mpiexec exited 1: boom"},
                    {"dist_us": 10.0, "core_us": 1.0})
