@@ -176,3 +176,126 @@ def test_only_small_calls_keep_the_thread_polling():
         assert _sleeping(ln) is True
     finally:
         ln.stop()
+
+
+# --- the lane's lock (NOTE [ The lane's lock in C ] in py_lane.c) -------------------
+
+def test_the_lanes_lock_is_reentrant_and_held_by_one_thread():
+    from mpcore import _core
+    lock = _core.LaneLock()
+    assert lock.acquire() and lock.acquire(blocking=False)     # again, by its holder
+    assert lock._is_owned() and "locked" in repr(lock)
+    got, out = threading.Event(), []
+
+    def other():
+        out.append(lock.acquire(False))             # held: not taken, at once
+        out.append(lock.acquire(timeout=0.01))      # held: not taken once the time is out
+        try:
+            lock.release()
+        except RuntimeError as e:
+            out.append(str(e))
+        out.append(lock._is_owned())
+        got.set()
+    t = threading.Thread(target=other)
+    t.start()
+    assert got.wait(WAIT_S)
+    t.join(WAIT_S)
+    assert out == [False, False, "cannot release un-acquired lock", False]
+    lock.release()
+    lock.release()
+    assert not lock._is_owned() and "unlocked" in repr(lock)
+    with pytest.raises(RuntimeError, match="un-acquired"):
+        lock.release()
+    with pytest.raises(ValueError, match="non-blocking"):
+        lock.acquire(False, 1)
+    with pytest.raises(ValueError, match="non-negative"):
+        lock.acquire(timeout=-2)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'wait'"):
+        lock.acquire(wait=True)
+
+
+def test_a_condition_on_the_lanes_lock_waits_and_wakes_as_on_an_rlock():
+    from mpcore import _core
+    lock = _core.LaneLock()
+    cond = threading.Condition(lock)
+    ready, seen = [], []
+
+    def waiter():
+        with lock:
+            with lock:                             # twice: wait releases both
+                cond.wait_for(lambda: ready, WAIT_S)
+                seen.append((list(ready), lock._is_owned()))
+            seen.append(lock._is_owned())
+    t = threading.Thread(target=waiter)
+    t.start()
+    deadline = time.monotonic() + WAIT_S
+    while True:                                    # until the waiter waits (the lock is free)
+        with cond:
+            if cond._waiters:
+                ready.append(1)
+                cond.notify()
+                break
+        assert time.monotonic() < deadline, "the waiter never waited"
+        time.sleep(0.001)
+    t.join(WAIT_S)
+    assert not t.is_alive() and seen == [([1], True), True]
+    assert not lock._is_owned()
+
+
+@pytest.mark.timeout(60)
+def test_a_signal_ends_a_blocked_acquire_of_the_lanes_lock_with_its_handlers_error():
+    """The main thread blocks on the lock another thread holds; a signal
+    whose handler raises ends the wait with that error, and the lock is
+    then taken as before once free."""
+    import signal
+
+    from mpcore import _core
+    lock = _core.LaneLock()
+    held, done = threading.Event(), threading.Event()
+
+    class Stop(Exception):
+        pass
+
+    def handler(signum, frame):
+        raise Stop()
+
+    def holder():
+        with lock:
+            held.set()
+            done.wait(WAIT_S)
+    old = signal.signal(signal.SIGUSR1, handler)
+    t = threading.Thread(target=holder)
+    t.start()
+    try:
+        assert held.wait(WAIT_S)
+        main = threading.main_thread().ident
+
+        def kick():                # again and again until the main thread has raised
+            while not done.wait(0.01):
+                signal.pthread_kill(main, signal.SIGUSR1)
+        k = threading.Thread(target=kick)
+        k.start()
+        try:
+            with pytest.raises(Stop):
+                lock.acquire()
+        finally:
+            done.set()
+            k.join(WAIT_S)
+        t.join(WAIT_S)
+        assert lock.acquire(timeout=WAIT_S) and lock._is_owned()
+        lock.release()
+    finally:
+        done.set()
+        signal.signal(signal.SIGUSR1, old)
+
+
+def test_a_lane_takes_its_lock_in_c():
+    from mpcore import _core
+    ln = _dist._Lane("test-lane", 5.0)
+    try:
+        assert type(ln.lock) is _core.LaneLock
+        w = ln.post(_dist.Work, [], lambda timeout: None, (), None, True)
+        ln.wait_for(w)
+        assert w._done and not ln.lock._is_owned()
+    finally:
+        ln.stop()

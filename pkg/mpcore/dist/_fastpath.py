@@ -172,16 +172,18 @@ broadcast, all_gather_single and reduce_scatter_single, +5.3, +4.9,
 +5.0 (the three first) before; +2.72, +2.56, +2.83, +2.77, +3.16 with
 the Work used again and the Python lane; +1.55, +1.39, +1.57, +1.57,
 +1.91 with the lane in C (another run of it: +1.68, +1.43, +1.53,
-+1.57, +2.10).  Not the microsecond asked for: what is left
-is about 0.25 us of Python in Work.wait and _queue (a _queue in C
-measured no better, within the noise), four calls of the lane's
-threading.RLock and three of its deque from C (0.3 us), and about ten
-attribute reads and writes of the Work, a pybind object with a dict
-(0.2 us).  The rest of the way would be a lock, a queue and the Work's
-state of the lane's own in C (threading.Condition's waits and the
-lane's Python methods on them), and wait() a C callable that torch's
-pybind still takes for a Python override (a C function it takes for its
-own, and its C++ holders would then wait on torch's base Work).
++1.57, +2.10).  Then the lane's lock and queue taken by C calls, no
+longer through a threading.RLock's and a deque's methods (NOTE [ The
+lane's lock in C ] in py_lane.c): in one process, the two lanes
+alternated run by run, all_reduce +1.36 and +1.39 us before, +1.12 and
++1.18 after; barrier +0.94 after in the quieter run.  Not the
+microsecond asked for: what is left is about 0.25 us of Python in
+Work.wait and _queue (a _queue in C measured no better, within the
+noise), and about ten attribute reads and writes of the Work, a pybind
+object with a dict (0.2 us).  The rest of the way would be the Work's
+state in C, and wait() a C callable that torch's pybind still takes for
+a Python override (a C function it takes for its own, and its C++
+holders would then wait on torch's base Work).
 
 NOTE [ Calls a coalescing manager gathers ]
 Inside torch's _coalescing_manager(group) (DTensor's and FSDP's way of
