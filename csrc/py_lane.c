@@ -145,7 +145,7 @@ static PyObject *lock_acquire(LaneLockObject *l, PyObject *const *args, Py_ssize
         PyErr_SetString(PyExc_ValueError, "timeout value must be a non-negative number");
         return NULL;
     }
-    if (t > 1e12) {
+    if (t * 1e6 >= (double)PY_TIMEOUT_MAX) { /* as CPython's locks refuse it */
         PyErr_SetString(PyExc_OverflowError, "timeout value is too large");
         return NULL;
     }
@@ -240,7 +240,7 @@ typedef struct {
     PyObject *name;
     PyObject *timeout;
     PyObject *queue;  /* a list of (work, fn, args, keep) (None as an item: stop) */
-    PyObject *lock;   /* threading.RLock */
+    PyObject *lock;   /* a LaneLock (or another lock with threading.RLock's methods) */
     PyObject *cond;   /* threading.Condition(lock) */
     PyObject *thread;
     PyObject *ident;  /* the thread's ident, or None */

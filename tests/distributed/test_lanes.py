@@ -212,6 +212,8 @@ def test_the_lanes_lock_is_reentrant_and_held_by_one_thread():
         lock.acquire(timeout=-2)
     with pytest.raises(TypeError, match="unexpected keyword argument 'wait'"):
         lock.acquire(wait=True)
+    with pytest.raises(OverflowError, match="too large"):
+        lock.acquire(timeout=1e300)
 
 
 def test_a_condition_on_the_lanes_lock_waits_and_wakes_as_on_an_rlock():
