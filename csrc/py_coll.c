@@ -196,19 +196,19 @@ static PyObject *Group_all_reduce(PyObject *op, PyObject *const *args, Py_ssize_
                                   PyObject *kwnames) {
     static const char *const names[] = {"address", "count", "dtype", "op", "timeout", "buffer",
                                         NULL};
-    PyObject *a[6];
+    mpc_py_argv av;
     uint64_t addr, count;
     int dtype, rop;
     mpc_coll_buf *b;
     mpc_coll *c = group_of(op);
-    if (c == NULL || mpc_py_args("all_reduce", args, nargs, kwnames, names, 4, a) < 0 ||
-        mpc_py_u64(a[0], "all_reduce", names[0], &addr) < 0 ||
-        mpc_py_u64(a[1], "all_reduce", names[1], &count) < 0 ||
-        mpc_py_int(a[2], "all_reduce", names[2], &dtype) < 0 ||
-        mpc_py_int(a[3], "all_reduce", names[3], &rop) < 0 ||
-        buffer_arg(op, OR_NONE(a[5]), "all_reduce", &b) < 0)
+    if (c == NULL || mpc_py_args(&av, "all_reduce", names, 4, args, nargs, kwnames) < 0 ||
+        mpc_py_u64(&av, 0, &addr) < 0 ||
+        mpc_py_u64(&av, 1, &count) < 0 ||
+        mpc_py_int(&av, 2, &dtype) < 0 ||
+        mpc_py_int(&av, 3, &rop) < 0 ||
+        buffer_arg(op, OR_NONE(av.a[5]), "all_reduce", &b) < 0)
         return NULL;
-    int64_t dl = deadline_of(OR_NONE(a[4]));
+    int64_t dl = deadline_of(OR_NONE(av.a[4]));
     if (dl == -2)
         return NULL;
     RUN(op, mpc_coll_all_reduce(c, (void *)(uintptr_t)addr, count, dtype, rop, b, dl));
@@ -216,16 +216,16 @@ static PyObject *Group_all_reduce(PyObject *op, PyObject *const *args, Py_ssize_
 
 static PyObject *Group_broadcast(PyObject *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     static const char *const names[] = {"address", "nbytes", "root", "timeout", NULL};
-    PyObject *a[4];
+    mpc_py_argv av;
     uint64_t addr, n;
     int root;
     mpc_coll *c = group_of(op);
-    if (c == NULL || mpc_py_args("broadcast", args, nargs, kwnames, names, 3, a) < 0 ||
-        mpc_py_u64(a[0], "broadcast", names[0], &addr) < 0 ||
-        mpc_py_u64(a[1], "broadcast", names[1], &n) < 0 ||
-        mpc_py_int(a[2], "broadcast", names[2], &root) < 0)
+    if (c == NULL || mpc_py_args(&av, "broadcast", names, 3, args, nargs, kwnames) < 0 ||
+        mpc_py_u64(&av, 0, &addr) < 0 ||
+        mpc_py_u64(&av, 1, &n) < 0 ||
+        mpc_py_int(&av, 2, &root) < 0)
         return NULL;
-    int64_t dl = deadline_of(OR_NONE(a[3]));
+    int64_t dl = deadline_of(OR_NONE(av.a[3]));
     if (dl == -2)
         return NULL;
     RUN(op, mpc_coll_broadcast(c, (void *)(uintptr_t)addr, n, root, dl));
@@ -234,11 +234,11 @@ static PyObject *Group_broadcast(PyObject *op, PyObject *const *args, Py_ssize_t
 static PyObject *Group_barrier(PyObject *op, PyObject *const *args, Py_ssize_t nargs,
                                PyObject *kwnames) {
     static const char *const names[] = {"timeout", NULL};
-    PyObject *a[1];
+    mpc_py_argv av;
     mpc_coll *c = group_of(op);
-    if (c == NULL || mpc_py_args("barrier", args, nargs, kwnames, names, 0, a) < 0)
+    if (c == NULL || mpc_py_args(&av, "barrier", names, 0, args, nargs, kwnames) < 0)
         return NULL;
-    int64_t dl = deadline_of(OR_NONE(a[0]));
+    int64_t dl = deadline_of(OR_NONE(av.a[0]));
     if (dl == -2)
         return NULL;
     RUN(op, mpc_coll_barrier(c, dl));
@@ -247,17 +247,17 @@ static PyObject *Group_barrier(PyObject *op, PyObject *const *args, Py_ssize_t n
 static PyObject *Group_all_gather(PyObject *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     static const char *const names[] = {"out_address", "in_address", "nbytes", "timeout", "buffer",
                                         NULL};
-    PyObject *a[5];
+    mpc_py_argv av;
     uint64_t out, in, n;
     mpc_coll_buf *b;
     mpc_coll *c = group_of(op);
-    if (c == NULL || mpc_py_args("all_gather", args, nargs, kwnames, names, 3, a) < 0 ||
-        mpc_py_u64(a[0], "all_gather", names[0], &out) < 0 ||
-        mpc_py_u64(a[1], "all_gather", names[1], &in) < 0 ||
-        mpc_py_u64(a[2], "all_gather", names[2], &n) < 0 ||
-        buffer_arg(op, OR_NONE(a[4]), "all_gather", &b) < 0)
+    if (c == NULL || mpc_py_args(&av, "all_gather", names, 3, args, nargs, kwnames) < 0 ||
+        mpc_py_u64(&av, 0, &out) < 0 ||
+        mpc_py_u64(&av, 1, &in) < 0 ||
+        mpc_py_u64(&av, 2, &n) < 0 ||
+        buffer_arg(op, OR_NONE(av.a[4]), "all_gather", &b) < 0)
         return NULL;
-    int64_t dl = deadline_of(OR_NONE(a[3]));
+    int64_t dl = deadline_of(OR_NONE(av.a[3]));
     if (dl == -2)
         return NULL;
     RUN(op, mpc_coll_all_gather(c, (void *)(uintptr_t)out, (const void *)(uintptr_t)in, n, b, dl));
@@ -266,20 +266,20 @@ static PyObject *Group_all_gather(PyObject *op, PyObject *const *args, Py_ssize_
 static PyObject *Group_reduce_scatter(PyObject *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     static const char *const names[] = {"out_address", "in_address", "count", "dtype", "op",
                                         "timeout", "buffer", NULL};
-    PyObject *a[7];
+    mpc_py_argv av;
     uint64_t out, in, count;
     int dtype, rop;
     mpc_coll_buf *b;
     mpc_coll *c = group_of(op);
-    if (c == NULL || mpc_py_args("reduce_scatter", args, nargs, kwnames, names, 5, a) < 0 ||
-        mpc_py_u64(a[0], "reduce_scatter", names[0], &out) < 0 ||
-        mpc_py_u64(a[1], "reduce_scatter", names[1], &in) < 0 ||
-        mpc_py_u64(a[2], "reduce_scatter", names[2], &count) < 0 ||
-        mpc_py_int(a[3], "reduce_scatter", names[3], &dtype) < 0 ||
-        mpc_py_int(a[4], "reduce_scatter", names[4], &rop) < 0 ||
-        buffer_arg(op, OR_NONE(a[6]), "reduce_scatter", &b) < 0)
+    if (c == NULL || mpc_py_args(&av, "reduce_scatter", names, 5, args, nargs, kwnames) < 0 ||
+        mpc_py_u64(&av, 0, &out) < 0 ||
+        mpc_py_u64(&av, 1, &in) < 0 ||
+        mpc_py_u64(&av, 2, &count) < 0 ||
+        mpc_py_int(&av, 3, &dtype) < 0 ||
+        mpc_py_int(&av, 4, &rop) < 0 ||
+        buffer_arg(op, OR_NONE(av.a[6]), "reduce_scatter", &b) < 0)
         return NULL;
-    int64_t dl = deadline_of(OR_NONE(a[5]));
+    int64_t dl = deadline_of(OR_NONE(av.a[5]));
     if (dl == -2)
         return NULL;
     RUN(op, mpc_coll_reduce_scatter(c, (void *)(uintptr_t)out, (const void *)(uintptr_t)in,
@@ -289,20 +289,20 @@ static PyObject *Group_reduce_scatter(PyObject *op, PyObject *const *args, Py_ss
 static PyObject *Group_reduce(PyObject *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     static const char *const names[] = {"address", "count", "dtype", "op", "root", "timeout",
                                         "buffer", NULL};
-    PyObject *a[7];
+    mpc_py_argv av;
     uint64_t addr, count;
     int dtype, rop, root;
     mpc_coll_buf *b;
     mpc_coll *c = group_of(op);
-    if (c == NULL || mpc_py_args("reduce", args, nargs, kwnames, names, 5, a) < 0 ||
-        mpc_py_u64(a[0], "reduce", names[0], &addr) < 0 ||
-        mpc_py_u64(a[1], "reduce", names[1], &count) < 0 ||
-        mpc_py_int(a[2], "reduce", names[2], &dtype) < 0 ||
-        mpc_py_int(a[3], "reduce", names[3], &rop) < 0 ||
-        mpc_py_int(a[4], "reduce", names[4], &root) < 0 ||
-        buffer_arg(op, OR_NONE(a[6]), "reduce", &b) < 0)
+    if (c == NULL || mpc_py_args(&av, "reduce", names, 5, args, nargs, kwnames) < 0 ||
+        mpc_py_u64(&av, 0, &addr) < 0 ||
+        mpc_py_u64(&av, 1, &count) < 0 ||
+        mpc_py_int(&av, 2, &dtype) < 0 ||
+        mpc_py_int(&av, 3, &rop) < 0 ||
+        mpc_py_int(&av, 4, &root) < 0 ||
+        buffer_arg(op, OR_NONE(av.a[6]), "reduce", &b) < 0)
         return NULL;
-    int64_t dl = deadline_of(OR_NONE(a[5]));
+    int64_t dl = deadline_of(OR_NONE(av.a[5]));
     if (dl == -2)
         return NULL;
     RUN(op, mpc_coll_reduce(c, (void *)(uintptr_t)addr, count, dtype, rop, root, b, dl));
@@ -362,18 +362,18 @@ static int buffers_of(PyObject *bufs, int world, uint64_t nbytes, const char *wh
 
 static PyObject *Group_gather(PyObject *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     static const char *const names[] = {"outs", "in_address", "nbytes", "root", "timeout", NULL};
-    PyObject *a[5];
+    mpc_py_argv av;
     uint64_t in, n;
     int root;
     void *bufs[MPC_COLL_MAX_RANKS];
     mpc_coll *c = group_of(op);
-    if (c == NULL || mpc_py_args("gather", args, nargs, kwnames, names, 4, a) < 0 ||
-        mpc_py_u64(a[1], "gather", names[1], &in) < 0 ||
-        mpc_py_u64(a[2], "gather", names[2], &n) < 0 ||
-        mpc_py_int(a[3], "gather", names[3], &root) < 0 ||
-        buffers_of(a[0], mpc_coll_world(c), n, "gather's outputs", bufs) < 0)
+    if (c == NULL || mpc_py_args(&av, "gather", names, 4, args, nargs, kwnames) < 0 ||
+        mpc_py_u64(&av, 1, &in) < 0 ||
+        mpc_py_u64(&av, 2, &n) < 0 ||
+        mpc_py_int(&av, 3, &root) < 0 ||
+        buffers_of(av.a[0], mpc_coll_world(c), n, "gather's outputs", bufs) < 0)
         return NULL;
-    int64_t dl = deadline_of(OR_NONE(a[4]));
+    int64_t dl = deadline_of(OR_NONE(av.a[4]));
     if (dl == -2)
         return NULL;
     RUN(op, mpc_coll_gather(c, bufs, (const void *)(uintptr_t)in, n, root, dl));
@@ -381,18 +381,18 @@ static PyObject *Group_gather(PyObject *op, PyObject *const *args, Py_ssize_t na
 
 static PyObject *Group_scatter(PyObject *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     static const char *const names[] = {"out_address", "ins", "nbytes", "root", "timeout", NULL};
-    PyObject *a[5];
+    mpc_py_argv av;
     uint64_t out, n;
     int root;
     void *bufs[MPC_COLL_MAX_RANKS];
     mpc_coll *c = group_of(op);
-    if (c == NULL || mpc_py_args("scatter", args, nargs, kwnames, names, 4, a) < 0 ||
-        mpc_py_u64(a[0], "scatter", names[0], &out) < 0 ||
-        mpc_py_u64(a[2], "scatter", names[2], &n) < 0 ||
-        mpc_py_int(a[3], "scatter", names[3], &root) < 0 ||
-        buffers_of(a[1], mpc_coll_world(c), n, "scatter's inputs", bufs) < 0)
+    if (c == NULL || mpc_py_args(&av, "scatter", names, 4, args, nargs, kwnames) < 0 ||
+        mpc_py_u64(&av, 0, &out) < 0 ||
+        mpc_py_u64(&av, 2, &n) < 0 ||
+        mpc_py_int(&av, 3, &root) < 0 ||
+        buffers_of(av.a[1], mpc_coll_world(c), n, "scatter's inputs", bufs) < 0)
         return NULL;
-    int64_t dl = deadline_of(OR_NONE(a[4]));
+    int64_t dl = deadline_of(OR_NONE(av.a[4]));
     if (dl == -2)
         return NULL;
     RUN(op, mpc_coll_scatter(c, (void *)(uintptr_t)out, (const void *const *)bufs, n, root, dl));
@@ -401,21 +401,21 @@ static PyObject *Group_scatter(PyObject *op, PyObject *const *args, Py_ssize_t n
 static PyObject *Group_all_to_all(PyObject *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     static const char *const names[] = {"out_address", "in_address", "send_sizes", "recv_sizes",
                                         "timeout", "buffer", NULL};
-    PyObject *a[6];
+    mpc_py_argv av;
     uint64_t out, in;
     mpc_coll_buf *b;
     mpc_coll *c = group_of(op);
-    if (c == NULL || mpc_py_args("all_to_all", args, nargs, kwnames, names, 4, a) < 0 ||
-        mpc_py_u64(a[0], "all_to_all", names[0], &out) < 0 ||
-        mpc_py_u64(a[1], "all_to_all", names[1], &in) < 0 ||
-        buffer_arg(op, OR_NONE(a[5]), "all_to_all", &b) < 0)
+    if (c == NULL || mpc_py_args(&av, "all_to_all", names, 4, args, nargs, kwnames) < 0 ||
+        mpc_py_u64(&av, 0, &out) < 0 ||
+        mpc_py_u64(&av, 1, &in) < 0 ||
+        buffer_arg(op, OR_NONE(av.a[5]), "all_to_all", &b) < 0)
         return NULL;
     int world = mpc_coll_world(c);
     uint64_t s[MPC_COLL_MAX_RANKS], r[MPC_COLL_MAX_RANKS];
-    if (sizes_of(a[2], world, "all_to_all's send_sizes", s) < 0 ||
-        sizes_of(a[3], world, "all_to_all's recv_sizes", r) < 0)
+    if (sizes_of(av.a[2], world, "all_to_all's send_sizes", s) < 0 ||
+        sizes_of(av.a[3], world, "all_to_all's recv_sizes", r) < 0)
         return NULL;
-    int64_t dl = deadline_of(OR_NONE(a[4]));
+    int64_t dl = deadline_of(OR_NONE(av.a[4]));
     if (dl == -2)
         return NULL;
     RUN(op, mpc_coll_all_to_all(c, (void *)(uintptr_t)out, (const void *)(uintptr_t)in, s, r, b,
@@ -433,29 +433,28 @@ static int tag_of(long long tag, uint32_t *out) {
     return 0;
 }
 
-/* The address, size, peer and tag of a send or receive (a[0..3], the tag
+/* The address, size, peer and tag of a send or receive (av->a[0..3], the tag
  * 0 when not given).  Returns 0, or -1 with the exception set. */
-static int p2p_args(PyObject *const *a, const char *fname, const char *const *names,
-                    uint64_t *addr, uint64_t *n, int *peer, uint32_t *tag) {
+static int p2p_args(const mpc_py_argv *av, uint64_t *addr, uint64_t *n, int *peer,
+                    uint32_t *tag) {
     long long t = 0;
-    if (mpc_py_u64(a[0], fname, names[0], addr) < 0 || mpc_py_u64(a[1], fname, names[1], n) < 0 ||
-        mpc_py_int(a[2], fname, names[2], peer) < 0 ||
-        (a[3] != NULL && (t = PyLong_AsLongLong(a[3])) == -1 && PyErr_Occurred()))
+    if (mpc_py_u64(av, 0, addr) < 0 || mpc_py_u64(av, 1, n) < 0 || mpc_py_int(av, 2, peer) < 0 ||
+        (av->a[3] != NULL && (t = PyLong_AsLongLong(av->a[3])) == -1 && PyErr_Occurred()))
         return -1;
     return tag_of(t, tag);
 }
 
 static PyObject *Group_send(PyObject *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     static const char *const names[] = {"address", "nbytes", "dst", "tag", "timeout", NULL};
-    PyObject *a[5];
+    mpc_py_argv av;
     uint64_t addr, n;
     int dst;
     uint32_t t;
     mpc_coll *c = group_of(op);
-    if (c == NULL || mpc_py_args("send", args, nargs, kwnames, names, 3, a) < 0 ||
-        p2p_args(a, "send", names, &addr, &n, &dst, &t) < 0)
+    if (c == NULL || mpc_py_args(&av, "send", names, 3, args, nargs, kwnames) < 0 ||
+        p2p_args(&av, &addr, &n, &dst, &t) < 0)
         return NULL;
-    int64_t dl = deadline_of(OR_NONE(a[4]));
+    int64_t dl = deadline_of(OR_NONE(av.a[4]));
     if (dl == -2)
         return NULL;
     RUN(op, mpc_coll_send(c, (const void *)(uintptr_t)addr, n, dst, t, dl));
@@ -463,13 +462,13 @@ static PyObject *Group_send(PyObject *op, PyObject *const *args, Py_ssize_t narg
 
 static PyObject *Group_try_send(PyObject *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     static const char *const names[] = {"address", "nbytes", "dst", "tag", NULL};
-    PyObject *a[4];
+    mpc_py_argv av;
     uint64_t addr, n;
     int dst, rc;
     uint32_t t;
     mpc_coll *c = group_of(op);
-    if (c == NULL || mpc_py_args("try_send", args, nargs, kwnames, names, 3, a) < 0 ||
-        p2p_args(a, "try_send", names, &addr, &n, &dst, &t) < 0)
+    if (c == NULL || mpc_py_args(&av, "try_send", names, 3, args, nargs, kwnames) < 0 ||
+        p2p_args(&av, &addr, &n, &dst, &t) < 0)
         return NULL;
     WAIT(rc, mpc_coll_try_send(c, (const void *)(uintptr_t)addr, n, dst, t));
     if (rc < 0)
@@ -479,15 +478,15 @@ static PyObject *Group_try_send(PyObject *op, PyObject *const *args, Py_ssize_t 
 
 static PyObject *Group_recv(PyObject *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     static const char *const names[] = {"address", "nbytes", "src", "tag", "timeout", NULL};
-    PyObject *a[5];
+    mpc_py_argv av;
     uint64_t addr, n;
     int src;
     uint32_t t;
     mpc_coll *c = group_of(op);
-    if (c == NULL || mpc_py_args("recv", args, nargs, kwnames, names, 3, a) < 0 ||
-        p2p_args(a, "recv", names, &addr, &n, &src, &t) < 0)
+    if (c == NULL || mpc_py_args(&av, "recv", names, 3, args, nargs, kwnames) < 0 ||
+        p2p_args(&av, &addr, &n, &src, &t) < 0)
         return NULL;
-    int64_t dl = deadline_of(OR_NONE(a[4]));
+    int64_t dl = deadline_of(OR_NONE(av.a[4]));
     if (dl == -2)
         return NULL;
     int rc;

@@ -128,9 +128,10 @@ static void lock_dealloc(LaneLockObject *l) {
 static PyObject *lock_acquire(LaneLockObject *l, PyObject *const *args, Py_ssize_t nargs,
                               PyObject *kwnames) {
     static const char *const names[] = {"blocking", "timeout", NULL};
-    PyObject *a[2];
-    if (mpc_py_args("acquire", args, nargs, kwnames, names, 0, a) < 0)
+    mpc_py_argv av;
+    if (mpc_py_args(&av, "acquire", names, 0, args, nargs, kwnames) < 0)
         return NULL;
+    PyObject *const *a = av.a;
     int blocking = a[0] == NULL ? 1 : PyObject_IsTrue(a[0]);
     if (blocking < 0)
         return NULL;

@@ -39,21 +39,29 @@ PyObject *mpc_py_raise(mpc_state *st, int err);
  * negative timeout. */
 int64_t mpc_py_deadline(int block, PyObject *timeout);
 
-/* A vectorcall method's arguments (METH_FASTCALL | METH_KEYWORDS) by name:
- * out[i] is the argument for names[i] (a NULL-terminated list), given by
- * position or keyword, borrowed, or NULL where not given.  Returns 0, or -1
- * with TypeError naming fname for too many arguments, an unknown or
- * repeated keyword, or one of the first `required` names missing: what
- * PyArg_ParseTupleAndKeywords checks, without its tuple and format string
- * (NOTE [ Arguments read without a tuple ] in py_core.c). */
-int mpc_py_args(const char *fname, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
-                const char *const *names, int required, PyObject **out);
+/* A vectorcall method's arguments (METH_FASTCALL | METH_KEYWORDS) by name
+ * (NOTE [ Arguments read without a tuple ] in py_core.c): a[i] is the
+ * argument for names[i] (at most MPC_PY_ARGS_MAX names), borrowed, or NULL
+ * where not given. */
+#define MPC_PY_ARGS_MAX 8
+typedef struct {
+    const char *fname;
+    const char *const *names;
+    PyObject *a[MPC_PY_ARGS_MAX];
+} mpc_py_argv;
 
-/* Reads an int argument (or what has __index__) into *v.  Returns 0, or
- * -1 with TypeError (not an int) or OverflowError (out of range, negative
- * for mpc_py_u64), each naming fname's argument `name`. */
-int mpc_py_u64(PyObject *o, const char *fname, const char *name, uint64_t *v);
-int mpc_py_int(PyObject *o, const char *fname, const char *name, int *v);
+/* Fills av from args and kwnames for fname's names (a NULL-terminated
+ * list).  Returns 0, or -1 with TypeError naming fname for too many
+ * arguments, an unknown or repeated keyword, or one of the first
+ * `required` names missing: what PyArg_ParseTupleAndKeywords checks. */
+int mpc_py_args(mpc_py_argv *av, const char *fname, const char *const *names, int required,
+                PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames);
+
+/* Reads argument i of av (an int, or what has __index__) into *v.  Returns
+ * 0, or -1 with TypeError (not an int) or OverflowError (out of range,
+ * negative for mpc_py_u64), each naming the function and the argument. */
+int mpc_py_u64(const mpc_py_argv *av, int i, uint64_t *v);
+int mpc_py_int(const mpc_py_argv *av, int i, int *v);
 
 /* A NULL-terminated, malloc'd copy of a sequence of str (a command), or
  * NULL with an exception set; freed by mpc_py_argv_free. */
