@@ -43,6 +43,7 @@ WORLD = 2
 KB, MB = 1 << 10, 1 << 20
 SIZES = (("4k", "4 KB", 4 * KB), ("16m", "16 MB", 16 * MB))
 TARGETS = {4 * KB: 30.0, 16 * MB: 3.0}   # mpcore's target ratio per size (every op)
+MANY = 100     # c10d-allreduce-1m-x100: tensors reduced in turn, more than a rank once kept mapped
 SUB_TARGET = 1.2          # a subgroup's time over the world group's, at most
 STEP_TARGET = 1.5         # FSDP2 and torch-DDP steps
 LAYER_TARGET_US = 10.0    # what the backend layer may add to the core's all_reduce
@@ -142,6 +143,18 @@ def _op(torch, dist, op, nbytes, g, rank, world):
             return t
         t = call()
         _expect((t == want_sum).all(), f"all_reduce gave {t[:2].tolist()}, want {want_sum}")
+        return call
+    if op == "allreduce-many":
+        # MANY tensors reduced in turn, each again and again: gradients averaged by
+        # hand (NOTE [ Peers' buffers stay mapped ] in coll_copy.c)
+        ts = [full(numel, rank + 1) for _ in range(MANY)]
+        for t in ts:
+            dist.all_reduce(t, group=g)
+        _expect(all((t == want_sum).all() for t in ts), "all_reduce of many tensors: wrong sums")
+
+        def call():
+            for t in ts:
+                dist.all_reduce(t, group=g)
         return call
     if op == "broadcast":
         t = full(numel, rank + 1)
@@ -555,6 +568,12 @@ def register(cases):
               "each call, as gradients averaged by hand after zero_grad(set_to_none=True) are "
               "(NOTE [ Memory reduced again and again ] in dist/_buffers.py); time per call, the "
               f"making included; {side}. Target >= {TARGETS[16 * MB]:g}x.")
+    _add(f"c10d-allreduce-1m-x{MANY}", f"c10d all_reduce of {MANY} tensors of 1 MB in turn", "ms",
+         op_row, {"jobs": [("op", "allreduce-many", MB, "world")], "nbytes": MB},
+         row_notes=_op_notes, timeout_s=180.0,
+         note=f"dist.all_reduce of each of {MANY} tensors of 1 MB float32, the same tensors "
+              "every time, as gradients averaged by hand are (and DDP's buckets); time per "
+              f"round of {MANY} calls; {side}.")
     _add("c10d-funcol-allreduce-4k", "c10d functional all_reduce 4 KB + wait", "us",
          funcol_row, {"jobs": [("funcol", 4 * KB)], "nbytes": 4 * KB}, row_notes=_op_notes,
          timeout_s=120.0,

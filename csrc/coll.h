@@ -81,14 +81,17 @@ typedef struct {
     uint64_t sizes, boxes, bells, rings, ring, areas, size;
 } mpc_coll_layout;
 
-/* A peer's group buffer mapped here. */
+/* A peer's group buffer mapped here (NOTE [ Peers' buffers stay mapped ]
+ * in coll_copy.c). */
 typedef struct {
     int rank;
     uint64_t uid, len, used;
     uint8_t *addr;
 } mpc_coll_map;
 
-#define MPC_COLL_MAPS 64
+#define MPC_COLL_MAP_SETS 256 /* a mapping's set: a hash of its rank and uid */
+#define MPC_COLL_MAP_WAYS 8   /* mappings a set holds, the least recently used going */
+#define MPC_COLL_MAPS (MPC_COLL_MAP_SETS * MPC_COLL_MAP_WAYS)
 
 /* A message that a recv took out of its mailbox ahead of the one it
  * wanted (NOTE [ Mailboxes ] in coll_p2p.c). */
@@ -119,7 +122,7 @@ struct mpc_coll {
     int yields;         /* sched_yield()s before sleeping in a barrier */
     int64_t spin_ns;    /* how long a wait spins before it sleeps */
     uint64_t maps_used; /* lookups in maps, for least-recently-used */
-    mpc_coll_map maps[MPC_COLL_MAPS];
+    mpc_coll_map *maps; /* MPC_COLL_MAPS, allocated at the first peer's buffer */
 };
 
 struct mpc_coll_buf {

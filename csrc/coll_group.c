@@ -194,9 +194,10 @@ void mpc_coll_close(mpc_coll *c) {
     for (int r = 0; r < MPC_COLL_MAX_RANKS; r++)
         if (c->pidfds[r] >= 0)
             close(c->pidfds[r]);
-    for (int i = 0; i < MPC_COLL_MAPS; i++)
+    for (int i = 0; c->maps != NULL && i < MPC_COLL_MAPS; i++)
         if (c->maps[i].addr != NULL)
             munmap(c->maps[i].addr, c->maps[i].len);
+    free(c->maps);
     free(c->peers_tmp);
     while (c->held != NULL) {
         mpc_coll_held *h = c->held;

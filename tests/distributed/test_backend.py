@@ -311,6 +311,29 @@ def job_reduced_again(kind, call="all_reduce"):
     return out
 
 
+def job_many_reduced_in_turn(kind, many=80):
+    """NOTE [ Memory reduced again and again ]: `many` large tensors
+    all-reduced in turn, three rounds: which lie in group buffers after
+    each round, and the sums."""
+    if GROUPS[kind] is None:
+        return "skip"
+    m, g, members = GROUPS[kind]
+    W, me = len(members), members.index(RANK)
+    n = _buffers.BUFFER_MIN // 4 + 3
+    st, check = checker()
+    ts = [torch.empty(n) for _ in range(many)]
+    held = []
+    for rnd in range(3):
+        for i, t in enumerate(ts):
+            t.fill_(float(me + 1 + i))
+            dist.all_reduce(t, group=m)
+            check(f"tensor {i}, round {rnd}", t[::4099], torch.full_like(t[::4099], float(
+                sum(q + 1 + i for q in range(W)))))
+        held.append(sum(t.untyped_storage().data_ptr() in _buffers._held for t in ts))
+    st["held"] = held
+    return st
+
+
 def job_all_to_all_in_place(kind):
     """all_to_all_single with the output the input itself, small and
     large, three times each (the peers read the input while this rank
@@ -1402,6 +1425,15 @@ def test_memory_reduced_again_moves_into_a_group_buffer(pool, kind, call):
         assert [held for _, held in res["mixed"]] == ([False] * 3 if rank == 0
                                                       else [False, True, True]), (rank, res)
         assert res["shared_after"] is True and res["freed"] is True, (rank, res)
+
+
+def test_many_tensors_reduced_in_turn_all_move_into_group_buffers(pool):
+    """More large tensors than a rank once remembered (64), all-reduced in
+    turn as a loop over a model's gradients does: every one moves into a
+    group buffer at its second call, and every sum is right."""
+    results = pool.run("many_reduced_in_turn", kind="world")
+    _assert_all(results)
+    assert [res["held"] for res in results] == [[0, 80, 80]] * len(results)
 
 
 @pytest.mark.parametrize("kind", ["world", "new_group"])

@@ -706,6 +706,49 @@ def _send_recv_in_order_small_and_large(ranks):
     assert res[1] == [(0, digest(blob(n, 0, i))) for i, n in enumerate(sizes)]
 
 
+def test_every_peers_buffer_stays_mapped_past_the_old_sixty_four(ranks):
+    """NOTE [ Peers' buffers stay mapped ] in coll_copy.c: all-reduces that
+    name 80 buffers in turn, twice over, give the right sums, and after them
+    each rank still maps every buffer of every peer (a rank that kept 64
+    mappings, the least recently used going, had to map each again at each
+    call)."""
+    many, n = 80, 4096
+    res = ranks.run(rf'''
+import os
+from mpcore import _core
+F32, SUM = _core.COLL_DTYPES["float32"], _core.COLL_OPS["SUM"]
+bufs = [_core.GroupBuffer(4 * {n}) for _ in range({many})]
+views = [np.frombuffer(b, np.float32, {n}) for b in bufs]
+ok = True
+for rnd in range(2):
+    for i, (b, v) in enumerate(zip(bufs, views)):
+        v[:] = data("float32", {n}, rank, ("many", i))
+        g.all_reduce(v.ctypes.data, {n}, F32, SUM, 60, b)
+        want = sum(data("float32", {n}, q, ("many", i)).astype(np.float64) for q in range(world))
+        ok = ok and np.allclose(v, want, rtol=1e-5, atol=1e-4)
+owned = set()
+for fd in os.listdir("/proc/self/fd"):
+    try:     # (the listing's own fd is gone)
+        if os.readlink(f"/proc/self/fd/{{fd}}").startswith("/memfd:mpcore"):
+            owned.add(os.stat(f"/proc/self/fd/{{fd}}").st_ino)
+    except FileNotFoundError:
+        pass
+with open("/proc/self/maps") as f:
+    mapped = {{int(x.split()[4]) for x in f if "/memfd:mpcore" in x}}
+g.barrier(60 * SLOW)      # every rank has looked before any buffer goes
+result = ok, owned, mapped
+''', timeout=scaled(120))
+    assert [ok for ok, _, _ in res] == [True] * ranks.world
+    region = set.intersection(*(owned for _, owned, _ in res))
+    for r, (_, _, mapped) in enumerate(res):
+        for q, (_, owned, _) in enumerate(res):
+            if q != r:
+                theirs = owned - region
+                assert len(theirs) == many
+                assert theirs <= mapped, \
+                    f"rank {r} maps {len(theirs & mapped)} of rank {q}'s {many} buffers"
+
+
 def test_large_movers_copy_directly_between_the_ranks(ranks):
     """NOTE [ Copies between ranks' memory ]: ranks of one user copy large
     pieces straight from and into each other's buffers, which the tests

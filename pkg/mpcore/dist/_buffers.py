@@ -32,7 +32,16 @@ all-reduced per step on two ranks: 12.2 ms per step with those moves,
 3.2-4.5 ms without).  So the last _SEEN_MAX storages seen once are
 remembered by a weak reference to their Python object, which torch keeps
 for as long as the storage lives.  torch's own weak reference would not
-do: it keeps a freed storage's memory.
+do: it keeps a freed storage's memory.  _SEEN_MAX is large because a
+program reduces many storages in turn before it comes back to the first:
+with 64 remembered, the 100 gradients of a loop over a model's parameters
+(or DDP's buckets past 64) each left the list before their second call,
+and none was ever moved (`mpcore bench --only c10d-allreduce-1m-x100`).
+
+Each buffer keeps a file descriptor open for its peers to map it through,
+so a process holds at most a quarter of its descriptor limit in buffers
+(_room_for_buffer): past that, and when the system refuses a buffer, the
+storage stays where it is, and the program keeps its descriptors.
 
 Only memory torch's own allocator gave and that no one else sees is
 moved: not a storage over a numpy array, a file or another process's
@@ -44,6 +53,7 @@ choice.  Without memory for a buffer the storage stays where it is.
 """
 import collections
 import functools
+import resource
 import weakref
 
 import torch
@@ -56,7 +66,7 @@ SWAP = _torchapi.find("torch.UntypedStorage._swap_data_ptr_")
 
 
 BUFFER_MIN = 1 << 20     # the core's MPC_COLL_CMA_AR_MIN: smaller all-reduces are staged
-_SEEN_MAX = 64           # storages remembered as reduced once
+_SEEN_MAX = 4096         # storages remembered as reduced once
 _held = weakref.WeakValueDictionary()   # address -> the GroupBuffer a storage was moved into
 _seen = collections.OrderedDict()       # address -> weakref.ref of a storage reduced once
 
@@ -96,11 +106,21 @@ def buffer_of(t):
         return None     # small, or memory that never moves: not remembered either
     ref = _seen.pop(addr, None)
     if ref is not None and ref() is s:      # the same storage, a second time
+        if not _room_for_buffer():
+            return None
         try:
             return into_buffer(s)
-        except MemoryError:
+        except (MemoryError, OSError):      # no memory, or no descriptor, for it
             return None
     _seen[addr] = weakref.ref(s)
     if len(_seen) > _SEEN_MAX:
         _seen.popitem(last=False)
     return None
+
+
+def _room_for_buffer():
+    """Whether this process may hold one more group buffer: fewer than a
+    quarter of its file descriptor limit (NOTE [ Memory reduced again and
+    again ])."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return soft == resource.RLIM_INFINITY or len(_held) < soft // 4
