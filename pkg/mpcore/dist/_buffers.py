@@ -73,12 +73,18 @@ SWAP = _torchapi.find("torch.UntypedStorage._swap_data_ptr_")
 # 135 and 39; on four ranks (two a core) 64 KB 46.6 and 21.1, 768 KB 339
 # and 112.  The movers' inputs gain from 256 KB (all_gather_into_tensor 33
 # and 17 µs, reduce_scatter_tensor 34 and 17, all_to_all_single 30 and 22)
-# and are even at 64 KB (all_to_all_single 12 and 13).  Below 64 KB the
-# gain is a few microseconds, for a descriptor per buffer and the lookup
-# each call pays (buffer_of), so smaller storages stay where they are.
+# and are even at 64 KB (all_to_all_single 12 and 13).  What it costs: a
+# tensor made anew for each call now pays buffer_of too (its storage's
+# Python object, a weak reference), measured with both thresholds
+# alternated in one pair of ranks: 64 KB 21.4 and 23.3 us, 256 KB 58.8 and
+# 61.9, 768 KB 170 and 182 (5 to 9%).  Below 64 KB the gain is a few
+# microseconds, for a descriptor per buffer and that cost each call, so
+# smaller storages stay where they are.
 BUFFER_MIN = 64 << 10
 _SEEN_MAX = 4096         # storages remembered as reduced once
-_held = weakref.WeakValueDictionary()   # address -> the GroupBuffer a storage was moved into
+# address -> a weak reference to the GroupBuffer a storage was moved into, gone
+# with it (a dict's get costs a third of a WeakValueDictionary's)
+_held = {}
 _seen = collections.OrderedDict()       # address -> weakref.ref of a storage reduced once
 
 
@@ -92,7 +98,12 @@ def into_buffer(s):
     new = torch.frombuffer(b, dtype=torch.uint8, count=n)  # holds b
     new.copy_(torch.empty(0, dtype=torch.uint8).set_(s))
     SWAP(s, new.untyped_storage())
-    _held[b.address] = b
+    addr = b.address
+
+    def gone(ref):
+        if _held.get(addr) is ref:
+            del _held[addr]
+    _held[addr] = weakref.ref(b, gone)
     return b
 
 
@@ -105,28 +116,30 @@ def with_buffer(call, buf):
 def buffer_of(t):
     """The GroupBuffer holding t (CPU, contiguous) for the core's all-reduce,
     reduce, all-to-all, all-gather or reduce-scatter, moving t's storage
-    into one when the same storage comes a second time; or None."""
+    into one when the same storage comes a second time; or None.  Whether
+    its memory may move at all is asked only then: a tensor made anew for
+    each call never comes a second time, and the question (is_shared()
+    above all) cost half the bookkeeping."""
     s = t.untyped_storage()
     addr = s.data_ptr()
-    b = _held.get(addr)
-    if b is not None:
+    ref = _held.get(addr)
+    if ref is not None and (b := ref()) is not None:
         return b
-    n = s.nbytes()
-    if (n < BUFFER_MIN or SWAP is None or not s.resizable() or s.is_shared()
-            or (torch.cuda.is_initialized() and s.is_pinned())):
-        return None     # small, or memory that never moves: not remembered either
+    if s.nbytes() < BUFFER_MIN or SWAP is None:
+        return None
     ref = _seen.pop(addr, None)
-    if ref is not None and ref() is s:      # the same storage, a second time
-        if not _room_for_buffer():
-            return None
-        try:
-            return into_buffer(s)
-        except (MemoryError, OSError):      # no memory, or no descriptor, for it
-            return None
-    _seen[addr] = weakref.ref(s)
-    if len(_seen) > _SEEN_MAX:
-        _seen.popitem(last=False)
-    return None
+    if ref is None or ref() is not s:       # first seen (or new where a freed one lay)
+        _seen[addr] = weakref.ref(s)
+        if len(_seen) > _SEEN_MAX:
+            _seen.popitem(last=False)
+        return None
+    if (not s.resizable() or s.is_shared() or (torch.cuda.is_initialized() and s.is_pinned())
+            or not _room_for_buffer()):
+        return None     # memory that never moves, or no room for another buffer
+    try:
+        return into_buffer(s)
+    except (MemoryError, OSError):      # no memory, or no descriptor, for it
+        return None
 
 
 def _room_for_buffer():
