@@ -2,7 +2,7 @@
  * shared-memory collectives (coll.c and the files coll.h lists);
  * GroupBuffer, memory the other ranks map when a collective names it;
  * coll_create, which makes the group's region; and what the core reduces
- * (COLL_DTYPES, COLL_OPS, COLL_REDUCES).  Buffers are passed as addresses (a
+ * (COLL_DTYPES, COLL_OPS, COLL_REDUCES, COLL_MAX_RANKS).  Buffers are passed as addresses (a
  * tensor's data_ptr(), an array's data address) that the caller keeps alive
  * and contiguous.  Every call takes its arguments by position or by name,
  * so a caller names `timeout` and `buffer` rather than reordering them.
@@ -708,7 +708,8 @@ int mpc_py_coll_exec(PyObject *m, mpc_state *st) {
     if (!bad)
         bad = PyModule_AddObjectRef(m, "COLL_DTYPES", dtypes) < 0 ||
               PyModule_AddObjectRef(m, "COLL_OPS", ops) < 0 ||
-              PyModule_AddObjectRef(m, "COLL_REDUCES", reduces) < 0;
+              PyModule_AddObjectRef(m, "COLL_REDUCES", reduces) < 0 ||
+              PyModule_AddIntConstant(m, "COLL_MAX_RANKS", MPC_COLL_MAX_RANKS) < 0;
     Py_XDECREF(dtypes);
     Py_XDECREF(ops);
     Py_XDECREF(reduces);

@@ -1,7 +1,8 @@
 """One rank of test_multinode.py's job: started with torchrun's environment
 (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), on a "node" of its own
 (tests/helpers/netns.py) or, with MPCORE_TEST_RANKS_PER_HOST=k, with mpcore told
-that every k ranks share a host.
+that every k ranks share a host, or with MPCORE_TEST_REGION_MAX=k, with regions
+of k ranks at most.
 
     python _multinode_rank.py OUT
 
@@ -32,6 +33,10 @@ if os.environ.get("MPCORE_TEST_RANKS_PER_HOST"):
     _dist._host_id = lambda: f"fake-host-{RANK // _k}"
 
 import mpcore.distributed as md  # noqa: E402
+
+if os.environ.get("MPCORE_TEST_REGION_MAX"):   # NOTE [ More ranks than a region holds ]
+    from mpcore.dist import _dist
+    _dist.REGION_MAX = int(os.environ["MPCORE_TEST_REGION_MAX"])
 
 if os.environ.get("MPCORE_TEST_DEADLINE"):  # a hang shows where each thread was
     import faulthandler

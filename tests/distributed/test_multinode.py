@@ -13,6 +13,7 @@ Needs root and iproute2 (`ip`): skipped without them, failed in CI.
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 
@@ -46,26 +47,34 @@ def _read(out, name):
         return json.load(f)
 
 
-def _run_job(out, killed, checks=True):
+def _run_job(out, killed, checks=True, one_host=False):
     """Runs the job on two fresh nodes, SIGKILLs rank `killed` once every
     rank is in its all-reduce loop, and yields what it recorded; the nodes
-    and every process are gone when it returns, even on failure."""
-    nodes = netns.Nodes()
+    and every process are gone when it returns, even on failure.  one_host:
+    every rank on this machine, with regions of PER_NODE ranks at most
+    (NOTE [ More ranks than a region holds ] in _hier.py), so the host is
+    told as two."""
+    nodes = None if one_host else netns.Nodes()
     procs, logs = [], []
+    port = _free_port() if one_host else 29500
     j = Job()
     try:
         for r in range(WORLD):
             k = r // PER_NODE
             extra = dict(LOCAL_RANK=str(r % PER_NODE), LOCAL_WORLD_SIZE=str(PER_NODE),
-                         GLOO_SOCKET_IFNAME=nodes.ifname(k),
                          MPCORE_TEST_DEADLINE=str(scaled(JOB_TIMEOUT)))
+            if one_host:
+                extra.update(MPCORE_TEST_REGION_MAX=str(PER_NODE), GLOO_SOCKET_IFNAME="lo")
+            else:
+                extra["GLOO_SOCKET_IFNAME"] = nodes.ifname(k)
             if not checks:
                 extra["MPCORE_TEST_NO_CHECKS"] = "1"
             logs.append(os.path.join(out, f"log{r}"))
             with open(logs[-1], "w") as log:
-                procs.append(start_rank(PROGRAM, r, WORLD, 29500, (out,), extra=extra,
-                                        addr=nodes.addr(0),
-                                        wrap=lambda cmd, k=k: nodes.command(k, cmd),
+                procs.append(start_rank(PROGRAM, r, WORLD, port, (out,), extra=extra,
+                                        addr="127.0.0.1" if one_host else nodes.addr(0),
+                                        wrap=None if one_host else
+                                        (lambda cmd, k=k: nodes.command(k, cmd)),
                                         stdout=log, stderr=subprocess.STDOUT,
                                         start_new_session=True))
         deadline = time.monotonic() + scaled(JOB_TIMEOUT)
@@ -82,13 +91,23 @@ def _run_job(out, killed, checks=True):
         j.logs = {r: netns.tail(logs[r]) for r in range(WORLD)}
         for p in procs:  # everything the ranks started is gone too
             wait_session_gone(p.pid, timeout=30)
-        j.in_namespaces = [(pid, _comm(pid)) for pid in nodes.pids()]
-        nodes.close()
-        j.nodes_left = nodes.leftovers()
+        if nodes is not None:
+            j.in_namespaces = [(pid, _comm(pid)) for pid in nodes.pids()]
+            nodes.close()
+            j.nodes_left = nodes.leftovers()
         return j
     finally:
         netns.kill_sessions(procs, session_members)
-        nodes.close()
+        if nodes is not None:
+            nodes.close()
+
+
+def _free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
 
 
 def _require_nodes():
@@ -110,19 +129,43 @@ def leader_job(tmp_path_factory):
     return _run_job(str(tmp_path_factory.mktemp("multinode-leader")), 2, checks=False)
 
 
+@pytest.fixture(scope="module")
+def crowded_job(tmp_path_factory):
+    """Every check on one host with regions of two ranks at most, then rank 3
+    killed."""
+    return _run_job(str(tmp_path_factory.mktemp("one-host")), KILLED, one_host=True)
+
+
+def test_a_host_with_more_ranks_than_a_region_is_told_as_several(crowded_job):
+    """NOTE [ More ranks than a region holds ]: the group is a hierarchy over
+    parts of the host, every operation matches gloo, and a killed rank
+    fails every part in time, as across hosts."""
+    _assert_hierarchical(crowded_job, across_hosts=False)   # [0, 2] fits one region
+    _assert_every_operation_matches_gloo(crowded_job)
+    _assert_failed_in_time(crowded_job, KILLED)
+
+
 def test_groups_across_nodes_are_hierarchical(job):
+    _assert_hierarchical(job)
+
+
+def _assert_hierarchical(job, across_hosts=True):
     for r in range(WORLD):
         t = job.results[r]["transport"]
         assert t["world"] == {"type": "ProcessGroupMpcore", "shm": False, "inner": "HierGroup"}
         if r in (0, 1, 2):
             assert t["uneven"]["inner"] == "HierGroup"
         if r in (0, 2):
-            assert t["across"]["inner"] == "HierGroup"
+            assert t["across"]["inner"] == ("HierGroup" if across_hosts else None)
         if r in (2, 3):  # a subgroup inside one node gets a plain region
             assert t["inside"] == {"type": "ProcessGroupMpcore", "shm": True, "inner": None}
 
 
 def test_every_operation_matches_gloo(job):
+    _assert_every_operation_matches_gloo(job)
+
+
+def _assert_every_operation_matches_gloo(job):
     ops = ("all_reduce/RedOpType.SUM", "all_reduce/RedOpType.MAX", "all_reduce/AVG",
            "all_reduce/BXOR", "all_reduce_async", "async_in_order", "allreduce_coalesced",
            "broadcast/0", "reduce/0", "gather/0", "scatter/0", "all_gather",

@@ -27,6 +27,7 @@ import urllib.parse
 from .. import _core
 
 _CHUNK = 1 << 20        # staging bytes per rank and piece (all-reduce pieces are smaller: coll.c)
+REGION_MAX = _core.COLL_MAX_RANKS   # the most ranks one region serves (_hier.hosts_of)
 _inits = 0              # init_process_group calls so far: a fresh key space each
 
 
@@ -672,7 +673,7 @@ def join(store, prefix, rank, world, timeout_s):
     not all on this machine (NOTE [ Rendezvous ])."""
     store.set(f"{prefix}host/{rank}", _host_id())
     hosts = {store.get(f"{prefix}host/{r}").decode() for r in range(world)}
-    if len(hosts) != 1:
+    if len(hosts) != 1 or world > REGION_MAX:   # NOTE [ More ranks than a region holds ]
         return None
     direct = os.environ.get("MPCORE_DIRECT_COPY", "1") != "0"
     if rank == 0:

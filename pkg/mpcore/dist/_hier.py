@@ -67,6 +67,16 @@ calls raise the same error.
 
 CUDA tensors reach the flat gloo group (a NCCL group among leaders is not
 made).
+
+NOTE [ More ranks than a region holds ]
+A region serves at most _dist.REGION_MAX ranks (the core's
+MPC_COLL_MAX_RANKS, 64: its per-rank lines and the arrays its calls keep on
+the stack).  A group with more ranks on one host (a CPU job with a rank
+per core on a large machine) was refused at rank 0 while the other ranks
+waited for its region until the store's timeout.  Such a host is now told
+as several, of consecutive ranks in parts as even as can be (96 ranks:
+two of 48), and the group is a hierarchy over them as over hosts: shared
+memory inside each part, gloo among one leader per part.
 """
 import datetime
 import re
@@ -105,8 +115,16 @@ _GLOO_OPS = {_RED.SUM: ReduceOp.SUM, _RED.PRODUCT: ReduceOp.PRODUCT, _RED.MIN: R
 
 def hosts_of(store, world):
     """The host id of every rank of the group, as _dist.join published
-    them in the group's store."""
-    return [h.decode() for h in store.multi_get([f"mpcore/host/{r}" for r in range(world)])]
+    them in the group's store, a host of more ranks than a region serves
+    told as several (NOTE [ More ranks than a region holds ])."""
+    hosts = [h.decode() for h in store.multi_get([f"mpcore/host/{r}" for r in range(world)])]
+    for h in set(hosts):
+        mine = [r for r in range(world) if hosts[r] == h]
+        parts = -(-len(mine) // _dist.REGION_MAX)
+        if parts > 1:
+            for i, r in enumerate(mine):   # even parts of consecutive ranks
+                hosts[r] = f"{h}#{i * parts // len(mine)}"
+    return hosts
 
 
 class HierGroup:
