@@ -9,11 +9,12 @@ copied between the ranks (NOTE [ Copies between ranks' memory ] in
 coll.c): system calls that take each peer's memory map lock, and a copy
 into a scratch area.  In a group buffer (NOTE [ Group buffers ] in
 coll_copy.c) the ranks read each other's data where it lies.  So a
-storage of BUFFER_MIN bytes or more that a rank reduces a second time, all-reduce and reduce
-alike (torch's DDP buckets, FSDP's and the program's own gradient
-buffers: memory reduced again and again), is moved into a group buffer
-in place, as share_memory_() moves a storage (into_buffer), and stays
-there until the storage is freed, when the buffer goes with it.
+storage of BUFFER_MIN bytes or more that a rank reduces a second time,
+all-reduce and reduce alike (torch's DDP buckets, FSDP's and the
+program's own gradient buffers: memory reduced again and again), is
+moved into a group buffer in place, as share_memory_() moves a storage
+(into_buffer), and stays there until the storage is freed, when the
+buffer goes with it.
 all_to_all_single's input follows the same rule: its peers then read
 their pieces where they lie (16 MB on two ranks, `mpcore bench --only
 c10d-alltoall-16m`: 1.23-1.77 ms before, 0.65-0.97 ms after), and so do
@@ -47,7 +48,8 @@ storage stays where it is, and the program keeps its descriptors.
 Only memory torch's own allocator gave and that no one else sees is
 moved: not a storage over a numpy array, a file or another process's
 shared memory (not resizable, or shared), nor pinned memory, which would
-lose its pinning; such memory is not remembered either.  Each rank
+lose its pinning; such memory is looked at when it comes a second time
+(buffer_of), and stays where it is.  Each rank
 decides alone; when not every rank names a buffer the core copies
 between ranks' memory as before, so the result never depends on the
 choice.  Without memory for a buffer the storage stays where it is.
@@ -68,11 +70,11 @@ SWAP = _torchapi.find("torch.UntypedStorage._swap_data_ptr_")
 
 # NOTE [ Group buffers from 64 KB ]
 # Measured on two ranks, dist.all_reduce of the same tensor again and
-# again, staged against from a group buffer (µs per call): 8 KB 6.4 and
+# again, staged against from a group buffer (us per call): 8 KB 6.4 and
 # 5.0, 16 KB 8.4 and 5.2, 64 KB 17.4 and 7.6, 256 KB 47.5 and 15.2, 768 KB
 # 135 and 39; on four ranks (two a core) 64 KB 46.6 and 21.1, 768 KB 339
 # and 112.  The movers' inputs gain from 256 KB (all_gather_into_tensor 33
-# and 17 µs, reduce_scatter_tensor 34 and 17, all_to_all_single 30 and 22)
+# and 17 us, reduce_scatter_tensor 34 and 17, all_to_all_single 30 and 22)
 # and are even at 64 KB (all_to_all_single 12 and 13).  What it costs: a
 # tensor made anew for each call now pays buffer_of too (its storage's
 # Python object, a weak reference), measured with both thresholds
