@@ -6,21 +6,23 @@ One job serves most of the module (NOTE [ One start per stack ] in
 helpers/ranks.py): the ranks (tests/distributed/_multinode_rank.py) compare every operation of
 the backend with gloo on the same ranks, then all-reduce in a loop until the
 test SIGKILLs rank 3; the job is then over, and the tests read what it
-recorded.  A second, shorter job only loops, and loses rank 2, a leader.
+recorded.  A second, shorter job only loops, and loses rank 2, a leader.  A
+third runs the first's checks on this host alone, with regions of two ranks
+at most, so that the host is told as two (NOTE [ More ranks than a region
+holds ] in mpcore/dist/_hier.py).
 
 Needs root and iproute2 (`ip`): skipped without them, failed in CI.
 """
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 
 import pytest
 
 from helpers import netns, require, scaled, session_members, wait_session_gone
-from helpers.ranks import start_rank
+from helpers.ranks import free_port, start_rank
 
 WORLD, PER_NODE = 4, 2
 KILLED = 3          # a rank that is not its node's leader
@@ -56,7 +58,7 @@ def _run_job(out, killed, checks=True, one_host=False):
     told as two."""
     nodes = None if one_host else netns.Nodes()
     procs, logs = [], []
-    port = _free_port() if one_host else 29500
+    port = free_port() if one_host else 29500
     j = Job()
     try:
         for r in range(WORLD):
@@ -100,14 +102,6 @@ def _run_job(out, killed, checks=True, one_host=False):
         netns.kill_sessions(procs, session_members)
         if nodes is not None:
             nodes.close()
-
-
-def _free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def _require_nodes():
