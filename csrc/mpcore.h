@@ -91,6 +91,16 @@ const char *mpc_strerror(int err);
 /* Returns the monotonic clock in nanoseconds.  Never fails. */
 int64_t mpc_now_ns(void);
 
+/* Tells the CPU that the caller spins (NOTE [ Spin hints ] in sync.c): one
+ * pause.  Never fails. */
+static inline void mpc_cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("isb" ::: "memory");
+#endif
+}
+
 /* Waits while *addr == expected, at most until deadline_ns (monotonic; -1
  * means no deadline).  The word lives in shared memory, so the wait is a
  * process-shared futex.  Returns 0 when woken (or when *addr had already

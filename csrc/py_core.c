@@ -299,7 +299,7 @@ static int mpc_exec(PyObject *m) {
         mpc_py_ring_exec(m, st) < 0 ||
         mpc_py_proc_exec(m, st) < 0 || mpc_py_pool_exec(m, st) < 0 ||
         mpc_py_coll_exec(m, st) < 0 || mpc_py_nccl_exec(m, st) < 0 ||
-        mpc_py_lane_exec(m, st) < 0)
+        mpc_py_lanelock_exec(m, st) < 0 || mpc_py_lane_exec(m, st) < 0)
         return -1;
     return 0;
 }

@@ -146,6 +146,14 @@ int mpc_py_parse_ref(PyObject *t, mpc_ref *ref);
  * block; it must keep any exception already set).  Never fails. */
 void mpc_py_block_set_forget(void (*fn)(BlockObject *));
 
+/* The lane's lock (py_lanelock.c), taken for ever or given back once by
+ * this thread when lock is a LaneLock: 1 when done, 0 when lock is of
+ * another type (nothing done: the caller calls its methods), -1 with an
+ * exception set (a signal's handler raised while it waited, the count
+ * would overflow, or the lock is not held by this thread). */
+int mpc_py_lanelock_take(PyObject *lock);
+int mpc_py_lanelock_give(PyObject *lock);
+
 /* Each binding file adds its types and functions to the module; each
  * returns 0, or -1 with an exception set. */
 int mpc_py_block_exec(PyObject *m, mpc_state *st);
@@ -155,6 +163,7 @@ int mpc_py_proc_exec(PyObject *m, mpc_state *st);
 int mpc_py_pool_exec(PyObject *m, mpc_state *st);
 int mpc_py_coll_exec(PyObject *m, mpc_state *st);
 int mpc_py_nccl_exec(PyObject *m, mpc_state *st);
+int mpc_py_lanelock_exec(PyObject *m, mpc_state *st);
 int mpc_py_lane_exec(PyObject *m, mpc_state *st);
 extern PyMethodDef mpc_py_block_methods[];
 extern PyMethodDef mpc_py_shm_methods[];

@@ -199,14 +199,6 @@ _Static_assert(sizeof(mpc_ref) == 16, "mpc_ref layout changed");
 /* Helpers                                                             */
 /* ------------------------------------------------------------------ */
 
-static inline void mpc__ring_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("isb" ::: "memory"); /* NOTE [ Spin hints ] in sync.c */
-#endif
-}
-
 static inline uint64_t mpc__round8(uint64_t n) { return (n + 7) & ~(uint64_t)7; }
 
 static inline char *mpc__ring_data(mpc_ring *r) { return (char *)r + MPC_RING_HDR; }
@@ -335,7 +327,7 @@ static int mpc__ring_wait(_Atomic uint32_t *seq, _Atomic uint32_t *sleepers, uin
     for (int i = 0; i < MPC_RING_SPIN; i++) {
         if (atomic_load_explicit(seq, memory_order_acquire) != seen)
             return 0;
-        mpc__ring_relax();
+        mpc_cpu_relax();
     }
     /* NOTE [ Ring ], Yielding: a stream's next message is usually a few
      * microseconds away, and a waiter that sleeps makes its peer pay a wake
@@ -348,7 +340,7 @@ static int mpc__ring_wait(_Atomic uint32_t *seq, _Atomic uint32_t *sleepers, uin
         for (int i = 0; i < MPC_RING_SPIN / 4; i++) {
             if (atomic_load_explicit(seq, memory_order_acquire) != seen)
                 return 0;
-            mpc__ring_relax();
+            mpc_cpu_relax();
         }
     }
     atomic_fetch_add(sleepers, 1);

@@ -27,14 +27,8 @@
  * MPC_SPIN_ITERATIONS would end in a fraction of the time it takes with
  * pause; an instruction barrier (`isb`) stalls for a comparable few tens
  * of cycles, which is what Rust's spin_loop and others chose.  Elsewhere
- * the hint is nothing.  ring.c's spin uses the same hint. */
-static inline void mpc__cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("isb" ::: "memory");
-#endif
-}
+ * the hint is nothing.  Every spin of the core uses it: mpc_cpu_relax in
+ * mpcore.h. */
 
 /* Returns the monotonic clock in nanoseconds.  Never fails: CLOCK_MONOTONIC
  * always exists on Linux. */
@@ -101,7 +95,7 @@ int mpc_wait_change_spin(_Atomic uint32_t *addr, uint32_t expected, int64_t spin
     for (int i = 0; i < MPC_SPIN_ITERATIONS; i++) {
         if (atomic_load_explicit(addr, memory_order_acquire) != expected)
             return 0;
-        mpc__cpu_relax();
+        mpc_cpu_relax();
     }
     if (spin_ns > 0) {
         int64_t until = mpc_now_ns() + spin_ns;
@@ -111,7 +105,7 @@ int mpc_wait_change_spin(_Atomic uint32_t *addr, uint32_t expected, int64_t spin
             for (int i = 0; i < MPC_SPIN_ITERATIONS; i++) {
                 if (atomic_load_explicit(addr, memory_order_acquire) != expected)
                     return 0;
-                mpc__cpu_relax();
+                mpc_cpu_relax();
             }
         } while (mpc_now_ns() < until);
     }

@@ -2,6 +2,7 @@
 order queued, on the lane's thread or on a thread that waits for the next
 one (NOTE [ A waiter runs its own call ]), and a call's end wakes whoever
 can go on (NOTE [ A finished call wakes only who needs it ])."""
+import datetime
 import threading
 import time
 
@@ -178,7 +179,7 @@ def test_only_small_calls_keep_the_thread_polling():
         ln.stop()
 
 
-# --- the lane's lock (NOTE [ The lane's lock in C ] in py_lane.c) -------------------
+# --- the lane's lock (NOTE [ The lane's lock in C ] in py_lanelock.c) -------------------
 
 def test_the_lanes_lock_is_reentrant_and_held_by_one_thread():
     from mpcore import _core
@@ -299,5 +300,112 @@ def test_a_lane_takes_its_lock_in_c():
         w = ln.post(_dist.Work, [], lambda timeout: None, (), None, True)
         ln.wait_for(w)
         assert w._done and not ln.lock._is_owned()
+    finally:
+        ln.stop()
+
+
+def _watched(base, sets):
+    """A subclass of base whose _done is a property that records each set."""
+    def get(self):
+        return self.__dict__["done"]
+
+    def set_(self, value):
+        self.__dict__["done"] = value
+        sets.append(value)
+    return type("Watched", (base,), {"_done": property(get, set_)})
+
+
+def test_a_works_field_behind_a_property_is_set_through_it():
+    """NOTE [ A Work's fields in its dict ] (py_lane.c): post and wait_for
+    write a Work's fields in its dict only where its type has no data
+    descriptor of their names; a type with one is served by name."""
+    sets = []
+    ln = _dist._Lane("test-lane", 5.0)
+    try:
+        w = ln.post(_watched(_dist.Work, sets), [], lambda timeout: None, (), None, True)
+        ln.wait_for(w)
+        assert w.is_completed() and sets == [False, True]
+        assert "_done" not in w.__dict__
+    finally:
+        ln.stop()
+
+
+def test_a_work_type_changed_after_its_calls_is_looked_at_again():
+    """The look at a type is kept with its version tag: a property added to
+    the class after it was found plain is seen at the next call."""
+    late = type("Late", (_dist.Work,), {})
+    ln = _dist._Lane("test-lane", 5.0)
+    try:
+        first = ln.post(late, [], lambda timeout: None, (), None, True)
+        ln.wait_for(first)
+        assert first.is_completed()
+        sets = []
+        late._done = _watched(object, sets).__dict__["_done"]
+        second = ln.post(late, [], lambda timeout: None, (), None, True)
+        ln.wait_for(second)
+        assert second.is_completed() and sets == [False, True]
+    finally:
+        ln.stop()
+
+
+@pytest.mark.timeout(60)
+def test_work_wait_in_c_is_what_the_python_method_was():
+    """NOTE [ Work.wait in C ] (py_lane.c): bound to a Work, wait is a bound
+    method of a callable that is no built-in function (pybind takes it for
+    the Python override, so torch's C++ holders call it); it runs the call,
+    raises the call's own error, and with a timeout goes to the Python
+    method, which says when the call did not end in time."""
+    import types
+    from mpcore.dist import _work
+
+    ln = _dist._Lane("test-lane", 5.0)
+    try:
+        w = ln.post(_work.Work, [], lambda timeout: None, (), None, True)
+        assert type(w.wait) is types.MethodType
+        assert not isinstance(w.wait.__func__, types.BuiltinFunctionType)
+        assert w.wait() is True and w.is_completed()
+
+        err = ValueError("the call's own")
+
+        def boom(timeout):
+            raise err
+        bad = ln.post(_work.Work, [], boom, (), None, True)
+        with pytest.raises(ValueError) as info:
+            bad.wait()
+        assert info.value is err and bad.exception() is err
+
+        hold, started = threading.Event(), threading.Event()
+
+        def blocked(timeout):
+            started.set()
+            hold.wait(WAIT_S)
+        first = ln.post(_work.Work, [], blocked, (), None, False)   # the lane's thread takes it
+        assert started.wait(WAIT_S)
+        late = ln.post(_work.Work, [], lambda timeout: None, (), None, True)
+        with pytest.raises(TimeoutError, match="did not complete within 0.05 s"):
+            late.wait(datetime.timedelta(seconds=0.05))
+        hold.set()
+        assert first.wait() is True and late.wait() is True
+    finally:
+        ln.stop()
+
+
+@pytest.mark.timeout(60)
+def test_torchs_cpp_waits_on_a_work_through_its_c_wait():
+    """torch's own C++ (the functional collectives' registry: wait_tensor)
+    waits on a Work of this backend: it calls the Work's wait, which runs
+    the queued call, where torch's base wait would never end."""
+    import torch
+    from torch._C import _distributed_c10d as c10d
+    from mpcore.dist import _work
+
+    ln = _dist._Lane("test-lane", 5.0)
+    ln.IDLE_S = 0
+    try:
+        t = torch.zeros(4)
+        w = ln.post(_work.Work, [t], lambda timeout: t.fill_(7.0), (), None, True)
+        c10d._register_work(t, w)
+        torch.ops._c10d_functional.wait_tensor(t)
+        assert w.is_completed() and t.tolist() == [7.0] * 4
     finally:
         ln.stop()

@@ -106,7 +106,7 @@ class Collectives:
                 if opts.asyncOp:
                     return shm.run(True, tensors, with_buffer(shm.core.all_reduce, buf),
                                    t.data_ptr(), t.numel(), codes[0], codes[1], keep=(t,))
-                if shm.queued:
+                if shm.collectives.queued:
                     shm.drain()
                 shm.core.all_reduce(t.data_ptr(), t.numel(), codes[0], codes[1], shm.timeout,
                                     buf)
@@ -257,7 +257,7 @@ class Collectives:
                 if opts.asyncOp:
                     return shm.run(True, tensors, with_buffer(shm.core.reduce, buf), t.data_ptr(),
                                    t.numel(), codes[0], codes[1], root, keep=(t,))
-                if shm.queued:
+                if shm.collectives.queued:
                     shm.drain()
                 shm.core.reduce(t.data_ptr(), t.numel(), codes[0], codes[1], root, shm.timeout,
                                 buf)

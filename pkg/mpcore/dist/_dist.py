@@ -217,15 +217,17 @@ class Work:
     is done once `_done` is set, which its lane does under the lane's lock
     (NOTE [ A call's end ]); a thread that waits for it waits on the lane."""
 
-    profiler_events = None   # the profiler's events of the call, which its end ends
     reusable = False         # whether a lane may give it again (NOTE [ A Work used again ])
 
     def __init__(self, tensors):
+        # the fields post and wait_for read in the dict (NOTE [ A Work's
+        # fields in its dict ] in py_lane.c): all six, in every Work
         self._tensors = tensors
         self._done = False
         self._exc = None
         self._future = None
         self.lane = None
+        self.profiler_events = None   # the profiler's events of the call, which its end ends
 
     def end(self, exc=None):
         """Marks the call done; returns its future when one was asked for
@@ -387,7 +389,7 @@ class _Lane(_core.Lane):
     waits with a timeout) stays Python, being off that path.  The C code
     keeps every rule of the Python it replaced: it takes the lane's lock
     (a reentrant LaneLock, by C calls, NOTE [ The lane's lock in C ] in
-    py_lane.c) around each change of the state, runs the call outside it, marks the end as _call does (NOTE
+    py_lanelock.c) around each change of the state, runs the call outside it, marks the end as _call does (NOTE
     [ A call's end ]) and settles the future after it.  Measured, one run,
     4 KB, best of 5 runs of 5000 calls, Python lane and C lane alternated
     (python benchmarks/fastpath_calls.py): async - dist went from +2.72,
@@ -403,13 +405,13 @@ class _Lane(_core.Lane):
         self.name = name
         self.timeout = timeout
         # (work, fn, args, keep) in order; a list, which post and wait_for
-        # change by C calls (NOTE [ The lane's lock in C ] in py_lane.c)
+        # change by C calls (NOTE [ The lane's lock in C ] in py_lanelock.c)
         self.queue = []
         # `with self.lock` is `with self.cond` without threading.Condition's
         # Python-level __enter__/__exit__ (NOTE [ The backend's cost per
         # call ] in _group.py): three of them per call.  A reentrant lock
         # that post and wait_for take by C calls (NOTE [ The lane's lock in
-        # C ] in py_lane.c).
+        # C ] in py_lanelock.c).
         self.lock = _core.LaneLock()
         self.cond = threading.Condition(self.lock)
         self.thread = None
@@ -608,6 +610,7 @@ class ShmGroup:
 
     work_type = Work  # what run() returns for async_op (the backend's has torch's base)
     COLLECTIVES = "mpcore-collectives"
+    SMALL = _Lane.SMALL   # a call of at most these bytes is small to a lane
 
     def __init__(self, core, rank, world, timeout_s):
         self.core = core
@@ -616,6 +619,15 @@ class ShmGroup:
         self.timeout = timeout_s
         self.lanes = {}
         self._lanes_lock = threading.Lock()
+        # The collectives' lane, made with the group (its thread starts at
+        # its first call), and its post bound once: the fast paths of
+        # torch's functions queue by shm.post(work_type, result, fn, args,
+        # keep, small) and look at shm.collectives.queued, where a lookup
+        # of the lane and a helper's frame cost a tenth of an async call
+        # over a blocking one (NOTE [ Asynchronous calls on the fast path ]
+        # in _fastpath.py).
+        self.collectives = self.lane(self.COLLECTIVES)
+        self.post = self.collectives.post
 
     def set_timeout(self, seconds):
         """The timeout of every call from now on, queued ones included."""
@@ -631,18 +643,13 @@ class ShmGroup:
                 lane = self.lanes.setdefault(name, _Lane(name, self.timeout))
         return lane
 
-    @property
-    def queued(self):
-        lane = self.lanes.get(self.COLLECTIVES)
-        return lane.queued if lane is not None else 0
-
     def run(self, async_op, tensors, fn, *args, keep=(), work=None, lane=COLLECTIVES):
         """fn(*args, timeout) now (after the collectives queued), or on the
         thread of `lane` when async_op; returns a Work for async_op (`work`,
         or a new one), which holds `tensors` (its result) and `keep` (what
         fn reads: the caller may drop them) until fn is done."""
         if not async_op:
-            if self.queued:
+            if self.collectives.queued:
                 self.drain()
             fn(*args, self.timeout)
             return None
@@ -654,9 +661,7 @@ class ShmGroup:
 
     def drain(self):
         """Waits for the collectives queued so far."""
-        lane = self.lanes.get(self.COLLECTIVES)
-        if lane is not None:
-            lane.drain()
+        self.collectives.drain()
 
     def close(self):
         """Stops the group's threads (after what is queued) and unmaps the

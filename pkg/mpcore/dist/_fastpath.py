@@ -174,16 +174,25 @@ the Work used again and the Python lane; +1.55, +1.39, +1.57, +1.57,
 +1.91 with the lane in C (another run of it: +1.68, +1.43, +1.53,
 +1.57, +2.10).  Then the lane's lock and queue taken by C calls, no
 longer through a threading.RLock's and a deque's methods (NOTE [ The
-lane's lock in C ] in py_lane.c): in one process, the two lanes
+lane's lock in C ] in py_lanelock.c): in one process, the two lanes
 alternated run by run, all_reduce +1.36 and +1.39 us before, +1.12 and
-+1.18 after; barrier +0.94 after in the quieter run.  Not the
-microsecond asked for: what is left is about 0.25 us of Python in
-Work.wait and _queue (a _queue in C measured no better, within the
-noise), and about ten attribute reads and writes of the Work, a pybind
-object with a dict (0.2 us).  The rest of the way would be the Work's
-state in C, and wait() a C callable that torch's pybind still takes for
-a Python override (a C function it takes for its own, and its C++
-holders would then wait on torch's base Work).
++1.18 after; barrier +0.94 after in the quieter run.  What was left
+then: about 0.25 us of Python in Work.wait and a helper that looked the
+lane up and queued on it, and about ten attribute reads and writes of
+the Work, a pybind object with a dict (0.2 us).  So the lane's post and
+wait_for read and write the Work's fields in its dict (NOTE [ A Work's
+fields in its dict ] in py_lane.c), Work.wait is C (NOTE [ Work.wait in
+C ] in py_lane.c), and the fast paths call the group's shm.post, the
+collectives lane's post bound once, with no helper between.  Measured,
+the package before and after installed in turn (python
+benchmarks/fastpath_calls.py --runs 5 --calls 10000, two rounds), async
+- dist before and after: all_reduce +1.03 and +1.06 us, +0.76 and
++0.75; barrier +0.87 and +0.83, +0.63 and +0.59; broadcast +1.06 and
++1.08, +0.75 and +0.76; all_gather_single +1.07 and +1.05, +0.73 and
++0.75; reduce_scatter_single +1.39 and +1.42, +0.84 and +0.80;
+reduce_scatter +1.59 and +1.56, +0.80 and +0.78; gather +1.49 and
++1.52, +0.79 and +0.74 (the three last had summed their result's bytes
+in a generator for the lane's `small`).
 
 NOTE [ Calls a coalescing manager gathers ]
 Inside torch's _coalescing_manager(group) (DTensor's and FSDP's way of
@@ -293,7 +302,6 @@ _ROWS = CORE_ROWS
 _SUMS = {dt: row[RED.SUM.value] for dt, row in CORE_ROWS.items() if row[RED.SUM.value]}
 _ITEM = {dt: dt.itemsize for dt in CORE_ROWS}   # a dict's read costs less than numel()
 _FEW = BUFFER_MIN // 16   # fewer elements than this are under BUFFER_MIN bytes in any dtype
-_COLLECTIVES = ShmGroup.COLLECTIVES
 _torch_empty = torch.empty
 _torch_cat = torch.cat
 
@@ -347,11 +355,10 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
         shm = g.shm
         if root is not None and shm is not None:
             if async_op:
-                return _queue(shm, [tensor], shm.core.broadcast,
-                              (tensor.data_ptr(), tensor.nbytes, root), tensor,
-                              tensor.nbytes)
-            lane = shm.lanes.get(_COLLECTIVES)
-            if lane is not None and lane.queued:
+                return shm.post(_Work, [tensor], shm.core.broadcast,
+                                (tensor.data_ptr(), tensor.nbytes, root), tensor,
+                                tensor.nbytes <= _SMALL)
+            if shm.collectives.queued:
                 shm.drain()
             shm.core.broadcast(tensor.data_ptr(), tensor.nbytes, root, shm.timeout)
             return None
@@ -366,24 +373,20 @@ def _call(shm, async_op, keep, result, fn, *args):
     `result` and `keep`) for async_op (NOTE [ Asynchronous calls on the
     fast path ])."""
     if async_op:
-        return _queue(shm, result, fn, args, keep)
-    lane = shm.lanes.get(_COLLECTIVES)
-    if lane is not None and lane.queued:
+        return shm.post(_Work, result, fn, args, keep,
+                        sum(t.nbytes for t in result) <= _SMALL)
+    if shm.collectives.queued:
         shm.drain()
     fn(*args, shm.timeout)
     return None
 
 
-def _queue(shm, result, fn, args, keep, nbytes=None):
-    """The Work of fn(*args, timeout) queued on the group's collectives
-    lane, as ShmGroup.run(True, ...) queues it (NOTE [ Asynchronous calls
-    on the fast path ]); nbytes: the call's bytes, which tell the lane
-    whether it is small (those of `result`, a list of tensors, when not
-    given)."""
-    lane = shm.lanes.get(_COLLECTIVES) or shm.lane(_COLLECTIVES)
-    if nbytes is None:
-        nbytes = sum(t.nbytes for t in result)
-    return lane.post(_Work, result, fn, args, keep, nbytes <= lane.SMALL)
+# shm.post(_Work, result, fn, args, keep, small): the Work of fn(*args,
+# timeout) queued on the group's collectives lane, as ShmGroup.run(True,
+# ...) queues it (NOTE [ Asynchronous calls on the fast path ]); small: the
+# call's bytes are at most _SMALL, which tells the lane not to wake its
+# thread (NOTE [ A waiter runs its own call ] in _dist.py).
+_SMALL = ShmGroup.SMALL
 
 
 # _pieces(ts, torch.Tensor, dtype, shape, w, nbytes): ts as the core takes
@@ -413,10 +416,10 @@ def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group
                 outs = _pieces(gather_list, _Tensor, tensor.dtype, tensor.shape, g.world, n)
             if outs is not None:
                 if async_op:   # the Work's result is the root's outputs' list, as the method's
-                    return _queue(shm, gather_list if outs else [], shm.core.gather,
-                                  (outs, tensor.data_ptr(), n, root), (tensor, gather_list))
-                lane = shm.lanes.get(_COLLECTIVES)
-                if lane is not None and lane.queued:
+                    return shm.post(_Work, gather_list if outs else [], shm.core.gather,
+                                    (outs, tensor.data_ptr(), n, root), (tensor, gather_list),
+                                    (n * g.world if outs else 0) <= _SMALL)
+                if shm.collectives.queued:
                     shm.drain()
                 shm.core.gather(outs, tensor.data_ptr(), n, root, shm.timeout)
                 return None
@@ -440,10 +443,10 @@ def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, gro
                 ins = _pieces(scatter_list, _Tensor, tensor.dtype, tensor.shape, g.world, n)
             if ins is not None:
                 if async_op:
-                    return _queue(shm, [tensor], shm.core.scatter,
-                                  (tensor.data_ptr(), ins, n, root), (tensor, scatter_list), n)
-                lane = shm.lanes.get(_COLLECTIVES)
-                if lane is not None and lane.queued:
+                    return shm.post(_Work, [tensor], shm.core.scatter,
+                                    (tensor.data_ptr(), ins, n, root), (tensor, scatter_list),
+                                    n <= _SMALL)
+                if shm.collectives.queued:
                     shm.drain()
                 shm.core.scatter(tensor.data_ptr(), ins, n, root, shm.timeout)
                 return None
@@ -470,10 +473,9 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
             sent = [n // w] * w
             got = sent if m == n else [m // w] * w
             if async_op:
-                return _queue(shm, [output], shm.core.all_to_all, (o, i, sent, got),
-                              (input, output), m)
-            lane = shm.lanes.get(_COLLECTIVES)
-            if lane is not None and lane.queued:
+                return shm.post(_Work, [output], shm.core.all_to_all, (o, i, sent, got),
+                                (input, output), m <= _SMALL)
+            if shm.collectives.queued:
                 shm.drain()
             shm.core.all_to_all(o, i, sent, got, shm.timeout)
             return None
@@ -505,10 +507,10 @@ def all_reduce(tensor, op=_SUM, group=None, async_op=False):
             if n >= _FEW and tensor.nbytes >= BUFFER_MIN:
                 call = with_buffer(call, buffer_of(tensor))
             if async_op:
-                return _queue(shm, [tensor], call, (tensor.data_ptr(), n, codes[0], codes[1]),
-                              tensor, tensor.nbytes)
-            lane = shm.lanes.get(_COLLECTIVES)
-            if lane is not None and lane.queued:
+                return shm.post(_Work, [tensor], call,
+                                (tensor.data_ptr(), n, codes[0], codes[1]), tensor,
+                                tensor.nbytes <= _SMALL)
+            if shm.collectives.queued:
                 shm.drain()
             call(tensor.data_ptr(), n, codes[0], codes[1], shm.timeout)
             return None
@@ -529,9 +531,8 @@ def barrier(group=None, async_op=False, device_ids=None, timeout=None):
             s = None     # torch's options take a timedelta only: its error
         if shm is not None and s is not None:
             if async_op:
-                return _queue(shm, [], _barrier, (shm.core, s), None, 0)
-            lane = shm.lanes.get(_COLLECTIVES)
-            if lane is not None and lane.queued:
+                return shm.post(_Work, [], _barrier, (shm.core, s), None, True)
+            if shm.collectives.queued:
                 shm.drain()
             shm.core.barrier(s)
             return None
@@ -562,11 +563,10 @@ def _all_gather_base(key):
             if n >= BUFFER_MIN:
                 call = with_buffer(call, buffer_of(input_tensor))
             if async_op:
-                return _queue(shm, [output_tensor], call,
-                              (output_tensor.data_ptr(), input_tensor.data_ptr(), n),
-                              (input_tensor, output_tensor), n * g.world)
-            lane = shm.lanes.get(_COLLECTIVES)
-            if lane is not None and lane.queued:
+                return shm.post(_Work, [output_tensor], call,
+                                (output_tensor.data_ptr(), input_tensor.data_ptr(), n),
+                                (input_tensor, output_tensor), n * g.world <= _SMALL)
+            if shm.collectives.queued:
                 shm.drain()
             call(output_tensor.data_ptr(), input_tensor.data_ptr(), n, shm.timeout)
             return None
@@ -599,10 +599,10 @@ def _reduce_scatter_base(key):
                 if m * g.world >= _FEW and input.nbytes >= BUFFER_MIN:
                     call = with_buffer(call, buffer_of(input))
                 if async_op:
-                    return _queue(shm, [output], call, (output.data_ptr(), input.data_ptr(), m,
-                                                        codes[0], codes[1]), (input, output))
-                lane = shm.lanes.get(_COLLECTIVES)
-                if lane is not None and lane.queued:
+                    return shm.post(_Work, [output], call,
+                                    (output.data_ptr(), input.data_ptr(), m, codes[0], codes[1]),
+                                    (input, output), output.nbytes <= _SMALL)
+                if shm.collectives.queued:
                     shm.drain()
                 call(output.data_ptr(), input.data_ptr(), m, codes[0], codes[1], shm.timeout)
                 return None
@@ -628,10 +628,10 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
         if outs is not None:
             if type(outs) is int:   # one buffer: the core writes into it
                 if async_op:
-                    return _queue(shm, tensor_list, shm.core.all_gather,
-                                  (outs, tensor.data_ptr(), n), (tensor, tensor_list), n * w)
-                lane = shm.lanes.get(_COLLECTIVES)
-                if lane is not None and lane.queued:
+                    return shm.post(_Work, tensor_list, shm.core.all_gather,
+                                    (outs, tensor.data_ptr(), n), (tensor, tensor_list),
+                                    n * w <= _SMALL)
+                if shm.collectives.queued:
                     shm.drain()
                 shm.core.all_gather(outs, tensor.data_ptr(), n, shm.timeout)
                 return None
@@ -664,11 +664,10 @@ def reduce_scatter(output, input_list, op=_SUM, group=None, async_op=False):
                if codes is not None else None)
         if type(ins) is int:    # laid end to end: the core reads them where they lie
             if async_op:
-                return _queue(shm, [output], shm.core.reduce_scatter,
-                              (output.data_ptr(), ins, nb // _ITEM[dt], codes[0], codes[1]),
-                              (output, input_list))
-            lane = shm.lanes.get(_COLLECTIVES)
-            if lane is not None and lane.queued:
+                return shm.post(_Work, [output], shm.core.reduce_scatter,
+                                (output.data_ptr(), ins, nb // _ITEM[dt], codes[0], codes[1]),
+                                (output, input_list), nb <= _SMALL)
+            if shm.collectives.queued:
                 shm.drain()
             shm.core.reduce_scatter(output.data_ptr(), ins, nb // _ITEM[dt], codes[0], codes[1],
                                     shm.timeout)
@@ -697,10 +696,9 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
         if type(outs) is int and type(ins) is int:   # both end to end: the core's one call
             sizes = [n] * w
             if async_op:
-                return _queue(shm, output_tensor_list, shm.core.all_to_all,
-                              (outs, ins, sizes, sizes), input_tensor_list, n * w)
-            lane = shm.lanes.get(_COLLECTIVES)
-            if lane is not None and lane.queued:
+                return shm.post(_Work, output_tensor_list, shm.core.all_to_all,
+                                (outs, ins, sizes, sizes), input_tensor_list, n * w <= _SMALL)
+            if shm.collectives.queued:
                 shm.drain()
             shm.core.all_to_all(outs, ins, sizes, sizes, shm.timeout)
             return None
@@ -760,7 +758,7 @@ def _fc_input(self, group):
             or self.requires_grad or _has_torch_function((self,))):
         return None
     g = _fc_group(group)
-    if g is not None and g.shm.queued:
+    if g is not None and g.shm.collectives.queued:
         g.shm.drain()     # after the group's calls in flight, as torch's order is
     return g
 

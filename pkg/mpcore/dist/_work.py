@@ -6,7 +6,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from .. import _torchapi
+from .. import _core, _torchapi
 from . import _dist, _profile
 from ._reduce import check_op
 
@@ -60,7 +60,7 @@ class Work(_dist.Work, dist.Work):
         if HOLD:
             held(self)
 
-    def wait(self, timeout=NO_TIMEOUT):
+    def _wait(self, timeout=NO_TIMEOUT):
         if HOLD:
             let_go(self)
         if not self._done:
@@ -77,6 +77,11 @@ class Work(_dist.Work, dist.Work):
         if self._exc is not None:
             raise self._exc
         return True
+
+    # wait(timeout=None): in C, which calls _wait with a timeout (NOTE
+    # [ Work.wait in C ] in py_lane.c); _wait alone where HOLD, whose Works
+    # are let go of as they are waited on
+    wait = _wait if HOLD else _core.WorkWait(_wait)
 
     def _source_rank(self):
         self.wait()
