@@ -480,6 +480,35 @@ def _gather_and_scatter_move_every_piece(ranks):
                 assert part == digest(blob(n, r, ("scatter", root))), (r, n, root)
 
 
+BROADCASTS = r'''
+out = {}
+for n in SIZES:
+    for root in range(world):
+        buf = np.concatenate([blob(n, rank, ("broadcast", root)), np.full(64, 7, np.uint8)])
+        g.broadcast(buf.ctypes.data, n, root, 60 * SLOW)
+        out[n, root] = digest(buf[:n]), bool((buf[n:] == 7).all())
+result = out
+'''
+
+
+def test_broadcast_from_every_root_in_every_size(ranks):
+    """Small, staged, and (two ranks) copied between the ranks' memory
+    (NOTE [ A large broadcast between two copies once ] in coll.c): around
+    the size that copies directly, odd sizes whose halves end mid-page, and
+    16 MB; every rank ends with the root's bytes and nothing past them."""
+    _broadcast_from_every_root(ranks)
+
+
+def _broadcast_from_every_root(ranks):
+    sizes = (0, 1, 4096, (256 << 10) - 1, 256 << 10, 3 * CHUNK + 17, BIG // 4 + 12345, BIG)
+    res = ranks.run(f"SIZES = {sizes!r}\n" + BROADCASTS, timeout=100)
+    for n in sizes:
+        for root in range(ranks.world):
+            want = digest(blob(n, root, ("broadcast", root)))
+            assert [res[r][n, root] for r in range(ranks.world)] == [(want, True)] * ranks.world, \
+                (n, root)
+
+
 # --- 4b. all_gather and reduce_scatter ------------------------------------------------
 
 GATHER_SCATTER = r'''
@@ -768,6 +797,7 @@ def test_a_rank_that_may_not_copy_directly_makes_the_movers_stage(staged_pair):
     want = reference("float32", "SUM", [data("float32", n, q, "staged") for q in range(2)])
     assert res == [digest(want)] * 2
     _gather_and_scatter_move_every_piece(staged_pair)
+    _broadcast_from_every_root(staged_pair)
     _all_gather_and_reduce_scatter(staged_pair)
     _all_to_all_equal_uneven_zero_and_large(staged_pair)
     _send_recv_in_order_small_and_large(staged_pair)
