@@ -37,6 +37,10 @@ typedef struct {
 
 static PyTypeObject *lock_type; /* LaneLock: mpc_py_lanelock_take and _give check it */
 
+/* Takes l for this thread, waiting up to timeout_us (-1: for ever; 0: not
+ * at all) without the GIL.  Returns 1 when taken, 0 when the time ran
+ * out, -1 with an exception set (a signal's handler raised, or the count
+ * would overflow). */
 static int lock_take(LaneLockObject *l, int64_t timeout_us) {
     unsigned long me = PyThread_get_thread_ident();
     if (l->count > 0 && l->owner == me) {
