@@ -143,7 +143,7 @@ def main(argv=None):
             "t.data_ptr() and t.numel()": lambda: (t.data_ptr(), t.numel()),
             "opts.asyncOp": lambda: opts.asyncOp,
             "group.shm": lambda: pg.shm,
-            "shm.timeout and shm.queued": lambda: (shm.timeout, shm.queued),
+            "shm.timeout and shm.collectives.queued": lambda: (shm.timeout, shm.collectives.queued),
             "has_torch_function((t,))": lambda: c10d.has_torch_function((t,)),
             "_check_single_tensor(t)": lambda: c10d._check_single_tensor(t, "tensor"),
             "_rank_not_in_group(None)": lambda: c10d._rank_not_in_group(None),
