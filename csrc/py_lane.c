@@ -87,13 +87,17 @@ static int lane_clear(LaneObject *self) {
     return 0;
 }
 
-static void lane_dealloc(LaneObject *self) {
+/* The dealloc of this file's types, which the GC tracks: untracks self,
+ * clears its references with `clear`, frees it and drops its heap type. */
+static void gc_dealloc(PyObject *self, inquiry clear) {
     PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
-    lane_clear(self);
-    tp->tp_free((PyObject *)self);
+    clear(self);
+    tp->tp_free(self);
     Py_DECREF(tp);
 }
+
+static void lane_dealloc(LaneObject *self) { gc_dealloc((PyObject *)self, (inquiry)lane_clear); }
 
 /* Calls obj.name() and drops the result.  Returns 0, or -1 with an
  * exception set. */
@@ -522,18 +526,25 @@ static PyObject *wait_and_run(LaneObject *self, PyObject *work, PyObject *fields
     Py_RETURN_NONE;
 }
 
+/* Lane.wait_for's work, with fields, work's dict from fields_of (NULL: by
+ * name): on the lane's own thread drain(work) (NOTE [ Callbacks that call
+ * again ]), elsewhere wait_and_run.  The same returns. */
+static PyObject *wait_in(LaneObject *self, PyObject *work, PyObject *fields) {
+    if (lane_here(self))
+        return PyObject_CallMethodOneArg((PyObject *)self, s_drain, work);
+    return wait_and_run(self, work, fields);
+}
+
 /* Lane.wait_for(work): until `work`, a call of this lane, is done, running
  * it on this thread when it is next and nobody runs it (NOTE [ A waiter
  * runs its own call ]); on the lane's own thread, drain(work).  Returns
  * None (the call's own error is the Work's, raised by Work.wait), or NULL
  * with an exception set when waiting failed (a signal's handler raised). */
 static PyObject *lane_wait_for(LaneObject *self, PyObject *work) {
-    if (lane_here(self)) /* NOTE [ Callbacks that call again ] */
-        return PyObject_CallMethodOneArg((PyObject *)self, s_drain, work);
     PyObject *fields = fields_of(work);
     if (fields == NULL && PyErr_Occurred())
         return NULL;
-    PyObject *ret = wait_and_run(self, work, fields);
+    PyObject *ret = wait_in(self, work, fields);
     Py_XDECREF(fields);
     return ret;
 }
@@ -580,9 +591,7 @@ static PyObject *work_wait_call(PyObject *op, PyObject *const *args, size_t narg
     }
     if (lane != NULL) {
         Py_INCREF(lane);
-        PyObject *r = lane_here((LaneObject *)lane) /* NOTE [ Callbacks that call again ] */
-                          ? PyObject_CallMethodOneArg(lane, s_drain, work)
-                          : wait_and_run((LaneObject *)lane, work, d);
+        PyObject *r = wait_in((LaneObject *)lane, work, d);
         Py_DECREF(lane);
         if (r == NULL) {
             Py_DECREF(d);
@@ -649,11 +658,7 @@ static int work_wait_clear(WorkWaitObject *self) {
 }
 
 static void work_wait_dealloc(WorkWaitObject *self) {
-    PyTypeObject *tp = Py_TYPE(self);
-    PyObject_GC_UnTrack(self);
-    work_wait_clear(self);
-    tp->tp_free((PyObject *)self);
-    Py_DECREF(tp);
+    gc_dealloc((PyObject *)self, (inquiry)work_wait_clear);
 }
 
 static PyMemberDef work_wait_members[] = {
