@@ -52,10 +52,11 @@
  * reduces in rank order, so all ranks get the same bits.  float16 and
  * bfloat16 accumulate in float32.
  *
- * A barrier: each rank raises its own count, and whoever sees every count
- * reach the target bumps a shared word and wakes the sleepers.  Waiting
- * spins briefly, then sleeps on that word (sync.c), because with more
- * ranks than cores a spinning rank only delays the one it waits for.
+ * A barrier: each rank adds itself to one shared word, and whoever brings
+ * its count to the group's size wakes the sleepers (NOTE [ One word a
+ * meeting ] in coll_group.c).  Waiting spins briefly, then sleeps on that
+ * word (sync.c), because with more ranks than cores a spinning rank only
+ * delays the one it waits for.
  * Every MPC_COLL_CHECK_NS of waiting a rank looks at its peers through
  * pidfds: a peer that exited breaks the group, and every rank then fails
  * with a message naming it instead of waiting forever.  What each rank

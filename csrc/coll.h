@@ -39,14 +39,25 @@ typedef struct {
 } mpc_coll_ref;
 
 typedef struct {
-    _Alignas(64) _Atomic uint64_t bar; /* barriers entered */
+    _Alignas(64) _Atomic uint64_t bar; /* barriers entered (read when one times out) */
     int32_t pid;
     _Atomic uint32_t cma;  /* 1: it can copy from and into every peer */
     mpc_coll_call call[2]; /* by call parity */
     mpc_coll_ref ref[2];
     uint64_t base;         /* where this rank maps the region */
     uint64_t addr[2];      /* by call parity: its buffer, for peers to copy */
+    uint64_t met[2], calls, piece; /* its mpc_coll's as it closed: for a rank that attaches
+                                    * again (the barriers it entered are `bar`) */
 } mpc_coll_rank;
+
+#define MPC_COLL_COUNT_BITS 16 /* a meeting word's arrivals: more than MPC_COLL_MAX_RANKS */
+
+/* Where the ranks meet at a barrier, one per barrier parity (NOTE [ One
+ * word a meeting ] in coll_group.c). */
+typedef struct {
+    _Alignas(64) _Atomic uint64_t word; /* arrivals (the low MPC_COLL_COUNT_BITS), digests above */
+    _Atomic uint32_t sleepers;          /* ranks asleep on word's low half */
+} mpc_coll_meet;
 
 typedef struct {
     uint64_t magic;
@@ -54,10 +65,9 @@ typedef struct {
     _Atomic uint32_t why_told; /* 1 once why is written (NOTE [ The reason comes before the word ]
                                 * in coll_group.c) */
     uint64_t chunk, size;
-    _Atomic uint32_t gen;    /* bumped when a barrier completes */
-    _Atomic uint32_t gen_sleepers; /* ranks asleep on gen (NOTE [ Wakes only for sleepers ]) */
     _Atomic uint32_t broken; /* 0, or 1 + the rank whose loss broke the group */
     char why[200];           /* what broke it */
+    mpc_coll_meet meet[2];   /* by barrier parity */
     mpc_coll_rank ranks[MPC_COLL_MAX_RANKS];
 } mpc_coll_hdr;
 
@@ -112,6 +122,7 @@ struct mpc_coll {
     int rank, world;
     int pidfds[MPC_COLL_MAX_RANKS];
     uint64_t bar;   /* barriers this rank entered */
+    uint64_t met[2]; /* each meeting word as its last barrier left it, by parity */
     uint64_t calls; /* collectives called */
     uint64_t piece; /* pieces moved: which copy of the areas is next */
     int (*interrupted)(void *);

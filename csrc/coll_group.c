@@ -16,7 +16,7 @@
 #include <sys/uio.h>
 #include <time.h>
 
-#define MPC_COLL_MAGIC 0x33306c6c6f63706dULL /* "mpcoll03" */
+#define MPC_COLL_MAGIC 0x34306c6c6f63706dULL /* "mpcoll04" */
 #define MPC_COLL_YIELDS 16                    /* see mpc__coll_barrier() */
 #define MPC_COLL_SPIN_NS 30000LL              /* see mpc__coll_barrier() */
 #define MPC_COLL_BOXES (8u << 20)             /* mailbox bytes of a group, about */
@@ -24,6 +24,7 @@
 #define MPC_COLL_BOX_MAX (1u << 20)           /* and at most */
 
 _Static_assert(sizeof(mpc_coll_hdr) <= MPC_COLL_DATA, "collective header too large");
+_Static_assert(MPC_COLL_MAX_RANKS < (1 << MPC_COLL_COUNT_BITS), "a meeting counts every rank");
 
 static const char *const kind_names[MPC_COLL_KINDS] = {
     "?",      "all_reduce", "broadcast", "barrier", "all_gather", "reduce_scatter",
@@ -83,7 +84,6 @@ int mpc_coll_create(int world, uint64_t chunk, int *fd) {
     h->world = (uint32_t)world;
     h->chunk = chunk;
     h->size = size;
-    atomic_store(&h->gen, 0);
     atomic_store(&h->broken, 0);
     atomic_store(&h->why_told, 0);
     h->magic = MPC_COLL_MAGIC;
@@ -135,7 +135,13 @@ int mpc_coll_attach(int fd, int rank, int world, int direct, mpc_coll **out) {
         c->pidfds[i] = -1;
         c->label[i] = i;
     }
+    /* a rank that attaches again goes on where it closed (the counts' parities
+     * pick what its peers read) */
     c->bar = atomic_load(&c->h->ranks[rank].bar);
+    c->calls = c->h->ranks[rank].calls;
+    c->piece = c->h->ranks[rank].piece;
+    for (int p = 0; p < 2; p++)
+        c->met[p] = c->h->ranks[rank].met[p];
     cpu_set_t cpus;
     if (sched_getaffinity(0, sizeof cpus, &cpus) == 0 && world > CPU_COUNT(&cpus))
         c->yields = MPC_COLL_YIELDS;
@@ -191,6 +197,11 @@ int mpc_coll_watch(mpc_coll *c) {
 void mpc_coll_close(mpc_coll *c) {
     if (c == NULL)
         return;
+    mpc_coll_rank *me = &c->h->ranks[c->rank];
+    me->calls = c->calls;
+    me->piece = c->piece;
+    for (int p = 0; p < 2; p++)
+        me->met[p] = c->met[p];
     for (int r = 0; r < MPC_COLL_MAX_RANKS; r++)
         if (c->pidfds[r] >= 0)
             close(c->pidfds[r]);
@@ -220,6 +231,12 @@ int mpc_coll_pid(const mpc_coll *c, int rank) {
 /* Breaking a group, barriers, and the start of every collective     */
 /* ------------------------------------------------------------------ */
 
+/* The 32 bits of w holding its low half: the futex word. */
+static _Atomic uint32_t *low_half(_Atomic uint64_t *w) {
+    return (_Atomic uint32_t *)(void *)((char *)w +
+                                        (__BYTE_ORDER__ == __ORDER_BIG_ENDIAN__ ? 4 : 0));
+}
+
 /* NOTE [ The reason comes before the word ]
  * One rank wins the right to break the group (the compare-exchange on
  * broken) and then writes why.  A peer can see broken in between, so it
@@ -246,8 +263,10 @@ void mpc__coll_break(mpc_coll *c, int who, const char *fmt, ...) {
         va_end(ap);
         atomic_store_explicit(&c->h->why_told, 1, memory_order_release);
     }
-    atomic_fetch_add(&c->h->gen, 1);
-    mpc_futex_wake(&c->h->gen, INT32_MAX);
+    for (int p = 0; p < 2; p++) { /* ranks waiting at a barrier: above the arrivals */
+        atomic_fetch_add(&c->h->meet[p].word, 1ull << MPC_COLL_COUNT_BITS);
+        mpc_futex_wake(low_half(&c->h->meet[p].word), INT32_MAX);
+    }
     for (int q = 0; q < c->world; q++) { /* ranks waiting on a mailbox */
         atomic_fetch_add(bell(c, q), 1);
         mpc_futex_wake(bell(c, q), INT32_MAX);
@@ -272,31 +291,56 @@ int mpc__coll_check_peers(mpc_coll *c, const char *what) {
     return 0;
 }
 
-static int all_reached(const mpc_coll *c, uint64_t target) {
-    for (int r = 0; r < c->world; r++)
-        if (atomic_load(&c->h->ranks[r].bar) < target)
-            return 0;
-    return 1;
+/* NOTE [ One word a meeting ]
+ * A barrier is one atomic add per rank on a word all of them wait on.  The
+ * word's low MPC_COLL_COUNT_BITS count arrivals; the bits above sum what
+ * each rank adds there, a digest of the call it starts (0 inside a call).
+ * Every rank knows the word as the barrier before it of the same parity
+ * left it (c->met), so it knows what the word must read once all W ranks
+ * added: met + W * (its own digest, shifted, + 1).  The rank whose add
+ * brings the count there is the last; the others wait until it does.  If
+ * then the word is not what this rank expected, some rank added another
+ * digest: calls that differ are found at the barrier itself, without
+ * reading one line a rank.  Between two ranks that is exact (a + b = 2a
+ * only when b = a); among more, digests that differ could still add up to
+ * the total expected, with about the odds of a 48-bit hash colliding.
+ * Two words, by the barrier's parity: a rank that left barrier k adds to
+ * the other word at k + 1, and cannot reach k + 2 before every rank has
+ * arrived at k + 1, by when each has read word k.  Before, each rank
+ * raised a count of its own, looked at every peer's, and the last bumped a
+ * generation word the others slept on: several cache-line handoffs a
+ * barrier, and the call's check read each peer's line once more;
+ * measured in C, 0.38 us a barrier against 0.18 us this way.
+ * A rank still writes how many barriers it entered to its own line (read
+ * only when a barrier times out, to name who did not come), and its call
+ * (read only when the digests disagree).  As it closes, it leaves c->met
+ * there for when it attaches again: a peer may have added itself to the
+ * next barrier by then, so the word itself may have moved on.  A break adds
+ * above the arrivals, which wakes the sleepers and leaves the count as it is. */
+
+/* Whether w holds as many arrivals as want (the count bits only). */
+static int arrived(uint64_t w, uint64_t want) {
+    return ((w ^ want) & ((1ull << MPC_COLL_COUNT_BITS) - 1)) == 0;
 }
 
-int mpc__coll_barrier(mpc_coll *c, const char *what, int64_t deadline) {
+/* The barrier of NOTE [ One word a meeting ], adding digest (below
+ * 2^(64 - MPC_COLL_COUNT_BITS)).  Returns 0, 1 when the ranks' digests
+ * disagree, or mpc__coll_barrier's errors. */
+static int meet(mpc_coll *c, const char *what, uint64_t digest, int64_t deadline) {
     mpc_coll_hdr *h = c->h;
-    uint64_t target = ++c->bar;
-    /* Sequentially consistent, store then loads: two ranks arriving
-     * together must not both miss the other's store, or neither would
-     * wake the group. */
-    atomic_store(&h->ranks[c->rank].bar, target);
-    if (all_reached(c, target)) {
-        atomic_fetch_add(&h->gen, 1);
-        mpc_wake_sleepers(&h->gen, &h->gen_sleepers);
-        return 0;
-    }
-    for (;;) {
-        uint32_t g = atomic_load(&h->gen);
+    uint64_t target = ++c->bar, p = target & 1;
+    mpc_coll_meet *m = &h->meet[p];
+    uint64_t v = digest << MPC_COLL_COUNT_BITS | 1;
+    uint64_t want = c->met[p] + (uint64_t)c->world * v;
+    atomic_store_explicit(&h->ranks[c->rank].bar, target, memory_order_release);
+    /* sequentially consistent: the call posted before is seen by whoever
+     * reads the word after */
+    uint64_t w = atomic_fetch_add(&m->word, v) + v;
+    if (arrived(w, want))
+        mpc_wake_sleepers(low_half(&m->word), &m->sleepers);
+    while (!arrived(w, want)) {
         if (atomic_load(&h->broken))
             return mpc__coll_broken(c);
-        if (all_reached(c, target))
-            return 0;
         int64_t now = mpc_now_ns();
         int64_t until = now + MPC_COLL_CHECK_NS;
         if (deadline >= 0 && deadline < until)
@@ -304,12 +348,17 @@ int mpc__coll_barrier(mpc_coll *c, const char *what, int64_t deadline) {
         /* More ranks than CPUs: a rank that would sleep first yields its CPU
          * a few times, which lets the ranks it waits for run without the
          * round trip of a futex wake-up. */
-        for (int y = 0; y < c->yields && atomic_load(&h->gen) == g; y++)
+        for (int y = 0; y < c->yields && atomic_load(&m->word) == w; y++)
             sched_yield();
         /* As many ranks as CPUs: a rank spins up to MPC_COLL_SPIN_NS first,
          * since a peer a few microseconds behind (a Python caller's
          * overhead) would otherwise cost a futex sleep and wake-up. */
-        int r = mpc_wait_change_spin(&h->gen, g, c->spin_ns, until, &h->gen_sleepers);
+        int r = mpc_wait_change_spin(low_half(&m->word), (uint32_t)w, c->spin_ns, until,
+                                     &m->sleepers);
+        uint64_t was = w;
+        w = atomic_load(&m->word);
+        if (arrived(w, want) || w != was)
+            continue;
         if (r == -EINTR && c->interrupted != NULL && c->interrupted(c->arg)) {
             mpc__coll_break(c, c->rank, "rank %d was interrupted during %s", lbl(c, c->rank),
                             what);
@@ -325,7 +374,7 @@ int mpc__coll_barrier(mpc_coll *c, const char *what, int64_t deadline) {
             }
             if ((r = mpc__coll_check_peers(c, what)) < 0)
                 return r;
-            if (deadline >= 0 && mpc_now_ns() >= deadline && !all_reached(c, target)) {
+            if (deadline >= 0 && mpc_now_ns() >= deadline) {
                 char missing[160];
                 size_t n = 0;
                 missing[0] = '\0';
@@ -333,6 +382,9 @@ int mpc__coll_barrier(mpc_coll *c, const char *what, int64_t deadline) {
                     if (atomic_load(&h->ranks[q].bar) < target)
                         n += (size_t)snprintf(missing + n, sizeof missing - n, "%s%d",
                                               n ? ", " : "", lbl(c, q));
+                if (n == 0) /* every rank came, and the word never said so */
+                    snprintf(missing, sizeof missing, "that had all come (the group's count "
+                             "is out of step)");
                 /* " timeout ": torch's tests of gloo match " (Timed out|closed|timeout) " */
                 mpc__coll_break(c, c->rank, "%s hit its timeout waiting for ranks %s", what,
                                 missing);
@@ -341,6 +393,22 @@ int mpc__coll_barrier(mpc_coll *c, const char *what, int64_t deadline) {
             }
         }
     }
+    c->met[p] = w;
+    if (w == want)
+        return 0;
+    if (atomic_load(&h->broken))
+        return mpc__coll_broken(c);
+    return 1;
+}
+
+int mpc__coll_barrier(mpc_coll *c, const char *what, int64_t deadline) {
+    int r = meet(c, what, 0, deadline);
+    if (r <= 0)
+        return r;
+    /* inside a call every rank adds 0: only ranks out of step differ */
+    mpc__coll_break(c, c->rank, "rank %d found the ranks out of step in %s", lbl(c, c->rank),
+                    what);
+    return mpc__coll_broken(c);
 }
 
 /* s, or "?" for a code without a name. */
@@ -364,6 +432,17 @@ static void describe(const mpc_coll *c, char *out, size_t n, const mpc_coll_call
         snprintf(out + p, n - (size_t)p, " to rank %d", lbl(c, x->root));
 }
 
+/* A digest of what a call asks for, in 64 - MPC_COLL_COUNT_BITS bits
+ * (NOTE [ One word a meeting ]): splitmix64's finaliser over its fields. */
+static uint64_t digest_of(const mpc_coll_call *x) {
+    uint64_t z = (uint64_t)x->kind | (uint64_t)x->op << 8 | (uint64_t)x->dtype << 16 |
+                 (uint64_t)(uint32_t)x->root << 32;
+    z ^= x->count * 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return (z ^ (z >> 31)) >> MPC_COLL_COUNT_BITS;
+}
+
 int mpc__coll_begin(mpc_coll *c, uint32_t kind, uint32_t op, uint32_t dtype, int32_t root,
                     uint64_t count, int64_t deadline) {
     if (atomic_load(&c->h->broken))
@@ -374,20 +453,22 @@ int mpc__coll_begin(mpc_coll *c, uint32_t kind, uint32_t op, uint32_t dtype, int
     if (kind != MPC_COLL_ALL_REDUCE && kind != MPC_COLL_REDUCE && kind != MPC_COLL_ALL_TO_ALL &&
         kind != MPC_COLL_ALL_GATHER && kind != MPC_COLL_REDUCE_SCATTER) /* those post theirs */
         c->h->ranks[c->rank].ref[parity].fd = -1;
-    int r = mpc__coll_barrier(c, kind_names[kind], deadline);
-    if (r < 0)
+    int r = meet(c, kind_names[kind], digest_of(&me), deadline);
+    if (r <= 0)
         return r;
+    /* the digests disagree: the calls say how */
+    char a[128], b[128];
+    describe(c, a, sizeof a, &me);
     for (int q = 0; q < c->world; q++) {
         mpc_coll_call o = c->h->ranks[q].call[parity];
         if (o.kind == me.kind && o.op == me.op && o.dtype == me.dtype && o.root == me.root &&
             o.count == me.count)
             continue;
-        char a[128], b[128];
-        describe(c, a, sizeof a, &me);
         describe(c, b, sizeof b, &o);
         return mpc_fail(EINVAL, "ranks disagree: rank %d called %s, rank %d called %s",
                         lbl(c, c->rank), a, lbl(c, q), b);
     }
-    return 0;
+    mpc__coll_break(c, c->rank, "rank %d found the ranks out of step at %s", lbl(c, c->rank), a);
+    return mpc__coll_broken(c);
 }
 

@@ -827,7 +827,8 @@ int mpc_coll_pid(const mpc_coll *c, int rank);
 /* The number of ranks of the group.  Never fails. */
 int mpc_coll_world(const mpc_coll *c);
 
-/* Unmaps the group and closes its pidfds.  Never fails. */
+/* Leaves this rank's counts in the region for a later attach (mpc_coll_attach
+ * goes on from them), unmaps the group and closes its pidfds.  Never fails. */
 void mpc_coll_close(mpc_coll *c);
 
 /* Group buffers: memory that the other ranks of a group map when a

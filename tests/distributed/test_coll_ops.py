@@ -702,6 +702,86 @@ result = errs
         assert f"rank {r} called" in errs["kind"] and f"rank {other} called" in errs["kind"]
 
 
+def test_a_rank_attached_again_meets_a_peer_already_at_the_next_barrier():
+    """NOTE [ One word a meeting ] in coll_group.c: a rank that closes its
+    group and attaches again takes up its count where it left it, also when
+    its peer has already added itself to the next barrier's word; calls that
+    differ still fail on both ranks after it, and the group goes on."""
+    import threading
+    fd = _core.coll_create(2, CHUNK)
+    try:
+        g0, g1 = _core.Group(fd, 0, 2), _core.Group(fd, 1, 2)
+        x = np.zeros(16, np.uint8)
+
+        def both(f0, f1):
+            """f0 on this thread, f1 on another: what each returned or raised."""
+            out = [None, None]
+
+            def run(i, f):
+                try:
+                    out[i] = ("ok", f())
+                except Exception as e:
+                    out[i] = ("err", type(e).__name__, str(e))
+            t = threading.Thread(target=run, args=(1, f1))
+            t.start()
+            run(0, f0)
+            t.join(scaled(30))
+            assert not t.is_alive(), "rank 1's call never returned"
+            return out
+
+        for _ in range(3):   # an odd count: the next barrier is of the other parity
+            assert both(lambda: g0.barrier(scaled(10)), lambda: g1.barrier(scaled(10))) == [
+                ("ok", None)] * 2
+        g1.close()
+        # rank 0 arrives at the next barrier and sleeps there ...
+        ahead = {}
+
+        def rank0():
+            ahead["tid"] = threading.get_native_id()
+            try:
+                g0.barrier(scaled(20))
+                ahead["out"] = "ok"
+            except Exception as e:
+                ahead["out"] = f"{type(e).__name__}: {e}"
+        t = threading.Thread(target=rank0)
+        t.start()
+        deadline = time.monotonic() + scaled(30)
+        while "tid" not in ahead or "futex" not in open(
+                f"/proc/self/task/{ahead['tid']}/wchan").read():
+            assert time.monotonic() < deadline and t.is_alive(), f"rank 0 never waited: {ahead}"
+            time.sleep(0.01)
+        # ... and only then does rank 1 attach again and come
+        g1 = _core.Group(fd, 1, 2)
+        g1.barrier(scaled(20))
+        t.join(scaled(30))
+        assert ahead.get("out") == "ok", ahead
+        for _ in range(4):
+            assert both(lambda: g0.barrier(scaled(10)), lambda: g1.barrier(scaled(10))) == [
+                ("ok", None)] * 2
+        # the calls' and the staging areas' parities go on too: a staged
+        # all_reduce of pieces larger than one shot adds up
+        D, O = _core.COLL_DTYPES["int32"], _core.COLL_OPS["SUM"]
+        a, b = data("int32", 300_001, 0) >> 2, data("int32", 300_001, 1) >> 2
+        want = a + b
+        for _ in range(2):
+            x0, x1 = a.copy(), b.copy()
+            assert both(lambda: g0.all_reduce(x0.ctypes.data, 300_001, D, O, scaled(10)),
+                        lambda: g1.all_reduce(x1.ctypes.data, 300_001, D, O, scaled(10))) == [
+                ("ok", None)] * 2
+            assert np.array_equal(x0, want) and np.array_equal(x1, want)
+        got = both(lambda: g0.barrier(scaled(10)),
+                   lambda: g1.broadcast(x.ctypes.data, 16, 0, scaled(10)))
+        assert got[0][:2] == ("err", "ValueError") and got[1][:2] == ("err", "ValueError"), got
+        assert "rank 0 called barrier" in got[0][2] and "broadcast of 16 bytes" in got[0][2], got
+        assert "rank 1 called broadcast" in got[1][2] and "called barrier" in got[1][2], got
+        assert both(lambda: g0.barrier(scaled(10)), lambda: g1.barrier(scaled(10))) == [
+            ("ok", None)] * 2
+    finally:
+        os.close(fd)
+    g0.close()
+    g1.close()
+
+
 # --- 6. send and recv -----------------------------------------------------------------
 
 P2P = r'''
