@@ -298,7 +298,8 @@ int mpc_coll_broadcast(mpc_coll *c, void *buf, uint64_t nbytes, int root, int64_
 }
 
 int mpc_coll_barrier(mpc_coll *c, int64_t deadline) {
-    return mpc__coll_begin(c, MPC_COLL_BARRIER, 0, MPC_DT_U8, 0, 0, deadline);
+    int r = mpc_coll_barrier_start(c, 0);
+    return r != 0 ? (r < 0 ? r : 0) : mpc_coll_barrier_end(c, deadline);
 }
 
 /* ------------------------------------------------------------------ */

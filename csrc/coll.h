@@ -123,6 +123,10 @@ struct mpc_coll {
     int pidfds[MPC_COLL_MAX_RANKS];
     uint64_t bar;   /* barriers this rank entered */
     uint64_t met[2]; /* each meeting word as its last barrier left it, by parity */
+    struct {         /* the barrier between its two halves (coll_group.c's meet_add) */
+        uint64_t target, want, w, parity;
+        mpc_coll_call call;
+    } meeting;
     uint64_t calls; /* collectives called */
     uint64_t piece; /* pieces moved: which copy of the areas is next */
     int (*interrupted)(void *);

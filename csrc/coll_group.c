@@ -323,10 +323,12 @@ static int arrived(uint64_t w, uint64_t want) {
     return ((w ^ want) & ((1ull << MPC_COLL_COUNT_BITS) - 1)) == 0;
 }
 
-/* The barrier of NOTE [ One word a meeting ], adding digest (below
- * 2^(64 - MPC_COLL_COUNT_BITS)).  Returns 0, 1 when the ranks' digests
- * disagree, or mpc__coll_barrier's errors. */
-static int meet(mpc_coll *c, const char *what, uint64_t digest, int64_t deadline) {
+/* The first half of a barrier (NOTE [ One word a meeting ]): adds this rank,
+ * with digest (below 2^(64 - MPC_COLL_COUNT_BITS)), to the next barrier's
+ * word, and looks at the word up to `looks` more times (none with more
+ * ranks than CPUs) while some rank has not come.  Leaves what meet_end
+ * needs in c->meeting.  Returns 1 when every rank has come, else 0. */
+static int meet_add(mpc_coll *c, uint64_t digest, int looks) {
     mpc_coll_hdr *h = c->h;
     uint64_t target = ++c->bar, p = target & 1;
     mpc_coll_meet *m = &h->meet[p];
@@ -338,6 +340,24 @@ static int meet(mpc_coll *c, const char *what, uint64_t digest, int64_t deadline
     uint64_t w = atomic_fetch_add(&m->word, v) + v;
     if (arrived(w, want))
         mpc_wake_sleepers(low_half(&m->word), &m->sleepers);
+    for (int i = 0; i < (c->yields ? 0 : looks) && !arrived(w, want); i++) {
+        mpc_cpu_relax();
+        w = atomic_load_explicit(&m->word, memory_order_acquire);
+    }
+    c->meeting.target = target;
+    c->meeting.want = want;
+    c->meeting.w = w;
+    return arrived(w, want);
+}
+
+/* The second half: waits until every rank has come, and checks the word.
+ * Returns 0, 1 when the ranks' digests disagree, or mpc__coll_barrier's
+ * errors. */
+static int meet_end(mpc_coll *c, const char *what, int64_t deadline) {
+    mpc_coll_hdr *h = c->h;
+    uint64_t target = c->meeting.target, p = target & 1;
+    uint64_t want = c->meeting.want, w = c->meeting.w;
+    mpc_coll_meet *m = &h->meet[p];
     while (!arrived(w, want)) {
         if (atomic_load(&h->broken))
             return mpc__coll_broken(c);
@@ -402,7 +422,8 @@ static int meet(mpc_coll *c, const char *what, uint64_t digest, int64_t deadline
 }
 
 int mpc__coll_barrier(mpc_coll *c, const char *what, int64_t deadline) {
-    int r = meet(c, what, 0, deadline);
+    meet_add(c, 0, 0);
+    int r = meet_end(c, what, deadline);
     if (r <= 0)
         return r;
     /* inside a call every rank adds 0: only ranks out of step differ */
@@ -443,8 +464,11 @@ static uint64_t digest_of(const mpc_coll_call *x) {
     return (z ^ (z >> 31)) >> MPC_COLL_COUNT_BITS;
 }
 
-int mpc__coll_begin(mpc_coll *c, uint32_t kind, uint32_t op, uint32_t dtype, int32_t root,
-                    uint64_t count, int64_t deadline) {
+/* mpc__coll_begin's first half: posts the call and adds this rank to the
+ * barrier (meet_add, looking `looks` times).  Returns 1 when every rank has
+ * come, 0, or the error of a group broken before. */
+static int begin_start(mpc_coll *c, uint32_t kind, uint32_t op, uint32_t dtype, int32_t root,
+                       uint64_t count, int looks) {
     if (atomic_load(&c->h->broken))
         return mpc__coll_broken(c);
     uint64_t parity = c->calls++ & 1;
@@ -453,14 +477,22 @@ int mpc__coll_begin(mpc_coll *c, uint32_t kind, uint32_t op, uint32_t dtype, int
     if (kind != MPC_COLL_ALL_REDUCE && kind != MPC_COLL_REDUCE && kind != MPC_COLL_ALL_TO_ALL &&
         kind != MPC_COLL_ALL_GATHER && kind != MPC_COLL_REDUCE_SCATTER) /* those post theirs */
         c->h->ranks[c->rank].ref[parity].fd = -1;
-    int r = meet(c, kind_names[kind], digest_of(&me), deadline);
+    c->meeting.call = me;
+    c->meeting.parity = parity;
+    return meet_add(c, digest_of(&me), looks);
+}
+
+/* The second half: waits for the ranks and compares what they called. */
+static int begin_end(mpc_coll *c, int64_t deadline) {
+    mpc_coll_call me = c->meeting.call;
+    int r = meet_end(c, kind_names[me.kind < MPC_COLL_KINDS ? me.kind : 0], deadline);
     if (r <= 0)
         return r;
     /* the digests disagree: the calls say how */
     char a[128], b[128];
     describe(c, a, sizeof a, &me);
     for (int q = 0; q < c->world; q++) {
-        mpc_coll_call o = c->h->ranks[q].call[parity];
+        mpc_coll_call o = c->h->ranks[q].call[c->meeting.parity];
         if (o.kind == me.kind && o.op == me.op && o.dtype == me.dtype && o.root == me.root &&
             o.count == me.count)
             continue;
@@ -471,4 +503,20 @@ int mpc__coll_begin(mpc_coll *c, uint32_t kind, uint32_t op, uint32_t dtype, int
     mpc__coll_break(c, c->rank, "rank %d found the ranks out of step at %s", lbl(c, c->rank), a);
     return mpc__coll_broken(c);
 }
+
+int mpc__coll_begin(mpc_coll *c, uint32_t kind, uint32_t op, uint32_t dtype, int32_t root,
+                    uint64_t count, int64_t deadline) {
+    int r = begin_start(c, kind, op, dtype, root, count, 0);
+    return r < 0 ? r : begin_end(c, deadline);
+}
+
+int mpc_coll_barrier_start(mpc_coll *c, int looks) {
+    int r = begin_start(c, MPC_COLL_BARRIER, 0, MPC_DT_U8, 0, 0, looks);
+    if (r <= 0)
+        return r;
+    r = begin_end(c, -1); /* every rank has come: nothing to wait for */
+    return r < 0 ? r : 1;
+}
+
+int mpc_coll_barrier_end(mpc_coll *c, int64_t deadline) { return begin_end(c, deadline); }
 

@@ -870,6 +870,16 @@ int mpc_coll_broadcast(mpc_coll *c, void *buf, uint64_t nbytes, int root, int64_
 int mpc_coll_barrier(mpc_coll *c, int64_t deadline_ns);
 int mpc_coll_all_gather(mpc_coll *c, void *out, const void *in, uint64_t nbytes,
                         const mpc_coll_buf *in_buf, int64_t deadline_ns);
+
+/* mpc_coll_barrier in two halves, for a caller that would let others run
+ * while it waits (a Python binding releases the GIL between them).  _start
+ * arrives at the group's next barrier and looks up to `looks` times (none
+ * with more ranks than CPUs) whether every rank has: 1 when they have, and
+ * the barrier is over (its errors as mpc_coll_barrier's), or 0, and the
+ * caller must then call mpc_coll_barrier_end, the group's next call, which
+ * waits until deadline_ns and returns what mpc_coll_barrier would. */
+int mpc_coll_barrier_start(mpc_coll *c, int looks);
+int mpc_coll_barrier_end(mpc_coll *c, int64_t deadline_ns);
 int mpc_coll_reduce_scatter(mpc_coll *c, void *out, const void *in, uint64_t count, int dtype,
                             int op, const mpc_coll_buf *in_buf, int64_t deadline_ns);
 

@@ -293,13 +293,15 @@ static int mpc_exec(PyObject *m) {
         PyModule_AddFunctions(m, mpc_py_collate_methods) < 0 ||
         PyModule_AddFunctions(m, mpc_py_coll_methods) < 0 ||
         PyModule_AddFunctions(m, mpc_py_pieces_methods) < 0 ||
-        PyModule_AddFunctions(m, mpc_py_nccl_methods) < 0)
+        PyModule_AddFunctions(m, mpc_py_nccl_methods) < 0 ||
+        PyModule_AddFunctions(m, mpc_py_fastpath_methods) < 0)
         return -1;
     if (mpc_py_block_exec(m, st) < 0 || mpc_py_tensor_exec(m, st) < 0 ||
         mpc_py_ring_exec(m, st) < 0 ||
         mpc_py_proc_exec(m, st) < 0 || mpc_py_pool_exec(m, st) < 0 ||
         mpc_py_coll_exec(m, st) < 0 || mpc_py_nccl_exec(m, st) < 0 ||
-        mpc_py_lanelock_exec(m, st) < 0 || mpc_py_lane_exec(m, st) < 0)
+        mpc_py_lanelock_exec(m, st) < 0 || mpc_py_lane_exec(m, st) < 0 ||
+        mpc_py_fastpath_exec(m, st) < 0)
         return -1;
     return 0;
 }

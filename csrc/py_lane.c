@@ -688,6 +688,11 @@ static PyType_Spec work_wait_spec = {
     .slots = work_wait_slots,
 };
 
+Py_ssize_t mpc_py_lane_queued(PyObject *lane) {
+    return lane_type != NULL && PyObject_TypeCheck(lane, lane_type) ? ((LaneObject *)lane)->queued
+                                                                   : -1;
+}
+
 static PyMethodDef lane_methods[] = {
     {"post", (PyCFunction)(void (*)(void))lane_post, METH_FASTCALL,
      "post(work_type, result, fn, args, keep, small): queue fn(*args, timeout); its Work"},

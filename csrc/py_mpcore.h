@@ -165,6 +165,7 @@ int mpc_py_coll_exec(PyObject *m, mpc_state *st);
 int mpc_py_nccl_exec(PyObject *m, mpc_state *st);
 int mpc_py_lanelock_exec(PyObject *m, mpc_state *st);
 int mpc_py_lane_exec(PyObject *m, mpc_state *st);
+int mpc_py_fastpath_exec(PyObject *m, mpc_state *st);
 extern PyMethodDef mpc_py_block_methods[];
 extern PyMethodDef mpc_py_shm_methods[];
 extern PyMethodDef mpc_py_tensor_methods[];
@@ -174,5 +175,15 @@ extern PyMethodDef mpc_py_collate_methods[];
 extern PyMethodDef mpc_py_coll_methods[];
 extern PyMethodDef mpc_py_pieces_methods[];
 extern PyMethodDef mpc_py_nccl_methods[];
+extern PyMethodDef mpc_py_fastpath_methods[];
+
+/* A Group's barrier (py_coll.c), timeout as Group.barrier takes it.
+ * Returns None, or NULL with the exception Group.barrier raises (TypeError
+ * when op is not a Group). */
+PyObject *mpc_py_group_barrier(PyObject *op, PyObject *timeout);
+
+/* The calls queued on a Lane (py_lane.c), or -1 (no exception set) when
+ * lane is not one. */
+Py_ssize_t mpc_py_lane_queued(PyObject *lane);
 
 #endif

@@ -118,6 +118,9 @@ _C10D_OPS = ("allreduce_", "allreduce_coalesced_", "reduce_", "broadcast_", "all
              "gather_", "scatter_", "alltoall_", "alltoall_base_", "barrier", "send", "recv_",
              "recv_any_source_", "monitored_barrier_")
 C10D = "torch.distributed.distributed_c10d"
+# a C function of one of torch's libraries: "library!symbol" (_resolve)
+PROFILER_ENABLED = "libtorch_cpu.so!_ZN5torch8profiler4impl15profilerEnabledEv"
+STACK_LEN = "libc10.so!_ZN3c104impl20TorchDispatchModeTLS9stack_lenEv"
 _FC = "torch.distributed._functional_collectives"
 
 
@@ -229,6 +232,12 @@ def _rows():
          False),
         ("torch._C._len_torch_dispatch_stack", "read", "callable", "collective fast paths",
          False),
+        # the C++ functions those two bind, asked in C where they check (NOTE [ Observers
+        # asked in C ] in py_observe.c); the fast paths ask the bindings where not
+        (PROFILER_ENABLED, "read", "c:bool=torch._C._autograd._profiler_enabled",
+         "collective fast paths", True),
+        (STACK_LEN, "read", "c:int64=torch._C._len_torch_dispatch_stack",
+         "collective fast paths", True),
         (f"{C10D}._resolve_process_group", "read", "callable", "collective fast paths", False),
         # the default group without _World.default_pg's property call
         (f"{C10D}._world._default_pg", "read", "exists", "collective fast paths", False),
@@ -385,6 +394,8 @@ def _resolve(target):
     raises Missing with why."""
     if "[" in target:
         return None   # a registry entry: nothing to read
+    if "!" in target:
+        return _resolve_c(*target.split("!"))
     parts = target.split(".")
     name = parts[0]
     try:
@@ -414,6 +425,38 @@ def _resolve(target):
     return obj
 
 
+def _resolve_c(lib, symbol):
+    """The ctypes function `symbol` of torch's library `lib`, which torch's
+    import loaded (a library not loaded is not loaded here)."""
+    import ctypes
+    torch = sys.modules.get("torch")
+    if torch is None:
+        raise Missing(f"{lib} is not loaded: torch is not imported")
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", lib)
+    try:
+        handle = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LOCAL)
+    except OSError:
+        raise Missing(f"lacks {lib} (not at {path}, or not loaded)") from None
+    try:
+        return getattr(handle, symbol)
+    except AttributeError:
+        raise Missing(f"lacks {symbol} in {lib}") from None
+
+
+def _check_c(row, fn):
+    """None when the C function fn ("c:TYPE=BINDING": it takes nothing and
+    returns TYPE) answers what torch's Python binding answers, else why not."""
+    import ctypes
+    kind, binding = row.shape[2:].split("=")
+    fn.argtypes, fn.restype = [], {"bool": ctypes.c_bool, "int64": ctypes.c_int64}[kind]
+    try:
+        want = _resolve(binding)()
+    except Missing as e:
+        return str(e)
+    got = fn()
+    return None if got == want else f"{row.target} gave {got!r} where {binding} gave {want!r}"
+
+
 def _params(obj):
     import inspect
     try:
@@ -429,6 +472,8 @@ def _check_shape(row, obj, new=None):
         return None
     if shape == "exists":
         return None
+    if shape.startswith("c:"):
+        return _check_c(row, obj)
     if shape == "class":
         return None if isinstance(obj, type) else f"{row.target} is not a class"
     if not shape.startswith("attrs:") and not callable(obj):

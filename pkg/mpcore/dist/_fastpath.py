@@ -294,6 +294,23 @@ _has_torch_function = _torchapi.get("torch._C._has_torch_function")
 _compiling = bool   # torch.compiler.is_compiling once torch._dynamo is imported (_compiler)
 _profiling = _torchapi.get("torch._C._autograd._profiler_enabled")
 _modes = _torchapi.get("torch._C._len_torch_dispatch_stack")   # the program's and torch's
+
+
+def _observers():
+    """A call that says whether the profiler or a dispatch mode observes
+    this thread's calls: _core.observed where torch's C++ functions check
+    (NOTE [ Observers asked in C ] in py_observe.c), else the same question
+    asked of their Python bindings."""
+    import ctypes
+    fns = _torchapi.find(_torchapi.PROFILER_ENABLED), _torchapi.find(_torchapi.STACK_LEN)
+    if None in fns:
+        return lambda: _profiling() or _modes()
+    _core.set_observers(*(ctypes.cast(f, ctypes.c_void_p).value for f in fns))
+    return _core.observed
+
+
+_observed = _observers()
+_barrier_now = _core.barrier_now
 _Tensor = torch.Tensor
 _PG = ProcessGroupMpcore
 _FUNCOL = "torch.distributed._functional_collectives"
@@ -319,7 +336,7 @@ def _plain(t):
 
 def send(tensor, dst=None, group=None, tag=0, group_dst=None):
     g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
-    if (not (_compiling() or _profiling() or _modes())
+    if (not (_compiling() or _observed())
             and type(g) is _PG and g.shm is not None and g.batch is None and group_dst is None
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
             and not _has_torch_function((tensor,))):
@@ -331,7 +348,7 @@ def send(tensor, dst=None, group=None, tag=0, group_dst=None):
 
 def recv(tensor, src=None, group=None, tag=0, group_src=None):
     g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
-    if (not (_compiling() or _profiling() or _modes())
+    if (not (_compiling() or _observed())
             and type(g) is _PG and g.shm is not None and g.batch is None and group_src is None
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
             and not _has_torch_function((tensor,))):
@@ -347,7 +364,7 @@ def recv(tensor, src=None, group=None, tag=0, group_src=None):
 
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
     g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
-    if (not (_compiling() or _profiling() or _modes())
+    if (not (_compiling() or _observed())
             and type(g) is _PG and g.batch is None and group_src is None
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
             and not _has_torch_function((tensor,))):
@@ -402,7 +419,7 @@ _pieces = _core.tensor_pieces
 
 def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
     g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
-    if (not (_compiling() or _profiling() or _modes())
+    if (not (_compiling() or _observed())
             and type(g) is _PG and g.batch is None and group_dst is None
             and (shm := g.shm) is not None
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
@@ -429,7 +446,7 @@ def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group
 
 def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
     g = _WORLD._default_pg if group is None else group   # as gather's
-    if (not (_compiling() or _profiling() or _modes())
+    if (not (_compiling() or _observed())
             and type(g) is _PG and g.batch is None and group_src is None
             and (shm := g.shm) is not None
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
@@ -457,7 +474,7 @@ def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, gro
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
                       group=None, async_op=False):
     g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
-    if (not (_compiling() or _profiling() or _modes())
+    if (not (_compiling() or _observed())
             and type(g) is _PG and g.batch is None and (shm := g.shm) is not None
             and type(output) is _Tensor and type(input) is _Tensor
             and output.is_cpu and input.is_cpu and output.dtype is input.dtype
@@ -492,7 +509,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
 
 def all_reduce(tensor, op=_SUM, group=None, async_op=False):
     g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
-    if (not (_compiling() or _profiling() or _modes())
+    if (not (_compiling() or _observed())
             and type(g) is _PG and g.batch is None and type(op) is RED and g not in _COALESCING
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
             and not _has_torch_function((tensor,))):
@@ -518,8 +535,11 @@ def all_reduce(tensor, op=_SUM, group=None, async_op=False):
 
 
 def barrier(group=None, async_op=False, device_ids=None, timeout=None):
+    if (timeout is None and device_ids is None and not async_op and not _compiling()
+            and _barrier_now(group, _WORLD, _PG)):   # NOTE [ dist.barrier in C ] in py_fastpath.c
+        return None
     g = _WORLD._default_pg if group is None else group
-    if (not (_compiling() or _profiling() or _modes())
+    if (not (_compiling() or _observed())
             and type(g) is _PG and g.batch is None and g.gloo is None and device_ids is None):
         shm = g.shm
         if timeout is None:
@@ -549,7 +569,7 @@ def _all_gather_base(key):
     before), with torch's function _TORCH[key]."""
     def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
         g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
-        if (not (_compiling() or _profiling() or _modes())
+        if (not (_compiling() or _observed())
                 and type(g) is _PG and g.batch is None and g.shm is not None
                 and g not in _COALESCING
                 and type(output_tensor) is _Tensor and type(input_tensor) is _Tensor
@@ -580,7 +600,7 @@ def _reduce_scatter_base(key):
     before), with torch's function _TORCH[key]."""
     def reduce_scatter_single(output, input, op=_SUM, group=None, async_op=False):
         g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
-        if (not (_compiling() or _profiling() or _modes())
+        if (not (_compiling() or _observed())
                 and type(g) is _PG and g.batch is None and g.shm is not None
                 and g not in _COALESCING
                 and type(output) is _Tensor and type(input) is _Tensor and type(op) is RED
@@ -619,7 +639,7 @@ reduce_scatter_tensor = _reduce_scatter_base("reduce_scatter_tensor")
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
     g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
-    if (not (_compiling() or _profiling() or _modes())
+    if (not (_compiling() or _observed())
             and type(g) is _PG and g.batch is None and (shm := g.shm) is not None
             and type(tensor) is _Tensor and tensor.is_cpu and tensor.is_contiguous()
             and not _has_torch_function((tensor,))):
@@ -649,7 +669,7 @@ def _gather_apart(core, flat, outs, addr, nbytes, timeout):
 
 def reduce_scatter(output, input_list, op=_SUM, group=None, async_op=False):
     g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
-    if (not (_compiling() or _profiling() or _modes())
+    if (not (_compiling() or _observed())
             and type(g) is _PG and g.batch is None and type(op) is RED
             and (shm := g.shm) is not None
             and type(output) is _Tensor and output.is_cpu and output.is_contiguous()
@@ -683,7 +703,7 @@ def reduce_scatter(output, input_list, op=_SUM, group=None, async_op=False):
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
     g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
-    if (not (_compiling() or _profiling() or _modes())
+    if (not (_compiling() or _observed())
             and type(g) is _PG and g.batch is None and (shm := g.shm) is not None
             and type(input_tensor_list) is list and input_tensor_list
             and not _has_torch_function(input_tensor_list)):
@@ -754,7 +774,7 @@ def _fc_group(group):
 def _fc_input(self, group):
     """The group a functional collective of `self` is served on; or None
     (NOTE [ Fast paths nobody sees ])."""
-    if (_compiling() or _profiling() or _modes() or not _plain(self)
+    if (_compiling() or _observed() or not _plain(self)
             or self.requires_grad or _has_torch_function((self,))):
         return None
     g = _fc_group(group)
@@ -813,7 +833,7 @@ def _complete(t):
 
 def fc_wait_tensor(tensor):
     if (type(tensor) is _ACT and tensor.completed
-            and not (_compiling() or _profiling() or _modes())):
+            and not (_compiling() or _observed())):
         return tensor.elem    # what torch's wait_tensor gives for it, the same tensor
     return _TORCH["funcol.wait_tensor"](tensor)
 
