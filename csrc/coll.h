@@ -124,7 +124,8 @@ struct mpc_coll {
     uint64_t bar;   /* barriers this rank entered */
     uint64_t met[2]; /* each meeting word as its last barrier left it, by parity */
     struct {         /* the barrier between its two halves (coll_group.c's meet_add) */
-        uint64_t target, want, w, parity;
+        uint64_t target, want, w;
+        uint64_t call_parity; /* the call's, which picks its slot (not the barrier's) */
         mpc_coll_call call;
     } meeting;
     uint64_t calls; /* collectives called */

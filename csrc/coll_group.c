@@ -478,7 +478,7 @@ static int begin_start(mpc_coll *c, uint32_t kind, uint32_t op, uint32_t dtype, 
         kind != MPC_COLL_ALL_GATHER && kind != MPC_COLL_REDUCE_SCATTER) /* those post theirs */
         c->h->ranks[c->rank].ref[parity].fd = -1;
     c->meeting.call = me;
-    c->meeting.parity = parity;
+    c->meeting.call_parity = parity;
     return meet_add(c, digest_of(&me), looks);
 }
 
@@ -492,7 +492,7 @@ static int begin_end(mpc_coll *c, int64_t deadline) {
     char a[128], b[128];
     describe(c, a, sizeof a, &me);
     for (int q = 0; q < c->world; q++) {
-        mpc_coll_call o = c->h->ranks[q].call[c->meeting.parity];
+        mpc_coll_call o = c->h->ranks[q].call[c->meeting.call_parity];
         if (o.kind == me.kind && o.op == me.op && o.dtype == me.dtype && o.root == me.root &&
             o.count == me.count)
             continue;

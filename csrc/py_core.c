@@ -207,6 +207,13 @@ int64_t mpc_py_deadline(int block, PyObject *timeout) {
     return mpc_now_ns() + (int64_t)(t * 1e9);
 }
 
+int mpc_py_intern(const mpc_py_name *names, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (*names[i].s == NULL && (*names[i].s = PyUnicode_InternFromString(names[i].text)) == NULL)
+            return -1;
+    return 0;
+}
+
 char **mpc_py_argv_new(PyObject *seq) {
     PyObject *fast = PySequence_Fast(seq, "a command must be a sequence of str");
     if (fast == NULL)

@@ -131,16 +131,10 @@ PyMethodDef mpc_py_fastpath_methods[] = {
 int mpc_py_fastpath_exec(PyObject *m, mpc_state *st) {
     (void)m;
     (void)st;
-    struct {
-        PyObject **s;
-        const char *text;
-    } names[] = {
+    static const mpc_py_name names[] = {
         {&s_default_pg, "_default_pg"}, {&s_batch, "batch"}, {&s_gloo, "gloo"},
         {&s_shm, "shm"}, {&s_collectives, "collectives"}, {&s_core, "core"},
         {&s_timeout_s, "timeout_s"},
     };
-    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
-        if (*names[i].s == NULL && (*names[i].s = PyUnicode_InternFromString(names[i].text)) == NULL)
-            return -1;
-    return 0;
+    return mpc_py_intern(names, sizeof names / sizeof names[0]);
 }

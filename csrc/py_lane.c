@@ -738,10 +738,7 @@ static PyType_Spec lane_spec = {
 
 int mpc_py_lane_exec(PyObject *m, mpc_state *st) {
     (void)st;
-    struct {
-        PyObject **s;
-        const char *text;
-    } names[] = {
+    static const mpc_py_name names[] = {
         {&s_acquire, "acquire"}, {&s_release, "release"}, {&s_append, "append"},
         {&s_popleft, "popleft"}, {&s_notify, "notify"}, {&s_notify_all, "notify_all"},
         {&s_wait, "wait"}, {&s_done, "_done"}, {&s_exc, "_exc"}, {&s_future, "_future"},
@@ -749,10 +746,8 @@ int mpc_py_lane_exec(PyObject *m, mpc_state *st) {
         {&s_events, "profiler_events"}, {&s_settle, "settle"}, {&s_drain, "drain"},
         {&s_start, "_start"}, {&s_end_events, "_end_events"},
     };
-    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
-        if (*names[i].s == NULL && (*names[i].s = PyUnicode_InternFromString(names[i].text)) == NULL)
-            return -1;
-    }
+    if (mpc_py_intern(names, sizeof names / sizeof names[0]) < 0)
+        return -1;
     PyObject *type = PyType_FromModuleAndSpec(m, &lane_spec, NULL);
     if (type == NULL)
         return -1;

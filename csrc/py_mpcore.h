@@ -66,6 +66,16 @@ int mpc_py_int(const mpc_py_argv *av, int i, int *v);
 /* A NULL-terminated, malloc'd copy of a sequence of str (a command), or
  * NULL with an exception set; freed by mpc_py_argv_free. */
 char **mpc_py_argv_new(PyObject *seq);
+
+/* A name a binding file looks attributes up by, interned once. */
+typedef struct {
+    PyObject **s;     /* where the interned string goes (kept once set) */
+    const char *text;
+} mpc_py_name;
+
+/* Interns each of n names not interned yet.  Returns 0, or -1 with an
+ * exception set. */
+int mpc_py_intern(const mpc_py_name *names, size_t n);
 void mpc_py_argv_free(char **argv);
 
 /* Rings (py_ring.c), for other bindings that wait on one.
