@@ -192,6 +192,25 @@ static int buffer_arg(PyObject *op, PyObject *in, const char *what, mpc_coll_buf
     return 0;
 }
 
+/* Whether op is a Group; TypeError naming what when not. */
+static int is_group(PyObject *op, const char *what) {
+    if (Py_TYPE(op)->tp_dealloc == Group_dealloc)
+        return 1;
+    PyErr_Format(PyExc_TypeError, "%s needs a Group, not %.100s", what, Py_TYPE(op)->tp_name);
+    return 0;
+}
+
+PyObject *mpc_py_group_all_reduce(PyObject *op, uint64_t addr, uint64_t count, int dtype,
+                                  int rop, mpc_coll_buf *b, PyObject *timeout) {
+    mpc_coll *c = is_group(op, "an all_reduce") ? group_of(op) : NULL;
+    if (c == NULL)
+        return NULL;
+    int64_t dl = deadline_of(timeout);
+    if (dl == -2)
+        return NULL;
+    RUN(op, mpc_coll_all_reduce(c, (void *)(uintptr_t)addr, count, dtype, rop, b, dl));
+}
+
 static PyObject *Group_all_reduce(PyObject *op, PyObject *const *args, Py_ssize_t nargs,
                                   PyObject *kwnames) {
     static const char *const names[] = {"address", "count", "dtype", "op", "timeout", "buffer",
@@ -200,18 +219,25 @@ static PyObject *Group_all_reduce(PyObject *op, PyObject *const *args, Py_ssize_
     uint64_t addr, count;
     int dtype, rop;
     mpc_coll_buf *b;
-    mpc_coll *c = group_of(op);
-    if (c == NULL || mpc_py_args(&av, "all_reduce", names, 4, args, nargs, kwnames) < 0 ||
+    if (mpc_py_args(&av, "all_reduce", names, 4, args, nargs, kwnames) < 0 ||
         mpc_py_u64(&av, 0, &addr) < 0 ||
         mpc_py_u64(&av, 1, &count) < 0 ||
         mpc_py_int(&av, 2, &dtype) < 0 ||
         mpc_py_int(&av, 3, &rop) < 0 ||
         buffer_arg(op, OR_NONE(av.a[5]), "all_reduce", &b) < 0)
         return NULL;
-    int64_t dl = deadline_of(OR_NONE(av.a[4]));
+    return mpc_py_group_all_reduce(op, addr, count, dtype, rop, b, OR_NONE(av.a[4]));
+}
+
+PyObject *mpc_py_group_broadcast(PyObject *op, uint64_t addr, uint64_t nbytes, int root,
+                                 PyObject *timeout) {
+    mpc_coll *c = is_group(op, "a broadcast") ? group_of(op) : NULL;
+    if (c == NULL)
+        return NULL;
+    int64_t dl = deadline_of(timeout);
     if (dl == -2)
         return NULL;
-    RUN(op, mpc_coll_all_reduce(c, (void *)(uintptr_t)addr, count, dtype, rop, b, dl));
+    RUN(op, mpc_coll_broadcast(c, (void *)(uintptr_t)addr, nbytes, root, dl));
 }
 
 static PyObject *Group_broadcast(PyObject *op, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
@@ -219,19 +245,13 @@ static PyObject *Group_broadcast(PyObject *op, PyObject *const *args, Py_ssize_t
     mpc_py_argv av;
     uint64_t addr, n;
     int root;
-    mpc_coll *c = group_of(op);
-    if (c == NULL || mpc_py_args(&av, "broadcast", names, 3, args, nargs, kwnames) < 0 ||
+    if (mpc_py_args(&av, "broadcast", names, 3, args, nargs, kwnames) < 0 ||
         mpc_py_u64(&av, 0, &addr) < 0 ||
         mpc_py_u64(&av, 1, &n) < 0 ||
         mpc_py_int(&av, 2, &root) < 0)
         return NULL;
-    int64_t dl = deadline_of(OR_NONE(av.a[3]));
-    if (dl == -2)
-        return NULL;
-    RUN(op, mpc_coll_broadcast(c, (void *)(uintptr_t)addr, n, root, dl));
+    return mpc_py_group_broadcast(op, addr, n, root, OR_NONE(av.a[3]));
 }
-
-static void Group_dealloc(PyObject *op);
 
 /* NOTE [ A barrier's first looks keep the GIL ]
  * A barrier between two ranks that arrive together ends within a few
@@ -247,11 +267,7 @@ static void Group_dealloc(PyObject *op);
 #define MPC_PY_BARRIER_LOOKS 128
 
 PyObject *mpc_py_group_barrier(PyObject *op, PyObject *timeout) {
-    if (Py_TYPE(op)->tp_dealloc != Group_dealloc) {
-        PyErr_Format(PyExc_TypeError, "a barrier needs a Group, not %.100s", Py_TYPE(op)->tp_name);
-        return NULL;
-    }
-    mpc_coll *c = group_of(op);
+    mpc_coll *c = is_group(op, "a barrier") ? group_of(op) : NULL;
     if (c == NULL)
         return NULL;
     int64_t dl = deadline_of(timeout);

@@ -187,10 +187,15 @@ extern PyMethodDef mpc_py_pieces_methods[];
 extern PyMethodDef mpc_py_nccl_methods[];
 extern PyMethodDef mpc_py_fastpath_methods[];
 
-/* A Group's barrier (py_coll.c), timeout as Group.barrier takes it.
- * Returns None, or NULL with the exception Group.barrier raises (TypeError
- * when op is not a Group). */
+/* A Group's barrier, all_reduce and broadcast (py_coll.c), with their
+ * arguments as Group's methods take them (b: the group buffer, or NULL).
+ * Each returns None, or NULL with the exception the method raises
+ * (TypeError when op is not a Group). */
 PyObject *mpc_py_group_barrier(PyObject *op, PyObject *timeout);
+PyObject *mpc_py_group_all_reduce(PyObject *op, uint64_t addr, uint64_t count, int dtype,
+                                  int rop, mpc_coll_buf *b, PyObject *timeout);
+PyObject *mpc_py_group_broadcast(PyObject *op, uint64_t addr, uint64_t nbytes, int root,
+                                 PyObject *timeout);
 
 /* The calls queued on a Lane (py_lane.c), or -1 (no exception set) when
  * lane is not one. */

@@ -20,23 +20,14 @@
 
 static PyObject *str_is_cpu, *str_dtype, *str_shape, *str_is_contiguous, *str_data_ptr;
 
-/* Interns the attribute names tensor_pieces reads, once.  Returns 0, or -1
- * with MemoryError set. */
+/* Interns the attribute names tensor_pieces reads, those not interned yet.
+ * Returns 0, or -1 with MemoryError set. */
 static int piece_names(void) {
-    if (str_data_ptr != NULL)
-        return 0;
-    str_is_cpu = PyUnicode_InternFromString("is_cpu");
-    str_dtype = PyUnicode_InternFromString("dtype");
-    str_shape = PyUnicode_InternFromString("shape");
-    str_is_contiguous = PyUnicode_InternFromString("is_contiguous");
-    PyObject *last = PyUnicode_InternFromString("data_ptr");
-    if (str_is_cpu == NULL || str_dtype == NULL || str_shape == NULL ||
-        str_is_contiguous == NULL || last == NULL) {
-        Py_XDECREF(last);
-        return -1;
-    }
-    str_data_ptr = last;
-    return 0;
+    static const mpc_py_name names[] = {
+        {&str_is_cpu, "is_cpu"}, {&str_dtype, "dtype"}, {&str_shape, "shape"},
+        {&str_is_contiguous, "is_contiguous"}, {&str_data_ptr, "data_ptr"},
+    };
+    return mpc_py_intern(names, sizeof names / sizeof names[0]);
 }
 
 /* 1 when t is of type `type` exactly, on the CPU, of dtype `dtype` (by

@@ -237,23 +237,14 @@ static PyObject *s_requires_grad, *s_dtype, *s_shape, *s_stride, *s_storage_offs
     *s_storages_shared;
 
 static int trec_intern(void) {
-    if (s_set_ != NULL)
-        return 0;
-#define TREC_INTERN(v, name) if ((v = PyUnicode_InternFromString(name)) == NULL) return -1
-    TREC_INTERN(s_requires_grad, "requires_grad");
-    TREC_INTERN(s_dtype, "dtype");
-    TREC_INTERN(s_shape, "shape");
-    TREC_INTERN(s_stride, "stride");
-    TREC_INTERN(s_storage_offset, "storage_offset");
-    TREC_INTERN(s_untyped_storage, "untyped_storage");
-    TREC_INTERN(s_nbytes, "nbytes");
-    TREC_INTERN(s_data_ptr, "data_ptr");
-    TREC_INTERN(s_new, "new");
-    TREC_INTERN(s_weak_ref, "_weak_ref");
-    TREC_INTERN(s_storages_shared, "storages_shared");
-    TREC_INTERN(s_set_, "set_"); /* last: trec_intern() is done once it is set */
-#undef TREC_INTERN
-    return 0;
+    static const mpc_py_name names[] = {
+        {&s_requires_grad, "requires_grad"}, {&s_dtype, "dtype"}, {&s_shape, "shape"},
+        {&s_stride, "stride"}, {&s_storage_offset, "storage_offset"},
+        {&s_untyped_storage, "untyped_storage"}, {&s_nbytes, "nbytes"},
+        {&s_data_ptr, "data_ptr"}, {&s_new, "new"}, {&s_weak_ref, "_weak_ref"},
+        {&s_storages_shared, "storages_shared"}, {&s_set_, "set_"},
+    };
+    return mpc_py_intern(names, sizeof names / sizeof names[0]);
 }
 
 /* torch_hooks(tensor_type, dispatch_keys, plain_keys, codes, descrs, proto,

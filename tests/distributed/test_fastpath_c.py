@@ -1,9 +1,12 @@
 """What the collectives' fast paths do in C (csrc/py_fastpath.c): whether
 anything observes a call, asked of torch's C++ functions that the table of
-torch changes found and checked (NOTE [ Observers asked in C ]), and
-dist.barrier's fast path (NOTE [ dist.barrier in C ]), on a group of one
-rank in a program of its own.  What the profiler and CommDebugMode see of a
-barrier on two ranks is test_dispatch_parity.py's."""
+torch changes found and checked (NOTE [ Observers asked in C ]), and the
+blocking fast paths of dist.barrier, dist.all_reduce and dist.broadcast
+(NOTE [ dist.barrier in C ], NOTE [ Small collectives in C ]), on a group
+of one rank in a program of its own.  What the profiler and CommDebugMode
+see of these calls on two ranks is test_dispatch_parity.py's, and their
+results there and under faults are test_backend.py's and
+test_dist_faults.py's, whose calls take these paths."""
 import json
 import subprocess
 import sys
@@ -21,6 +24,7 @@ import torch, torch.distributed as dist
 import mpcore.distributed
 from mpcore import _core, _torchapi as T
 from mpcore.dist import _fastpath as F
+from mpcore.dist._buffers import BUFFER_MIN
 from torch.utils._python_dispatch import TorchDispatchMode
 
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
@@ -62,28 +66,72 @@ try:
 except T.Missing as e:
     out["no function"] = str(e)
 
-now = _core.barrier_now
-out["served"] = [now(None, W, P), now(dist.group.WORLD, W, P)]
-out["another class"] = now(None, W, object)
+now, ar, bc = _core.barrier_now, _core.all_reduce_now, _core.broadcast_now
+RED = dist.ReduceOp
+gloo = dist.new_group([0], backend="gloo")     # a group of another class
+t = torch.arange(8, dtype=torch.float32)
+out["served"] = {
+    "barrier": [now(None), now(dist.group.WORLD)],
+    "all_reduce": [ar(t, RED.SUM, None), ar(t, RED.SUM, dist.group.WORLD),
+                   ar(t, RED.MAX, None), ar(t.to(torch.int64), RED.BAND, None)],
+    "broadcast": [bc(t, 0, None), bc(t, 0, dist.group.WORLD)],
+}
+out["values kept"] = t.tolist()
+
+
+class Sub(torch.Tensor):
+    pass
+
+
+class Passing(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
 with TorchDispatchMode():
-    out["in a mode"] = now(None, W, P)
+    in_mode = [now(None), ar(t, RED.SUM, None), bc(t, 0, None)]
+with Passing():
+    fn_mode = [ar(t, RED.SUM, None), bc(t, 0, None)]
+big = torch.zeros(BUFFER_MIN // 4)
+out["served"]["all_reduce"].append(ar(big[:-1], RED.SUM, None))    # 4 bytes fewer
+out["turned away"] = {
+    "another class": [now(gloo), ar(t, RED.SUM, gloo), bc(t, 0, gloo)],
+    "a dispatch mode": in_mode,
+    "a torch-function mode": fn_mode,
+    "a subclass": [ar(t.as_subclass(Sub), RED.SUM, None), bc(t.as_subclass(Sub), 0, None)],
+    "not contiguous": [ar(t[::2], RED.SUM, None), bc(t[::2], 0, None)],
+    "not an op": [ar(t, "sum", None)],
+    "no codes": [ar(t, RED.BAND, None), ar(t, RED.PREMUL_SUM, None),
+                 ar(t.to(torch.complex64), RED.SUM, None)],
+    "a group buffer's size": [ar(big, RED.SUM, None)],
+    "not a rank of the group": [bc(t, 1, None), bc(t, "0", None)],
+}
+with dist._coalescing_manager(dist.group.WORLD, async_ops=True) as cm:
+    out["turned away"]["coalescing"] = [ar(t, RED.SUM, None)]
+    dist.all_reduce(t)
+cm.wait()
 shm = dist.group.WORLD.shm
 w = dist.all_reduce(torch.ones(4), async_op=True)
-out["queued"] = [shm.collectives.queued, now(None, W, P), shm.collectives.queued]
+out["queued"] = [shm.collectives.queued, now(None), ar(t, RED.SUM, None), bc(t, 0, None),
+                 shm.collectives.queued]
 dist.barrier()        # Python's way: drains the lane first
 out["after dist.barrier"] = [shm.collectives.queued, w.is_completed()]
-try:
-    now(None, W)
-    out["two arguments"] = None
-except TypeError as e:
-    out["two arguments"] = str(e)
+errors = {}
+for name, call in [("barrier", lambda: now(None, None)), ("all_reduce", lambda: ar(t, None)),
+                   ("unhashable source", lambda: bc(t, [0], None))]:
+    try:
+        call()
+        errors[name] = None
+    except TypeError as e:
+        errors[name] = str(e)
+out["errors"] = errors
 dist.destroy_process_group()
-out["no group"] = now(None, W, P)
+out["no group"] = [now(None), ar(t, RED.SUM, None), bc(t, 0, None)]
 print(json.dumps(out))
 '''
 
 
-def test_observers_and_the_barrier_in_c():
+def test_observers_and_the_fast_paths_in_c():
     r = subprocess.run([sys.executable, "-c", PROGRAM, str(free_port())], env=fresh_env(),
                        capture_output=True, text=True, timeout=scaled(90))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -97,11 +145,19 @@ def test_observers_and_the_barrier_in_c():
     assert "gave False where torch._C._len_torch_dispatch_stack gave 1" in out[
         "wrong function"], out
     assert out["no function"] == "lacks no_such_function_of_torch in libc10.so", out
-    # the barrier: served on the default group and on a group given ...
-    assert out["served"] == [True, True], out
+    # served on the default group and on a group given (all_reduce: an op
+    # other than SUM by its row, and up to 4 bytes under a group buffer's
+    # size; one rank's sum leaves the values) ...
+    assert out["served"] == {"barrier": [True, True], "all_reduce": [True] * 5,
+                             "broadcast": [True, True]}, out
+    assert out["values kept"] == list(range(8)), out
     # ... and left to Python, having done nothing, whenever a check fails
-    assert out["another class"] is False and out["in a mode"] is False, out
-    assert out["queued"] == [1, False, 1], out
+    for why, got in out["turned away"].items():
+        assert got == [False] * len(got), (why, out)
+    assert out["queued"] == [1, False, False, False, 1], out
     assert out["after dist.barrier"] == [0, True], out
-    assert "takes 3 arguments" in out["two arguments"], out
-    assert out["no group"] is False, out
+    assert out["errors"] == {
+        "barrier": "barrier_now(group) takes 1 arguments",
+        "all_reduce": "all_reduce_now(tensor, op, group) takes 3 arguments",
+        "unhashable source": "unhashable type: 'list'"}, out
+    assert out["no group"] == [False] * 3, out
