@@ -37,7 +37,14 @@ it shows four figures:
 A fresh tensor's rows time a fourth call on the mpcore side, the making
 alone (torch.full, the same threads), and their notes give each side's
 all_reduce past it: every side's figure holds the making, which at 16 MB
-takes about as long as the all_reduce itself.
+takes about as long as the all_reduce itself.  They time two more: a
+tensor that stays in a group buffer (moved there by its second
+all_reduce), written anew (fill_) and all-reduced each call, and the
+writing alone.  Nothing of such a tensor is copied between the ranks'
+memories, so its all_reduce past the writing is the least that any way of
+serving a tensor made anew (staged, copied directly, or made in shared
+memory to begin with) could cost on these cores, and the note sets it
+beside what LARGE_TARGET x Open MPI would need.
 Every kind of rank times a job alike: a check of the result with known
 values, warm-up calls, calibrate() over runs of "barrier, n calls, the
 slowest rank's time" (every rank then picks the same n), then ROUNDS runs
@@ -178,8 +185,22 @@ def _torch_calls(torch, dist, core, op, nbytes, rank, world):
             # the making alone, timed alike: what every side's figure holds
             # besides the all_reduce (NOTE [ Open MPI as a peer ])
             calls["make"] = lambda: torch.full((numel,), float(rank + 1))
+            # a tensor written anew in a group buffer, and the writing alone
+            # (NOTE [ Open MPI as a peer ])
+            from mpcore.dist._buffers import buffer_of
+            tb = torch.full((numel,), float(rank + 1))
+            dist.all_reduce(tb)
+            dist.all_reduce(tb)          # the second moves its storage into a group buffer
+            check(buffer_of(tb) is not None, "the tensor all-reduced twice is not in a group buffer")
+
+            def written():
+                tb.fill_(float(rank + 1))
+                dist.all_reduce(tb)
+                return tb
+            calls["written"] = written
+            calls["write"] = lambda: tb.fill_(float(rank + 1))
         for name, call in calls.items():
-            if name == "make":
+            if name in ("make", "write"):
                 continue
             t = call()
             check((t == want_sum).all(), f"{name}: all_reduce of a new tensor gave "
@@ -424,8 +445,10 @@ def mpi_row(env, target_s, world, job):
         extra.update(dist_us=s["dist_s"] * 1e6, core_us=s["core_s"] * 1e6,
                      dist_runs_us=[x * 1e6 for x in s["dist_runs_s"]],
                      core_runs_us=[x * 1e6 for x in s["core_runs_s"]])
-        if "make_s" in s:
-            extra.update(make_us=s["make_s"] * 1e6, make_runs_us=[x * 1e6 for x in s["make_runs_s"]])
+        for name in ("make", "written", "write"):
+            if f"{name}_s" in s:
+                extra.update({f"{name}_us": s[f"{name}_s"] * 1e6,
+                              f"{name}_runs_us": [x * 1e6 for x in s[f"{name}_runs_s"]]})
     scale = 1e6 if nbytes < US_BELOW else 1e3
     return _c.Measurement(s["dist_s"] * scale, s["n"], s["dist_s"] * s["n"] * s["rounds"], extra)
 
@@ -451,11 +474,14 @@ def _fmt_us(us):
 
 
 def figures(row):
-    """The row's best figures in us: gloo, mpi, core, dist, and make (a
-    fresh tensor's making alone) (None: none)."""
+    """The row's best figures in us: gloo, mpi, core, dist, and for a fresh
+    tensor make (its making alone), written (a tensor in a group buffer
+    written anew and all-reduced) and write (that writing alone) (None:
+    none)."""
     return {"gloo": _best(row, "torch", "gloo_us"), "mpi": _best(row, "torch", "mpi_us"),
             "core": _best(row, "mpcore", "core_us"), "dist": _best(row, "mpcore", "dist_us"),
-            "make": _best(row, "mpcore", "make_us")}
+            "make": _best(row, "mpcore", "make_us"), "written": _best(row, "mpcore", "written_us"),
+            "write": _best(row, "mpcore", "write_us")}
 
 
 def _targets(row, f):
@@ -512,6 +538,13 @@ def _notes(row):
                    + (f"; {LARGE_TARGET:g}x Open MPI would need {_fmt_us(f['mpi'] / LARGE_TARGET)}"
                       " in all, less than the making alone" if f["make"] * LARGE_TARGET
                       >= f["mpi"] else ""))
+        if f["written"] is not None and f["write"] is not None:
+            least = f["written"] - f["write"]
+            out.append(f"a tensor kept in a group buffer, written anew (fill_) and all-reduced: "
+                       f"{_fmt_us(f['written'])}, the writing alone {_fmt_us(f['write'])}: with "
+                       f"nothing copied, the all_reduce past the writing takes {_fmt_us(least)}, "
+                       f"where {LARGE_TARGET:g}x Open MPI needs a new tensor's all_reduce past "
+                       f"its making in {_fmt_us(f['mpi'] / LARGE_TARGET - f['make'])}")
     done = [e for e in ex if "mpi_us" in e]
     if done:
         e = done[0]
