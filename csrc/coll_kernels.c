@@ -108,6 +108,30 @@ int mpc__coll_check_args(int dtype, int op, int reducing) {
         case MPC_OP_MAX: NAME##_max(d, s, n); break;                                       \
         default: NAME##_sum(d, s, n);                                                      \
         }                                                                                  \
+    }                                                                                      \
+    CLONES static void NAME##_sum2(T *d, const T *a, const T *b, size_t n) {               \
+        for (size_t i = 0; i < n; i++)                                                     \
+            d[i] = (T)((U)a[i] + (U)b[i]);                                                 \
+    }                                                                                      \
+    CLONES static void NAME##_prod2(T *d, const T *a, const T *b, size_t n) {              \
+        for (size_t i = 0; i < n; i++)                                                     \
+            d[i] = (T)((U)a[i] * (U)b[i]);                                                 \
+    }                                                                                      \
+    CLONES static void NAME##_min2(T *d, const T *a, const T *b, size_t n) {               \
+        for (size_t i = 0; i < n; i++)                                                     \
+            d[i] = b[i] < a[i] ? b[i] : a[i];                                              \
+    }                                                                                      \
+    CLONES static void NAME##_max2(T *d, const T *a, const T *b, size_t n) {               \
+        for (size_t i = 0; i < n; i++)                                                     \
+            d[i] = b[i] > a[i] ? b[i] : a[i];                                              \
+    }                                                                                      \
+    static void NAME##_apply2(int op, T *d, const T *a, const T *b, size_t n) {            \
+        switch (op) {                                                                      \
+        case MPC_OP_PROD: NAME##_prod2(d, a, b, n); break;                                 \
+        case MPC_OP_MIN: NAME##_min2(d, a, b, n); break;                                   \
+        case MPC_OP_MAX: NAME##_max2(d, a, b, n); break;                                   \
+        default: NAME##_sum2(d, a, b, n);                                                  \
+        }                                                                                  \
     }
 
 /* The bitwise ops of an integer type, and all its ops in one switch. */
@@ -131,6 +155,26 @@ int mpc__coll_check_args(int dtype, int op, int reducing) {
         case MPC_OP_BOR: NAME##_bor(d, s, n); break;                                       \
         case MPC_OP_BXOR: NAME##_bxor(d, s, n); break;                                     \
         default: NAME##a_apply(op, d, s, n);                                               \
+        }                                                                                  \
+    }                                                                                      \
+    CLONES static void NAME##_band2(T *d, const T *a, const T *b, size_t n) {              \
+        for (size_t i = 0; i < n; i++)                                                     \
+            d[i] = (T)(a[i] & b[i]);                                                       \
+    }                                                                                      \
+    CLONES static void NAME##_bor2(T *d, const T *a, const T *b, size_t n) {               \
+        for (size_t i = 0; i < n; i++)                                                     \
+            d[i] = (T)(a[i] | b[i]);                                                       \
+    }                                                                                      \
+    CLONES static void NAME##_bxor2(T *d, const T *a, const T *b, size_t n) {              \
+        for (size_t i = 0; i < n; i++)                                                     \
+            d[i] = (T)(a[i] ^ b[i]);                                                       \
+    }                                                                                      \
+    static void NAME##_apply2(int op, T *d, const T *a, const T *b, size_t n) {            \
+        switch (op) {                                                                      \
+        case MPC_OP_BAND: NAME##_band2(d, a, b, n); break;                                 \
+        case MPC_OP_BOR: NAME##_bor2(d, a, b, n); break;                                   \
+        case MPC_OP_BXOR: NAME##_bxor2(d, a, b, n); break;                                 \
+        default: NAME##a_apply2(op, d, a, b, n);                                           \
         }                                                                                  \
     }
 
@@ -156,6 +200,18 @@ static void bool_apply(int op, uint8_t *d, const uint8_t *s, size_t n) {
     case MPC_OP_MIN:
     case MPC_OP_BAND: u8_band(d, s, n); break;
     default: u8_bxor(d, s, n);
+    }
+}
+
+static void bool_apply2(int op, uint8_t *d, const uint8_t *a, const uint8_t *b, size_t n) {
+    switch (op) {
+    case MPC_OP_SUM:
+    case MPC_OP_MAX:
+    case MPC_OP_BOR: u8_bor2(d, a, b, n); break;
+    case MPC_OP_PROD:
+    case MPC_OP_MIN:
+    case MPC_OP_BAND: u8_band2(d, a, b, n); break;
+    default: u8_bxor2(d, a, b, n);
     }
 }
 
@@ -205,14 +261,74 @@ CLONES static void f32_to_bf16(uint16_t *restrict d, const float *restrict s, si
     }
 }
 
+/* NOTE [ Two sources straight into the result ]
+ * The reduction reads its sources a tile at a time into an accumulator in
+ * L1 and copies the tile out, which lets any number of sources, and the
+ * half types' float32 sums, take one pass over dst.  Two sources, the
+ * common case (two ranks, and every pair of a two-rank group), need no
+ * accumulator: dst[i] = a[i] op b[i] reads each source once and writes dst
+ * once, with no copies in L1 between.  Measured in a C program linking the
+ * core (two processes, the core's all_reduce, float32 SUM, built -O3), the
+ * tile way and this one alternated: from group buffers 1 MB 29.9 / 30.3 us
+ * against 22.5 / 22.3, 16 MB 1.10 / 1.07 ms against 0.86 / 0.78; staged,
+ * 1 MB, the reduction's part 85 us against 64 to 69.  The bits are the
+ * same: each element is a[i] op b[i] in the same order, and AVG scales the
+ * sum as before.  It needs dst and each source to be the same memory or
+ * apart (an element is written after both of its own are read, not a
+ * tile after the whole tile), which every caller's is (NOTE [ Movers write
+ * where no one reads ] in coll.c); anything else takes the tiles. */
+
+/* Whether n bytes at d and at s are the same memory or apart. */
+static int same_or_apart(const uint8_t *d, const uint8_t *s, size_t n) {
+    return d == s || d + n <= s || s + n <= d;
+}
+
+#define TILE 1024
+
+/* dst[i] = a[i] op b[i] (avg: that sum over 2), a tile at a time (the
+ * average's scaling reads the tile from L1), for a dtype reduced in its
+ * own type (NOTE [ Two sources straight into the result ]). */
+static void reduce_two(int dtype, int op, uint8_t *dst, const uint8_t *a, const uint8_t *b,
+                       size_t n, size_t es) {
+    for (size_t off = 0; off < n; off += TILE) {
+        size_t m = n - off < TILE ? n - off : TILE;
+        uint8_t *d = dst + off * es;
+        const uint8_t *x = a + off * es, *y = b + off * es;
+        switch (dtype) {
+        case MPC_DT_F32: f32_apply2(op, (float *)d, (const float *)x, (const float *)y, m); break;
+        case MPC_DT_F64: f64_apply2(op, (double *)d, (const double *)x, (const double *)y, m); break;
+        case MPC_DT_I32: i32_apply2(op, (int32_t *)d, (const int32_t *)x, (const int32_t *)y, m); break;
+        case MPC_DT_I64: i64_apply2(op, (int64_t *)d, (const int64_t *)x, (const int64_t *)y, m); break;
+        case MPC_DT_BOOL: bool_apply2(op, d, x, y, m); break;
+        case MPC_DT_I8: i8_apply2(op, (int8_t *)d, (const int8_t *)x, (const int8_t *)y, m); break;
+        case MPC_DT_I16: i16_apply2(op, (int16_t *)d, (const int16_t *)x, (const int16_t *)y, m); break;
+        case MPC_DT_U16: u16_apply2(op, (uint16_t *)d, (const uint16_t *)x, (const uint16_t *)y, m); break;
+        case MPC_DT_U32: u32_apply2(op, (uint32_t *)d, (const uint32_t *)x, (const uint32_t *)y, m); break;
+        case MPC_DT_U64: u64_apply2(op, (uint64_t *)d, (const uint64_t *)x, (const uint64_t *)y, m); break;
+        default: u8_apply2(op, d, x, y, m); break;
+        }
+        if (op == MPC_OP_AVG) {
+            if (dtype == MPC_DT_F32)
+                f32_scale((float *)d, 2, m);
+            else
+                f64_scale((double *)d, 2, m);
+        }
+    }
+}
+
 /* dst[i] = op over srcs[0..nsrc-1][i], in that order (avg: the sum over
  * nsrc).  One pass: the sources are read a tile at a time into an
  * accumulator that stays in L1, and dst is written once.  dst may alias
- * any source: each tile is read whole before it is written. */
-#define TILE 1024
+ * any source: each tile is read whole before it is written.  Two sources
+ * go straight into dst (NOTE [ Two sources straight into the result ]). */
 void mpc__coll_reduce(int dtype, int op, void *dst, void *const *srcs, int nsrc, size_t n) {
     size_t es = dtype_size[dtype];
     int half = dtype == MPC_DT_F16 || dtype == MPC_DT_BF16;
+    if (nsrc == 2 && !half && same_or_apart(dst, srcs[0], n * es) &&
+        same_or_apart(dst, srcs[1], n * es)) {
+        reduce_two(dtype, op, dst, srcs[0], srcs[1], n, es);
+        return;
+    }
     _Alignas(64) uint8_t acc_b[TILE * 8], tmp_b[TILE * 8];
     float *acc = (float *)acc_b, *tmp = (float *)tmp_b;
     for (size_t off = 0; off < n; off += TILE) {

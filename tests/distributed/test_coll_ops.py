@@ -375,6 +375,49 @@ def test_reduce_every_dtype_and_op_matches_numpy(ranks):
                             assert (got_r if n > 1000 else digest(got_r)) == before_r, (r, key)
 
 
+# Two ranks' NaNs and zeros: one-shot (7 elements), staged in slices (35,000)
+# and copied directly (280,000: 1 MB of float32).
+SPECIAL = r"""
+from mpcore import _core as _c
+D, O = _c.COLL_DTYPES, _c.COLL_OPS
+nan = float("nan")
+vals = ([nan, 1.0, -0.0, 0.0, nan, 2.0, -1.0], [1.0, nan, 0.0, -0.0, 5.0, -3.0, -1.0])[rank]
+out = {}
+for dtype in ("float32", "float64"):
+    for op in ("MIN", "MAX", "SUM", "PRODUCT", "AVG"):
+        for reps in (1, 5_000, 40_000):
+            x = np.array(vals * reps, dtype=dtype)
+            g.all_reduce(x.ctypes.data, x.size, D[dtype], O[op], 60 * SLOW)
+            out[dtype, op, reps] = (x[:7].tobytes(), x.tobytes() == x[:7].tobytes() * reps)
+result = out
+"""
+
+
+def test_two_ranks_reduce_each_element_in_rank_order(pair):
+    """Each element is rank 0's op rank 1's, as gloo's std::min and std::max
+    order them: on a NaN or a tie of zeros the first operand stays (NOTE
+    [ Two sources straight into the result ] in coll_kernels.c)."""
+    res = pair.run(SPECIAL, timeout=100)
+    nan = float("nan")
+    a = [nan, 1.0, -0.0, 0.0, nan, 2.0, -1.0]
+    b = [1.0, nan, 0.0, -0.0, 5.0, -3.0, -1.0]
+    ops = {"MIN": lambda x, y: y if y < x else x, "MAX": lambda x, y: y if y > x else x,
+           "SUM": lambda x, y: x + y, "PRODUCT": lambda x, y: x * y,
+           "AVG": lambda x, y: (x + y) * 0.5}
+    for dtype in ("float32", "float64"):
+        for op, f in ops.items():
+            want = np.array([f(x, y) for x, y in zip(a, b)], dtype=dtype)
+            for reps in (1, 5_000, 40_000):
+                for r in (0, 1):
+                    head, every = res[r][dtype, op, reps]
+                    got = np.frombuffer(head, dtype=dtype)
+                    key = (dtype, op, reps, r)
+                    assert every, key      # every repetition reduced alike
+                    assert np.array_equal(np.isnan(got), np.isnan(want)), (key, got, want)
+                    ok = ~np.isnan(want)   # zeros compared with their signs
+                    assert got[ok].tobytes() == want[ok].tobytes(), (key, got, want)
+
+
 def test_bitwise_op_on_a_float_dtype_is_refused_naming_both(pair):
     res = pair.run(r'''
 from mpcore import _core as c
