@@ -276,7 +276,9 @@ CLONES static void f32_to_bf16(uint16_t *restrict d, const float *restrict s, si
  * sum as before.  It needs dst and each source to be the same memory or
  * apart (an element is written after both of its own are read, not a
  * tile after the whole tile), which every caller's is (NOTE [ Movers write
- * where no one reads ] in coll.c); anything else takes the tiles. */
+ * where no one reads ] in coll.c); anything else takes the tiles.  Its
+ * kernels take no `restrict`: dst is often one of the sources (the rank's
+ * own buffer), and the measurement above is of that case. */
 
 /* Whether n bytes at d and at s are the same memory or apart. */
 static int same_or_apart(const uint8_t *d, const uint8_t *s, size_t n) {
