@@ -192,21 +192,25 @@ static int buffer_arg(PyObject *op, PyObject *in, const char *what, mpc_coll_buf
     return 0;
 }
 
-/* Whether op is a Group; TypeError naming what when not. */
-static int is_group(PyObject *op, const char *what) {
-    if (Py_TYPE(op)->tp_dealloc == Group_dealloc)
-        return 1;
-    PyErr_Format(PyExc_TypeError, "%s needs a Group, not %.100s", what, Py_TYPE(op)->tp_name);
-    return 0;
+/* The open group of op, a Group, with timeout's deadline in *dl; NULL with
+ * TypeError naming what when op is not a Group, or the error of a closed
+ * group or a bad timeout. */
+static mpc_coll *group_for(PyObject *op, const char *what, PyObject *timeout, int64_t *dl) {
+    if (Py_TYPE(op)->tp_dealloc != Group_dealloc) {
+        PyErr_Format(PyExc_TypeError, "%s needs a Group, not %.100s", what, Py_TYPE(op)->tp_name);
+        return NULL;
+    }
+    mpc_coll *c = group_of(op);
+    if (c != NULL && (*dl = deadline_of(timeout)) == -2)
+        return NULL;
+    return c;
 }
 
 PyObject *mpc_py_group_all_reduce(PyObject *op, uint64_t addr, uint64_t count, int dtype,
                                   int rop, mpc_coll_buf *b, PyObject *timeout) {
-    mpc_coll *c = is_group(op, "an all_reduce") ? group_of(op) : NULL;
+    int64_t dl;
+    mpc_coll *c = group_for(op, "an all_reduce", timeout, &dl);
     if (c == NULL)
-        return NULL;
-    int64_t dl = deadline_of(timeout);
-    if (dl == -2)
         return NULL;
     RUN(op, mpc_coll_all_reduce(c, (void *)(uintptr_t)addr, count, dtype, rop, b, dl));
 }
@@ -231,11 +235,9 @@ static PyObject *Group_all_reduce(PyObject *op, PyObject *const *args, Py_ssize_
 
 PyObject *mpc_py_group_broadcast(PyObject *op, uint64_t addr, uint64_t nbytes, int root,
                                  PyObject *timeout) {
-    mpc_coll *c = is_group(op, "a broadcast") ? group_of(op) : NULL;
+    int64_t dl;
+    mpc_coll *c = group_for(op, "a broadcast", timeout, &dl);
     if (c == NULL)
-        return NULL;
-    int64_t dl = deadline_of(timeout);
-    if (dl == -2)
         return NULL;
     RUN(op, mpc_coll_broadcast(c, (void *)(uintptr_t)addr, nbytes, root, dl));
 }
@@ -267,11 +269,9 @@ static PyObject *Group_broadcast(PyObject *op, PyObject *const *args, Py_ssize_t
 #define MPC_PY_BARRIER_LOOKS 128
 
 PyObject *mpc_py_group_barrier(PyObject *op, PyObject *timeout) {
-    mpc_coll *c = is_group(op, "a barrier") ? group_of(op) : NULL;
+    int64_t dl;
+    mpc_coll *c = group_for(op, "a barrier", timeout, &dl);
     if (c == NULL)
-        return NULL;
-    int64_t dl = deadline_of(timeout);
-    if (dl == -2)
         return NULL;
     /* NOTE [ A barrier's first looks keep the GIL ] */
     mpc_clear_error();

@@ -94,9 +94,10 @@ static PyObject *observed(PyObject *m, PyObject *noargs) {
  * and 0.73, 0.68 and 0.70, for the core's 0.24.  What is left over the
  * core's call is mostly torch's getters. */
 
-/* getattr(o, name) is want: 1, 0 (it is not), -1 (error). */
-static int attr_is(PyObject *o, PyObject *name, PyObject *want) {
-    PyObject *v = PyObject_GetAttr(o, name);
+/* getattr(o, name), or o.name() when call, is want: 1, 0 (it is not), -1
+ * (error). */
+static int read_is(PyObject *o, PyObject *name, int call, PyObject *want) {
+    PyObject *v = call ? PyObject_CallMethodNoArgs(o, name) : PyObject_GetAttr(o, name);
     if (v == NULL)
         return -1;
     int r = v == want;
@@ -104,15 +105,7 @@ static int attr_is(PyObject *o, PyObject *name, PyObject *want) {
     return r;
 }
 
-/* o.name() is True: 1, 0 (it is not), -1 (error). */
-static int method_true(PyObject *o, PyObject *name) {
-    PyObject *v = PyObject_CallMethodNoArgs(o, name);
-    if (v == NULL)
-        return -1;
-    int r = v == Py_True;
-    Py_DECREF(v);
-    return r;
-}
+#define attr_is(o, name, want) read_is(o, name, 0, want)
 
 /* o.name() (name NULL: o itself) as an unsigned 64-bit int in *out: 1, or
  * -1 with an exception. */
@@ -176,7 +169,7 @@ static int plain_tensor(PyObject *t) {
         return 0;
     int r = attr_is(t, s_is_cpu, Py_True);
     if (r == 1)
-        r = method_true(t, s_is_contiguous);
+        r = read_is(t, s_is_contiguous, 1, Py_True);
     if (r != 1)
         return r;
     PyObject *ts = PyTuple_Pack(1, t);
