@@ -192,26 +192,28 @@ static int buffer_arg(PyObject *op, PyObject *in, const char *what, mpc_coll_buf
     return 0;
 }
 
-/* The open group of op, a Group, with timeout's deadline in *dl; NULL with
- * TypeError naming what when op is not a Group, or the error of a closed
- * group or a bad timeout. */
-static mpc_coll *group_for(PyObject *op, const char *what, PyObject *timeout, int64_t *dl) {
+/* The open group of op, a Group, with timeout in ns from now in *ns
+ * (mpc_py_timeout_ns: the caller reads the clock, mpc_py_after, when it
+ * needs the deadline); NULL with TypeError naming what when op is not a
+ * Group, or the error of a closed group or a bad timeout. */
+static mpc_coll *group_for(PyObject *op, const char *what, PyObject *timeout, int64_t *ns) {
     if (Py_TYPE(op)->tp_dealloc != Group_dealloc) {
         PyErr_Format(PyExc_TypeError, "%s needs a Group, not %.100s", what, Py_TYPE(op)->tp_name);
         return NULL;
     }
     mpc_coll *c = group_of(op);
-    if (c != NULL && (*dl = deadline_of(timeout)) == -2)
+    if (c != NULL && (*ns = mpc_py_timeout_ns(timeout)) == -2)
         return NULL;
     return c;
 }
 
 PyObject *mpc_py_group_all_reduce(PyObject *op, uint64_t addr, uint64_t count, int dtype,
                                   int rop, mpc_coll_buf *b, PyObject *timeout) {
-    int64_t dl;
-    mpc_coll *c = group_for(op, "an all_reduce", timeout, &dl);
+    int64_t ns;
+    mpc_coll *c = group_for(op, "an all_reduce", timeout, &ns);
     if (c == NULL)
         return NULL;
+    int64_t dl = mpc_py_after(ns);
     RUN(op, mpc_coll_all_reduce(c, (void *)(uintptr_t)addr, count, dtype, rop, b, dl));
 }
 
@@ -235,10 +237,11 @@ static PyObject *Group_all_reduce(PyObject *op, PyObject *const *args, Py_ssize_
 
 PyObject *mpc_py_group_broadcast(PyObject *op, uint64_t addr, uint64_t nbytes, int root,
                                  PyObject *timeout) {
-    int64_t dl;
-    mpc_coll *c = group_for(op, "a broadcast", timeout, &dl);
+    int64_t ns;
+    mpc_coll *c = group_for(op, "a broadcast", timeout, &ns);
     if (c == NULL)
         return NULL;
+    int64_t dl = mpc_py_after(ns);
     RUN(op, mpc_coll_broadcast(c, (void *)(uintptr_t)addr, nbytes, root, dl));
 }
 
@@ -269,17 +272,19 @@ static PyObject *Group_broadcast(PyObject *op, PyObject *const *args, Py_ssize_t
 #define MPC_PY_BARRIER_LOOKS 128
 
 PyObject *mpc_py_group_barrier(PyObject *op, PyObject *timeout) {
-    int64_t dl;
-    mpc_coll *c = group_for(op, "a barrier", timeout, &dl);
+    int64_t ns;
+    mpc_coll *c = group_for(op, "a barrier", timeout, &ns);
     if (c == NULL)
         return NULL;
-    /* NOTE [ A barrier's first looks keep the GIL ] */
+    /* NOTE [ A barrier's first looks keep the GIL ]; the clock is read only
+     * for a barrier that must wait (about 0.02 us) */
     mpc_clear_error();
     int r = mpc_coll_barrier_start(c, MPC_PY_BARRIER_LOOKS);
     if (r > 0)
         Py_RETURN_NONE;
     if (r < 0)
         return coll_raise(op, r);
+    int64_t dl = mpc_py_after(ns);
     RUN(op, mpc_coll_barrier_end(c, dl));
 }
 

@@ -193,18 +193,25 @@ int mpc_py_int(const mpc_py_argv *av, int i, int *v) {
 int64_t mpc_py_deadline(int block, PyObject *timeout) {
     if (!block)
         return 0;
+    int64_t ns = mpc_py_timeout_ns(timeout);
+    return ns < -1 ? ns : mpc_py_after(ns);
+}
+
+int64_t mpc_py_after(int64_t ns) { return ns < 0 ? -1 : mpc_now_ns() + ns; }
+
+int64_t mpc_py_timeout_ns(PyObject *timeout) {
     if (timeout == NULL || timeout == Py_None)
         return -1;
     double t = PyFloat_AsDouble(timeout);
     if (t == -1.0 && PyErr_Occurred())
         return -2;
-    if (t < 0) {
+    if (!(t >= 0)) { /* NaN too */
         PyErr_SetString(PyExc_ValueError, "'timeout' must be a non-negative number");
         return -2;
     }
     if (t > 1e9)
         return -1;
-    return mpc_now_ns() + (int64_t)(t * 1e9);
+    return (int64_t)(t * 1e9);
 }
 
 int mpc_py_intern(const mpc_py_name *names, size_t n) {

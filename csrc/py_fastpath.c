@@ -7,8 +7,10 @@
  * C ], NOTE [ Small collectives in C ]). */
 #include "py_mpcore.h"
 
+#include <structmember.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <string.h>
 
 /* NOTE [ Observers asked in C ]
  * Every fast path of a collective first asks whether something observes
@@ -60,8 +62,9 @@ static PyObject *observed(PyObject *m, PyObject *noargs) {
  * backend's class, nothing observes the call, the group gathers no batch
  * and has no gloo group beside it, it has a shared-memory group (shm) with
  * nothing queued on its collectives' lane; then
- * shm.core.barrier(group.timeout_s).  It returns True when it made the
- * barrier, and False, having done nothing, whenever one check fails: the
+ * shm.core.barrier(group.timeout_s).  It returns None, what dist.barrier
+ * returns, when it made the barrier, and False, having done nothing,
+ * whenever one check fails: the
  * Python function then goes its own way (draining the lane, torch's
  * function), as before.  The Python function leaves it out for a timeout,
  * device_ids, async_op and while compiling.  An error of the barrier
@@ -92,7 +95,16 @@ static PyObject *observed(PyObject *m, PyObject *noargs) {
  * and after alternated, two rounds): dist.all_reduce 0.95 and 0.96 us
  * before, 0.82 and 0.86 after, for the core's 0.33; dist.broadcast 0.72
  * and 0.73, 0.68 and 0.70, for the core's 0.24.  What is left over the
- * core's call is mostly torch's getters. */
+ * core's call is mostly torch's getters.
+ * An async call (async_op=True) is served here too, with the same checks
+ * but for the lane, where it goes behind whatever is queued: the Work of
+ * lane.post(work_type, [tensor], shm.core.all_reduce (or broadcast),
+ * (address, count, dtype, op), tensor, bytes <= small), as the Python
+ * path posts it (NOTE [ Asynchronous calls on the fast path ] in
+ * dist/_fastpath.py).  Each returns what the dist.* call returns (None,
+ * or the Work) or False.  Measured (fastpath_calls.py, as above): the
+ * async all_reduce and its wait() cost 0.83 to 1.06 us more than the
+ * blocking call with the checks in Python, XXX in C. */
 
 /* getattr(o, name), or o.name() when call, is want: 1, 0 (it is not), -1
  * (error). */
@@ -118,33 +130,93 @@ static int u64_of(PyObject *o, PyObject *name, uint64_t *out) {
     return *out == (uint64_t)-1 && PyErr_Occurred() ? -1 : 1;
 }
 
+static PyObject *s_default_pg, *s_batch, *s_gloo, *s_shm, *s_collectives, *s_core, *s_timeout_s,
+    *s_timeout, *s_is_cpu, *s_is_contiguous, *s_dtype, *s_numel, *s_nbytes, *s_data_ptr,
+    *s_value, *s_group_ranks, *s_all_reduce, *s_broadcast;
+
+/* NOTE [ The group's slots read in place ]
+ * The fast paths read a group's shm, gloo, batch, timeout_s and
+ * group_ranks on every call, and those are slots of the backend's class
+ * (NOTE [ The fast paths' attributes are slots ] in dist/_group.py).  A
+ * call serves only a group of exactly that class, so set_fastpath notes
+ * each slot's offset from its member descriptor, and g_attr() reads it
+ * there: a few nanoseconds, where getattr by name walks the type's lookup
+ * and the descriptor (about 0.01 us each).  A name that is no plain slot
+ * of the class (another class, a property put in its place) is read by
+ * name, as before. */
+enum { G_SHM, G_GLOO, G_BATCH, G_TIMEOUT_S, G_GROUP_RANKS, G_SLOTS };
+static PyObject **const g_names[G_SLOTS] = {&s_shm, &s_gloo, &s_batch, &s_timeout_s,
+                                            &s_group_ranks};
+
 static struct {
     PyObject *world, *pg_type, *tensor_type, *has_torch_function, *coalescing, *sum, *sums,
-        *rows;
-    uint64_t buffer_min;
+        *rows, *work_type;
+    uint64_t buffer_min, small;
+    Py_ssize_t g_offset[G_SLOTS]; /* 0: read by name */
 } fp; /* set_fastpath's (NOTE [ Small collectives in C ]); world is NULL until then */
 
+/* Where pg_type's instances keep attribute i when it is an object slot of
+ * the class (NOTE [ The group's slots read in place ]), else 0; -1 with an
+ * exception. */
+static Py_ssize_t slot_offset(PyObject *pg_type, int i) {
+    PyObject *d = PyObject_GetAttr(pg_type, *g_names[i]);
+    if (d == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+            return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    Py_ssize_t off = 0;
+    if (Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+        PyMemberDef *md = ((PyMemberDescrObject *)d)->d_member;
+        if (md->type == T_OBJECT_EX && md->offset > 0)
+            off = md->offset;
+    }
+    Py_DECREF(d);
+    return off;
+}
+
+/* g's attribute i (g of exactly fp.pg_type): a new reference, or NULL
+ * with an exception (AttributeError for a slot never set). */
+static PyObject *g_attr(PyObject *g, int i) {
+    Py_ssize_t off = fp.g_offset[i];
+    PyObject *v = off > 0 ? *(PyObject **)((char *)g + off) : NULL;
+    return v != NULL ? Py_NewRef(v) : PyObject_GetAttr(g, *g_names[i]);
+}
+
+/* Whether g's attribute i is want: 1, 0, -1 with an exception. */
+static int g_is(PyObject *g, int i, PyObject *want) {
+    PyObject *v = g_attr(g, i);
+    if (v == NULL)
+        return -1;
+    Py_DECREF(v);
+    return v == want;
+}
+
 static PyObject *set_fastpath(PyObject *m, PyObject *args) {
-    PyObject *o[8];
-    unsigned long long buffer_min;
-    if (!PyArg_ParseTuple(args, "OOOOOOO!O!K:set_fastpath", &o[0], &o[1], &o[2], &o[3], &o[4],
-                          &o[5], &PyDict_Type, &o[6], &PyDict_Type, &o[7], &buffer_min))
+    PyObject *o[9];
+    unsigned long long buffer_min, small;
+    if (!PyArg_ParseTuple(args, "OOOOOOO!O!KOK:set_fastpath", &o[0], &o[1], &o[2], &o[3], &o[4],
+                          &o[5], &PyDict_Type, &o[6], &PyDict_Type, &o[7], &buffer_min, &o[8],
+                          &small))
         return NULL;
     if (profiler_enabled == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "set_fastpath() before set_observers()");
         return NULL;
     }
-    PyObject **slots[8] = {&fp.world, &fp.pg_type, &fp.tensor_type, &fp.has_torch_function,
-                           &fp.coalescing, &fp.sum, &fp.sums, &fp.rows};
-    for (int i = 0; i < 8; i++)
+    Py_ssize_t offsets[G_SLOTS];
+    for (int i = 0; i < G_SLOTS; i++)
+        if ((offsets[i] = PyType_Check(o[1]) ? slot_offset(o[1], i) : 0) < 0)
+            return NULL;
+    memcpy(fp.g_offset, offsets, sizeof offsets);
+    PyObject **slots[9] = {&fp.world, &fp.pg_type, &fp.tensor_type, &fp.has_torch_function,
+                           &fp.coalescing, &fp.sum, &fp.sums, &fp.rows, &fp.work_type};
+    for (int i = 0; i < 9; i++)
         Py_XSETREF(*slots[i], Py_NewRef(o[i]));
     fp.buffer_min = buffer_min;
+    fp.small = small;
     Py_RETURN_NONE;
 }
-
-static PyObject *s_default_pg, *s_batch, *s_gloo, *s_shm, *s_collectives, *s_core, *s_timeout_s,
-    *s_timeout, *s_is_cpu, *s_is_contiguous, *s_dtype, *s_numel, *s_nbytes, *s_data_ptr,
-    *s_value, *s_group_ranks;
 
 /* The first checks of every fast path here: nothing observes this thread's
  * calls, and the group a call names (world._default_pg for None), left in
@@ -159,7 +231,7 @@ static int served(PyObject *group, PyObject **g) {
         return -1;
     if ((PyObject *)Py_TYPE(*g) != fp.pg_type)
         return 0;
-    return attr_is(*g, s_batch, Py_None);
+    return g_is(*g, G_BATCH, Py_None);
 }
 
 /* Whether t is a plain contiguous CPU tensor that no torch-function mode
@@ -182,31 +254,59 @@ static int plain_tensor(PyObject *t) {
     return r;
 }
 
-/* g's shared-memory group with nothing queued on its collectives' lane,
- * left in *shm as a new reference: 1, 0 (none, or calls queued: Python's
- * way drains them), or -1 with an exception. */
-static int idle_shm(PyObject *g, PyObject **shm) {
-    if ((*shm = PyObject_GetAttr(g, s_shm)) == NULL)
+/* g's shared-memory group and its collectives' lane, left in *shm and
+ * *lane as new references, where a call can go: for a blocking one
+ * (!async) nothing may be queued there (Python's way drains the lane
+ * first), an async one goes behind what is.  1, 0 (no shm, no Lane, or
+ * calls queued), or -1 with an exception. */
+static int shm_lane(PyObject *g, int async, PyObject **shm, PyObject **lane) {
+    *lane = NULL;
+    if ((*shm = g_attr(g, G_SHM)) == NULL)
         return -1;
     if (*shm == Py_None)
         return 0;
-    PyObject *lane = PyObject_GetAttr(*shm, s_collectives);
-    if (lane == NULL)
+    if ((*lane = PyObject_GetAttr(*shm, s_collectives)) == NULL)
         return -1;
-    Py_ssize_t queued = mpc_py_lane_queued(lane); /* -1: not a Lane, Python's way */
-    Py_DECREF(lane);
-    return queued == 0;
+    Py_ssize_t queued = mpc_py_lane_queued(*lane); /* -1: not a Lane, Python's way */
+    return async ? queued >= 0 : queued == 0;
 }
 
 /* What a fast path returns for its checks' verdict ok (1, 0, -1) and the
- * core's call's result res (used when ok is 1): True, False, or NULL. */
+ * call's result res (used when ok is 1: the core's None, or an async
+ * call's Work): res, False, or NULL. */
 static PyObject *verdict(int ok, PyObject *res) {
     if (ok == 0)
         return Py_NewRef(Py_False);
-    if (ok < 0 || res == NULL)
-        return NULL;
-    Py_DECREF(res);
-    return Py_NewRef(Py_True);
+    return ok < 0 ? NULL : res;
+}
+
+/* A tuple of the n ints v: new, or NULL with an exception. */
+static PyObject *ints(int n, const uint64_t *v) {
+    PyObject *tup = PyTuple_New(n);
+    for (int i = 0; tup != NULL && i < n; i++) {
+        PyObject *x = PyLong_FromUnsignedLongLong(v[i]);
+        if (x == NULL)
+            Py_CLEAR(tup);
+        else
+            PyTuple_SET_ITEM(tup, i, x);
+    }
+    return tup;
+}
+
+/* fn, the name of shm.core's method, made by the lane on its thread (or
+ * by the caller's wait) with args and the group's timeout: the Work of
+ * lane.post (NOTE [ Small collectives in C ]), result [t], keeping t. */
+static PyObject *post_core(PyObject *lane, PyObject *core, PyObject *name, PyObject *args,
+                           PyObject *t, uint64_t nbytes) {
+    PyObject *fn = PyObject_GetAttr(core, name), *result = NULL, *work = NULL;
+    if (fn != NULL && args != NULL && (result = PyList_New(1)) != NULL) {
+        PyList_SET_ITEM(result, 0, Py_NewRef(t));
+        work = mpc_py_lane_post(lane, fp.work_type, result, fn, args, t, nbytes <= fp.small);
+    }
+    Py_XDECREF(fn);
+    Py_XDECREF(args);
+    Py_XDECREF(result);
+    return work;
 }
 
 #define NARGS(name, n, sig)                                                                \
@@ -217,19 +317,20 @@ static PyObject *verdict(int ok, PyObject *res) {
 
 static PyObject *barrier_now(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     NARGS("barrier_now", 1, "group")
-    PyObject *g, *shm = NULL, *core = NULL, *timeout = NULL, *res = NULL;
+    PyObject *g, *shm = NULL, *lane = NULL, *core = NULL, *timeout = NULL, *res = NULL;
     int ok = served(args[0], &g);
     if (ok == 1)
-        ok = attr_is(g, s_gloo, Py_None);
+        ok = g_is(g, G_GLOO, Py_None);
     if (ok == 1)
-        ok = idle_shm(g, &shm);
+        ok = shm_lane(g, 0, &shm, &lane);
     if (ok == 1 && ((core = PyObject_GetAttr(shm, s_core)) == NULL ||
-                    (timeout = PyObject_GetAttr(g, s_timeout_s)) == NULL))
+                    (timeout = g_attr(g, G_TIMEOUT_S)) == NULL))
         ok = -1;
     if (ok == 1)
         res = mpc_py_group_barrier(core, timeout);
     Py_XDECREF(g);
     Py_XDECREF(shm);
+    Py_XDECREF(lane);
     Py_XDECREF(core);
     Py_XDECREF(timeout);
     return verdict(ok, res);
@@ -272,11 +373,13 @@ static int codes_of(PyObject *t, PyObject *op, int *dtype, int *rop) {
 }
 
 static PyObject *all_reduce_now(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
-    NARGS("all_reduce_now", 3, "tensor, op, group")
+    NARGS("all_reduce_now", 4, "tensor, op, group, async_op")
     PyObject *t = args[0], *op = args[1];
-    PyObject *g, *shm = NULL, *core = NULL, *timeout = NULL, *res = NULL;
-    int dtype = 0, rop = 0;
+    PyObject *g, *shm = NULL, *lane = NULL, *core = NULL, *timeout = NULL, *res = NULL;
+    int dtype = 0, rop = 0, async = PyObject_IsTrue(args[3]);
     uint64_t n = 0, addr = 0;
+    if (async < 0)
+        return NULL;
     int ok = served(args[2], &g);
     if (ok == 1 && fp.coalescing != Py_None) { /* inside a coalescing manager: Python's way */
         int in = PySequence_Contains(fp.coalescing, g);
@@ -287,34 +390,44 @@ static PyObject *all_reduce_now(PyObject *m, PyObject *const *args, Py_ssize_t n
     if (ok == 1)
         ok = codes_of(t, op, &dtype, &rop);
     if (ok == 1)
-        ok = idle_shm(g, &shm);
+        ok = shm_lane(g, async, &shm, &lane);
+    uint64_t nbytes = 0;
     if (ok == 1 && (ok = u64_of(t, s_numel, &n)) == 1 &&
-        n * mpc_coll_dtype_size(dtype) >= fp.buffer_min)
+        (nbytes = n * mpc_coll_dtype_size(dtype)) >= fp.buffer_min)
         ok = 0; /* it may move into a group buffer: Python's way */
     if (ok == 1 && ((core = PyObject_GetAttr(shm, s_core)) == NULL ||
-                    (timeout = PyObject_GetAttr(shm, s_timeout)) == NULL))
+                    (!async && (timeout = PyObject_GetAttr(shm, s_timeout)) == NULL)))
         ok = -1;
     if (ok == 1)
         ok = u64_of(t, s_data_ptr, &addr);
-    if (ok == 1)
+    if (ok == 1 && async)
+        ok = (res = post_core(lane, core, s_all_reduce,
+                              ints(4, (uint64_t[]){addr, n, (uint64_t)dtype, (uint64_t)rop}),
+                              t, nbytes)) != NULL ? 1 : -1;
+    else if (ok == 1)
         res = mpc_py_group_all_reduce(core, addr, n, dtype, rop, NULL, timeout);
     Py_XDECREF(g);
     Py_XDECREF(shm);
+    Py_XDECREF(lane);
     Py_XDECREF(core);
     Py_XDECREF(timeout);
     return verdict(ok, res);
 }
 
 static PyObject *broadcast_now(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
-    NARGS("broadcast_now", 3, "tensor, src, group")
+    NARGS("broadcast_now", 4, "tensor, src, group, async_op")
     PyObject *t = args[0], *src = args[1];
-    PyObject *g, *ranks = NULL, *shm = NULL, *core = NULL, *timeout = NULL, *res = NULL;
+    PyObject *g, *ranks = NULL, *shm = NULL, *lane = NULL, *core = NULL, *timeout = NULL,
+                 *res = NULL;
     long root = -1;
     uint64_t nbytes = 0, addr = 0;
+    int async = PyObject_IsTrue(args[3]);
+    if (async < 0)
+        return NULL;
     int ok = served(args[2], &g);
     if (ok == 1)
         ok = plain_tensor(t);
-    if (ok == 1 && (ranks = PyObject_GetAttr(g, s_group_ranks)) == NULL)
+    if (ok == 1 && (ranks = g_attr(g, G_GROUP_RANKS)) == NULL)
         ok = -1;
     if (ok == 1) { /* group_ranks.get(src): the source's rank in the group */
         PyObject *r = PyDict_Check(ranks) ? PyDict_GetItemWithError(ranks, src) : NULL;
@@ -323,9 +436,9 @@ static PyObject *broadcast_now(PyObject *m, PyObject *const *args, Py_ssize_t na
             ok = -1;
     }
     if (ok == 1)
-        ok = idle_shm(g, &shm);
+        ok = shm_lane(g, async, &shm, &lane);
     if (ok == 1 && ((core = PyObject_GetAttr(shm, s_core)) == NULL ||
-                    (timeout = PyObject_GetAttr(shm, s_timeout)) == NULL))
+                    (!async && (timeout = PyObject_GetAttr(shm, s_timeout)) == NULL)))
         ok = -1;
     if (ok == 1) {
         PyObject *nb = PyObject_GetAttr(t, s_nbytes);
@@ -334,11 +447,16 @@ static PyObject *broadcast_now(PyObject *m, PyObject *const *args, Py_ssize_t na
     }
     if (ok == 1)
         ok = u64_of(t, s_data_ptr, &addr);
-    if (ok == 1)
+    if (ok == 1 && async)
+        ok = (res = post_core(lane, core, s_broadcast,
+                              ints(3, (uint64_t[]){addr, nbytes, (uint64_t)root}),
+                              t, nbytes)) != NULL ? 1 : -1;
+    else if (ok == 1)
         res = mpc_py_group_broadcast(core, addr, nbytes, (int)root, timeout);
     Py_XDECREF(g);
     Py_XDECREF(ranks);
     Py_XDECREF(shm);
+    Py_XDECREF(lane);
     Py_XDECREF(core);
     Py_XDECREF(timeout);
     return verdict(ok, res);
@@ -352,17 +470,19 @@ PyMethodDef mpc_py_fastpath_methods[] = {
      "observed() -> bool: torch's profiler is on, or a dispatch mode is set, on this thread."},
     {"set_fastpath", set_fastpath, METH_VARARGS,
      "set_fastpath(world, pg_type, tensor_type, has_torch_function, coalescing, sum, sums, "
-     "rows, buffer_min): what the fast paths below compare with (NOTE [ Small collectives "
-     "in C ])."},
+     "rows, buffer_min, work_type, small): what the fast paths below compare with and make "
+     "(NOTE [ Small collectives in C ])."},
     {"barrier_now", (PyCFunction)(void (*)(void))barrier_now, METH_FASTCALL,
-     "barrier_now(group) -> bool: dist.barrier's fast path made here, or False having done "
-     "nothing (NOTE [ dist.barrier in C ])."},
+     "barrier_now(group) -> None or False: dist.barrier's fast path made here (None, as "
+     "dist.barrier returns), or False having done nothing (NOTE [ dist.barrier in C ])."},
     {"all_reduce_now", (PyCFunction)(void (*)(void))all_reduce_now, METH_FASTCALL,
-     "all_reduce_now(tensor, op, group) -> bool: dist.all_reduce's blocking fast path made "
-     "here, or False having done nothing (NOTE [ Small collectives in C ])."},
+     "all_reduce_now(tensor, op, group, async_op) -> None, a Work or False: dist.all_reduce's "
+     "fast path made here (what it returns), or False having done nothing (NOTE [ Small "
+     "collectives in C ])."},
     {"broadcast_now", (PyCFunction)(void (*)(void))broadcast_now, METH_FASTCALL,
-     "broadcast_now(tensor, src, group) -> bool: dist.broadcast's blocking fast path made "
-     "here, or False having done nothing (NOTE [ Small collectives in C ])."},
+     "broadcast_now(tensor, src, group, async_op) -> None, a Work or False: dist.broadcast's "
+     "fast path made here (what it returns), or False having done nothing (NOTE [ Small "
+     "collectives in C ])."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -375,7 +495,8 @@ int mpc_py_fastpath_exec(PyObject *m, mpc_state *st) {
         {&s_timeout_s, "timeout_s"}, {&s_timeout, "timeout"}, {&s_is_cpu, "is_cpu"},
         {&s_is_contiguous, "is_contiguous"}, {&s_dtype, "dtype"}, {&s_numel, "numel"},
         {&s_nbytes, "nbytes"}, {&s_data_ptr, "data_ptr"}, {&s_value, "value"},
-        {&s_group_ranks, "group_ranks"},
+        {&s_group_ranks, "group_ranks"}, {&s_all_reduce, "all_reduce"},
+        {&s_broadcast, "broadcast"},
     };
     return mpc_py_intern(names, sizeof names / sizeof names[0]);
 }

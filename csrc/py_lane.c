@@ -279,21 +279,32 @@ static int spare_free(PyObject *work, PyObject *d) {
     return work_done(work, d);
 }
 
-/* Lane.post(work_type, result, fn, args, keep, small): queues fn(*args,
+/* Lane.post(work_type, result, fn, args, keep, small), made by post()
+ * (args: the first five; small: the sixth's truth): queues fn(*args,
  * timeout) with its Work, the spare when spare_free says so, else a new
  * work_type(result) (kept as the spare when its `reusable` is true).
  * Returns the Work, or NULL with an exception set (nothing queued, unless
  * the lane's drain, run on its own thread, raised). */
+static PyObject *post(LaneObject *self, PyObject *const *args, int small);
+
 static PyObject *lane_post(LaneObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 6) {
         PyErr_SetString(PyExc_TypeError,
                         "post() takes work_type, result, fn, args, keep and small");
         return NULL;
     }
-    PyObject *result = args[1];
     int small = PyObject_IsTrue(args[5]);
-    if (small < 0)
-        return NULL;
+    return small < 0 ? NULL : post(self, args, small);
+}
+
+PyObject *mpc_py_lane_post(PyObject *lane, PyObject *work_type, PyObject *result, PyObject *fn,
+                           PyObject *args, PyObject *keep, int small) {
+    PyObject *const a[5] = {work_type, result, fn, args, keep};
+    return post((LaneObject *)lane, a, small);
+}
+
+static PyObject *post(LaneObject *self, PyObject *const *args, int small) {
+    PyObject *result = args[1];
     PyObject *work = self->spare, *d = NULL;
     int free = 0;
     if (work != NULL && work != Py_None && Py_REFCNT(work) == 1) {

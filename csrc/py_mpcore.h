@@ -39,6 +39,15 @@ PyObject *mpc_py_raise(mpc_state *st, int err);
  * negative timeout. */
 int64_t mpc_py_deadline(int block, PyObject *timeout);
 
+/* Returns a Python timeout as nanoseconds from now: -1 forever (None, or
+ * more than 1e9 s), else 0 or more; -2 with ValueError or TypeError set
+ * for a negative or NaN timeout or one that is not a number. */
+int64_t mpc_py_timeout_ns(PyObject *timeout);
+
+/* Returns mpc_py_deadline's deadline for ns from mpc_py_timeout_ns (-1
+ * for -1), reading the clock only now; never fails. */
+int64_t mpc_py_after(int64_t ns);
+
 /* A vectorcall method's arguments (METH_FASTCALL | METH_KEYWORDS) by name
  * (NOTE [ Arguments read without a tuple ] in py_core.c): a[i] is the
  * argument for names[i] (at most MPC_PY_ARGS_MAX names), borrowed, or NULL
@@ -200,5 +209,11 @@ PyObject *mpc_py_group_broadcast(PyObject *op, uint64_t addr, uint64_t nbytes, i
 /* The calls queued on a Lane (py_lane.c), or -1 (no exception set) when
  * lane is not one. */
 Py_ssize_t mpc_py_lane_queued(PyObject *lane);
+
+/* lane.post(work_type, result, fn, args, keep, small) for a Lane (which
+ * the caller has checked, mpc_py_lane_queued): the Work of fn(*args,
+ * timeout) queued there; NULL with an exception. */
+PyObject *mpc_py_lane_post(PyObject *lane, PyObject *work_type, PyObject *result, PyObject *fn,
+                           PyObject *args, PyObject *keep, int small);
 
 #endif

@@ -1,8 +1,9 @@
 """What the collectives' fast paths do in C (csrc/py_fastpath.c): whether
 anything observes a call, asked of torch's C++ functions that the table of
 torch changes found and checked (NOTE [ Observers asked in C ]), and the
-blocking fast paths of dist.barrier, dist.all_reduce and dist.broadcast
-(NOTE [ dist.barrier in C ], NOTE [ Small collectives in C ]), on a group
+fast paths of dist.barrier, dist.all_reduce and dist.broadcast, blocking
+and (the last two) async (NOTE [ dist.barrier in C ], NOTE [ Small
+collectives in C ]), on a group
 of one rank in a program of its own.  What the profiler and CommDebugMode
 see of these calls on two ranks is test_dispatch_parity.py's, and their
 results there and under faults are test_backend.py's and
@@ -66,8 +67,25 @@ try:
 except T.Missing as e:
     out["no function"] = str(e)
 
-now, ar, bc = _core.barrier_now, _core.all_reduce_now, _core.broadcast_now
+now = _core.barrier_now
 RED = dist.ReduceOp
+
+
+def ar(t, op, group, async_op=False):
+    return _core.all_reduce_now(t, op, group, async_op)
+
+
+def bc(t, src, group, async_op=False):
+    return _core.broadcast_now(t, src, group, async_op)
+
+
+def works(*made):
+    """What async calls gave: each Work's class, wait(), whether its
+    result() is the tensor given, and is_completed() after the wait."""
+    return [[type(w).__name__, w.wait(), w.result()[0] is t, w.is_completed()] for w in made]
+
+
+
 gloo = dist.new_group([0], backend="gloo")     # a group of another class
 t = torch.arange(8, dtype=torch.float32)
 out["served"] = {
@@ -77,6 +95,11 @@ out["served"] = {
     "broadcast": [bc(t, 0, None), bc(t, 0, dist.group.WORLD)],
 }
 out["values kept"] = t.tolist()
+out["async"] = works(ar(t, RED.SUM, None, True), ar(t, RED.MAX, dist.group.WORLD, True),
+                     bc(t, 0, None, True))
+w = ar(t, RED.SUM, None, True)
+out["async is torch's Work"] = isinstance(w, dist.Work) and w.wait()
+out["values kept"] += t.tolist()
 
 
 class Sub(torch.Tensor):
@@ -89,9 +112,10 @@ class Passing(torch.overrides.TorchFunctionMode):
 
 
 with TorchDispatchMode():
-    in_mode = [now(None), ar(t, RED.SUM, None), bc(t, 0, None)]
+    in_mode = [now(None), ar(t, RED.SUM, None), bc(t, 0, None), ar(t, RED.SUM, None, True),
+               bc(t, 0, None, True)]
 with Passing():
-    fn_mode = [ar(t, RED.SUM, None), bc(t, 0, None)]
+    fn_mode = [ar(t, RED.SUM, None), bc(t, 0, None), ar(t, RED.SUM, None, True)]
 big = torch.zeros(BUFFER_MIN // 4)
 out["served"]["all_reduce"].append(ar(big[:-1], RED.SUM, None))    # 4 bytes fewer
 out["turned away"] = {
@@ -103,21 +127,24 @@ out["turned away"] = {
     "not an op": [ar(t, "sum", None)],
     "no codes": [ar(t, RED.BAND, None), ar(t, RED.PREMUL_SUM, None),
                  ar(t.to(torch.complex64), RED.SUM, None)],
-    "a group buffer's size": [ar(big, RED.SUM, None)],
+    "a group buffer's size": [ar(big, RED.SUM, None), ar(big, RED.SUM, None, True)],
     "not a rank of the group": [bc(t, 1, None), bc(t, "0", None)],
 }
 with dist._coalescing_manager(dist.group.WORLD, async_ops=True) as cm:
-    out["turned away"]["coalescing"] = [ar(t, RED.SUM, None)]
+    out["turned away"]["coalescing"] = [ar(t, RED.SUM, None), ar(t, RED.SUM, None, True)]
     dist.all_reduce(t)
 cm.wait()
 shm = dist.group.WORLD.shm
 w = dist.all_reduce(torch.ones(4), async_op=True)
 out["queued"] = [shm.collectives.queued, now(None), ar(t, RED.SUM, None), bc(t, 0, None),
                  shm.collectives.queued]
+behind = ar(t, RED.SUM, None, True)     # an async call goes behind what is queued
+out["queued"].append(shm.collectives.queued)
 dist.barrier()        # Python's way: drains the lane first
-out["after dist.barrier"] = [shm.collectives.queued, w.is_completed()]
+out["after dist.barrier"] = [shm.collectives.queued, w.is_completed(), behind.is_completed()]
 errors = {}
-for name, call in [("barrier", lambda: now(None, None)), ("all_reduce", lambda: ar(t, None)),
+for name, call in [("barrier", lambda: now(None, None)),
+                   ("all_reduce", lambda: _core.all_reduce_now(t, None, None)),
                    ("unhashable source", lambda: bc(t, [0], None))]:
     try:
         call()
@@ -126,7 +153,7 @@ for name, call in [("barrier", lambda: now(None, None)), ("all_reduce", lambda: 
         errors[name] = str(e)
 out["errors"] = errors
 dist.destroy_process_group()
-out["no group"] = [now(None), ar(t, RED.SUM, None), bc(t, 0, None)]
+out["no group"] = [now(None), ar(t, RED.SUM, None), bc(t, 0, None), ar(t, RED.SUM, None, True)]
 print(json.dumps(out))
 '''
 
@@ -147,17 +174,20 @@ def test_observers_and_the_fast_paths_in_c():
     assert out["no function"] == "lacks no_such_function_of_torch in libc10.so", out
     # served on the default group and on a group given (all_reduce: an op
     # other than SUM by its row, and up to 4 bytes under a group buffer's
-    # size; one rank's sum leaves the values) ...
-    assert out["served"] == {"barrier": [True, True], "all_reduce": [True] * 5,
-                             "broadcast": [True, True]}, out
-    assert out["values kept"] == list(range(8)), out
+    # size; one rank's sum leaves the values), returning what dist.*
+    # returns: None, or for an async call the backend's Work of the call ...
+    assert out["served"] == {"barrier": [None, None], "all_reduce": [None] * 5,
+                             "broadcast": [None, None]}, out
+    assert out["async"] == [["Work", True, True, True]] * 3, out
+    assert out["async is torch's Work"], out
+    assert out["values kept"] == list(range(8)) * 2, out
     # ... and left to Python, having done nothing, whenever a check fails
     for why, got in out["turned away"].items():
         assert got == [False] * len(got), (why, out)
-    assert out["queued"] == [1, False, False, False, 1], out
-    assert out["after dist.barrier"] == [0, True], out
+    assert out["queued"] == [1, False, False, False, 1, 2], out
+    assert out["after dist.barrier"] == [0, True, True], out
     assert out["errors"] == {
         "barrier": "barrier_now(group) takes 1 arguments",
-        "all_reduce": "all_reduce_now(tensor, op, group) takes 3 arguments",
+        "all_reduce": "all_reduce_now(tensor, op, group, async_op) takes 4 arguments",
         "unhashable source": "unhashable type: 'list'"}, out
-    assert out["no group"] == [False] * 3, out
+    assert out["no group"] == [False] * 4, out

@@ -320,13 +320,14 @@ _ROWS = CORE_ROWS
 _SUMS = {dt: row[RED.SUM.value] for dt, row in CORE_ROWS.items() if row[RED.SUM.value]}
 _ITEM = {dt: dt.itemsize for dt in CORE_ROWS}   # a dict's read costs less than numel()
 _FEW = BUFFER_MIN // 16   # fewer elements than this are under BUFFER_MIN bytes in any dtype
-# the blocking fast paths of barrier, all_reduce and broadcast made in C
-# where the observers are asked in C (NOTE [ dist.barrier in C ], NOTE
-# [ Small collectives in C ] in py_fastpath.c); until set_fastpath, and
-# without it, each returns False and the Python path serves the call
+# the fast paths of barrier (blocking), all_reduce and broadcast made in
+# C where the observers are asked in C (NOTE [ dist.barrier in C ], NOTE
+# [ Small collectives in C ] in py_fastpath.c): each returns what the
+# dist.* call returns, or False; until set_fastpath, and without it,
+# always False, and the Python path serves the call
 if _observed is _core.observed and _WORLD is not None:
     _core.set_fastpath(_WORLD, _PG, _Tensor, _has_torch_function, _COALESCING, _SUM, _SUMS,
-                       _ROWS, BUFFER_MIN)
+                       _ROWS, BUFFER_MIN, _Work, ShmGroup.SMALL)
 _barrier_now = _core.barrier_now
 _all_reduce_now = _core.all_reduce_now
 _broadcast_now = _core.broadcast_now
@@ -374,9 +375,10 @@ def recv(tensor, src=None, group=None, tag=0, group_src=None):
 
 
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
-    if (not async_op and group_src is None and not _compiling()
-            and _broadcast_now(tensor, src, group)):   # NOTE [ Small collectives in C ]
-        return None
+    if group_src is None and not _compiling():
+        done = _broadcast_now(tensor, src, group, async_op)   # NOTE [ Small collectives in C ]
+        if done is not False:
+            return done
     g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
     if (not (_compiling() or _observed())
             and type(g) is _PG and g.batch is None and group_src is None
@@ -522,8 +524,10 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
 # --- the collectives that reduce or gather (NOTE [ The rest of torch's collectives ]) ---
 
 def all_reduce(tensor, op=_SUM, group=None, async_op=False):
-    if not async_op and not _compiling() and _all_reduce_now(tensor, op, group):
-        return None    # NOTE [ Small collectives in C ] in py_fastpath.c
+    if not _compiling():
+        done = _all_reduce_now(tensor, op, group, async_op)   # NOTE [ Small collectives in C ]
+        if done is not False:
+            return done
     g = _WORLD._default_pg if group is None else group   # _region(), _plain(), inline
     if (not (_compiling() or _observed())
             and type(g) is _PG and g.batch is None and type(op) is RED and g not in _COALESCING
@@ -552,7 +556,7 @@ def all_reduce(tensor, op=_SUM, group=None, async_op=False):
 
 def barrier(group=None, async_op=False, device_ids=None, timeout=None):
     if (timeout is None and device_ids is None and not async_op and not _compiling()
-            and _barrier_now(group)):   # NOTE [ dist.barrier in C ] in py_fastpath.c
+            and _barrier_now(group) is None):   # NOTE [ dist.barrier in C ] in py_fastpath.c
         return None
     g = _WORLD._default_pg if group is None else group
     if (not (_compiling() or _observed())
