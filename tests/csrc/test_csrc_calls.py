@@ -99,11 +99,19 @@ def test_every_call_takes_timeout_by_name(group):
     out[:] = 0
     group.scatter(out_address=out.ctypes.data, ins=x.ctypes.data, nbytes=100, root=0, timeout=10)
     assert np.array_equal(out, x)
-    # a negative timeout is refused, by name as by position
-    with pytest.raises(ValueError):
+    # a negative or NaN timeout is refused, by name as by position, before
+    # the call begins (a peer would otherwise wait for it)
+    with pytest.raises(ValueError, match="'timeout' must be a non-negative number"):
         group.barrier(timeout=-1)
+    with pytest.raises(ValueError, match="'timeout' must be a non-negative number"):
+        group.barrier(timeout=float("nan"))
     with pytest.raises(ValueError):
         group.broadcast(x.ctypes.data, 100, 0, -1)
+    with pytest.raises(ValueError):
+        group.all_reduce(x.ctypes.data, 100, 0, 0, float("nan"))
+    with pytest.raises(TypeError):
+        group.barrier(timeout="1")
+    group.barrier(timeout=0.5)
     # point to point (no peer in a group of one: the core says so)
     with pytest.raises(ValueError, match="rank 0 cannot send to rank 0"):
         group.send(x.ctypes.data, 10, 0, tag=3, timeout=1)
