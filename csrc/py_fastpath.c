@@ -299,9 +299,11 @@ static PyObject *ints(int n, const uint64_t *v) {
     return tup;
 }
 
-/* fn, the name of shm.core's method, made by the lane on its thread (or
- * by the caller's wait) with args and the group's timeout: the Work of
- * lane.post (NOTE [ Small collectives in C ]), result [t], keeping t. */
+/* Queues core.<name>(*args, timeout) on lane as the Python path does
+ * (NOTE [ Small collectives in C ]): the lane's thread or the caller's
+ * wait makes it.  Returns its Work (result [t], keeping t, small when
+ * nbytes <= fp.small), or NULL with an exception.  Takes args' reference
+ * (NULL: making it failed). */
 static PyObject *post_core(PyObject *lane, PyObject *core, PyObject *name, PyObject *args,
                            PyObject *t, uint64_t nbytes) {
     PyObject *fn = PyObject_GetAttr(core, name), *result = NULL, *work = NULL;
