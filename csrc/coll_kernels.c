@@ -83,98 +83,44 @@ int mpc__coll_check_args(int dtype, int op, int reducing) {
 
 /* Integer sums and products are computed in U, an unsigned type at least
  * as wide as int: they wrap around as torch's do, without the undefined
- * behaviour of a signed (or promoted) overflow. */
+ * behaviour of a signed (or promoted) overflow.  Every kernel is
+ * d[i] = a[i] op b[i]; folding a source into an accumulator is the same
+ * call with d == a.  They take no `restrict`, since d is so often a
+ * source (NOTE [ Two sources straight into the result ]): the compiler
+ * checks the distance between them at run time, and equal pointers keep
+ * the vector loop. */
+#define KERNEL(T, NAME, EXPR)                                                              \
+    CLONES static void NAME(T *d, const T *a, const T *b, size_t n) {                      \
+        for (size_t i = 0; i < n; i++)                                                     \
+            d[i] = (EXPR);                                                                 \
+    }
+
 #define BINOPS(T, U, NAME)                                                                 \
-    CLONES static void NAME##_sum(T *restrict d, const T *restrict s, size_t n) {          \
-        for (size_t i = 0; i < n; i++)                                                     \
-            d[i] = (T)((U)d[i] + (U)s[i]);                                                 \
-    }                                                                                      \
-    CLONES static void NAME##_prod(T *restrict d, const T *restrict s, size_t n) {         \
-        for (size_t i = 0; i < n; i++)                                                     \
-            d[i] = (T)((U)d[i] * (U)s[i]);                                                 \
-    }                                                                                      \
-    CLONES static void NAME##_min(T *restrict d, const T *restrict s, size_t n) {          \
-        for (size_t i = 0; i < n; i++)                                                     \
-            d[i] = s[i] < d[i] ? s[i] : d[i];                                              \
-    }                                                                                      \
-    CLONES static void NAME##_max(T *restrict d, const T *restrict s, size_t n) {          \
-        for (size_t i = 0; i < n; i++)                                                     \
-            d[i] = s[i] > d[i] ? s[i] : d[i];                                              \
-    }                                                                                      \
-    static void NAME##_apply(int op, T *d, const T *s, size_t n) {                         \
+    KERNEL(T, NAME##_sum, (T)((U)a[i] + (U)b[i]))                                          \
+    KERNEL(T, NAME##_prod, (T)((U)a[i] * (U)b[i]))                                         \
+    KERNEL(T, NAME##_min, b[i] < a[i] ? b[i] : a[i])                                       \
+    KERNEL(T, NAME##_max, b[i] > a[i] ? b[i] : a[i])                                       \
+    static void NAME##_apply(int op, T *d, const T *a, const T *b, size_t n) {             \
         switch (op) {                                                                      \
-        case MPC_OP_PROD: NAME##_prod(d, s, n); break;                                     \
-        case MPC_OP_MIN: NAME##_min(d, s, n); break;                                       \
-        case MPC_OP_MAX: NAME##_max(d, s, n); break;                                       \
-        default: NAME##_sum(d, s, n);                                                      \
-        }                                                                                  \
-    }                                                                                      \
-    CLONES static void NAME##_sum2(T *d, const T *a, const T *b, size_t n) {               \
-        for (size_t i = 0; i < n; i++)                                                     \
-            d[i] = (T)((U)a[i] + (U)b[i]);                                                 \
-    }                                                                                      \
-    CLONES static void NAME##_prod2(T *d, const T *a, const T *b, size_t n) {              \
-        for (size_t i = 0; i < n; i++)                                                     \
-            d[i] = (T)((U)a[i] * (U)b[i]);                                                 \
-    }                                                                                      \
-    CLONES static void NAME##_min2(T *d, const T *a, const T *b, size_t n) {               \
-        for (size_t i = 0; i < n; i++)                                                     \
-            d[i] = b[i] < a[i] ? b[i] : a[i];                                              \
-    }                                                                                      \
-    CLONES static void NAME##_max2(T *d, const T *a, const T *b, size_t n) {               \
-        for (size_t i = 0; i < n; i++)                                                     \
-            d[i] = b[i] > a[i] ? b[i] : a[i];                                              \
-    }                                                                                      \
-    static void NAME##_apply2(int op, T *d, const T *a, const T *b, size_t n) {            \
-        switch (op) {                                                                      \
-        case MPC_OP_PROD: NAME##_prod2(d, a, b, n); break;                                 \
-        case MPC_OP_MIN: NAME##_min2(d, a, b, n); break;                                   \
-        case MPC_OP_MAX: NAME##_max2(d, a, b, n); break;                                   \
-        default: NAME##_sum2(d, a, b, n);                                                  \
+        case MPC_OP_PROD: NAME##_prod(d, a, b, n); break;                                  \
+        case MPC_OP_MIN: NAME##_min(d, a, b, n); break;                                    \
+        case MPC_OP_MAX: NAME##_max(d, a, b, n); break;                                    \
+        default: NAME##_sum(d, a, b, n);                                                   \
         }                                                                                  \
     }
 
 /* The bitwise ops of an integer type, and all its ops in one switch. */
 #define BITOPS(T, U, NAME)                                                                 \
     BINOPS(T, U, NAME##a)                                                                  \
-    CLONES static void NAME##_band(T *restrict d, const T *restrict s, size_t n) {         \
-        for (size_t i = 0; i < n; i++)                                                     \
-            d[i] = (T)(d[i] & s[i]);                                                       \
-    }                                                                                      \
-    CLONES static void NAME##_bor(T *restrict d, const T *restrict s, size_t n) {          \
-        for (size_t i = 0; i < n; i++)                                                     \
-            d[i] = (T)(d[i] | s[i]);                                                       \
-    }                                                                                      \
-    CLONES static void NAME##_bxor(T *restrict d, const T *restrict s, size_t n) {         \
-        for (size_t i = 0; i < n; i++)                                                     \
-            d[i] = (T)(d[i] ^ s[i]);                                                       \
-    }                                                                                      \
-    static void NAME##_apply(int op, T *d, const T *s, size_t n) {                         \
+    KERNEL(T, NAME##_band, (T)(a[i] & b[i]))                                               \
+    KERNEL(T, NAME##_bor, (T)(a[i] | b[i]))                                                \
+    KERNEL(T, NAME##_bxor, (T)(a[i] ^ b[i]))                                               \
+    static void NAME##_apply(int op, T *d, const T *a, const T *b, size_t n) {             \
         switch (op) {                                                                      \
-        case MPC_OP_BAND: NAME##_band(d, s, n); break;                                     \
-        case MPC_OP_BOR: NAME##_bor(d, s, n); break;                                       \
-        case MPC_OP_BXOR: NAME##_bxor(d, s, n); break;                                     \
-        default: NAME##a_apply(op, d, s, n);                                               \
-        }                                                                                  \
-    }                                                                                      \
-    CLONES static void NAME##_band2(T *d, const T *a, const T *b, size_t n) {              \
-        for (size_t i = 0; i < n; i++)                                                     \
-            d[i] = (T)(a[i] & b[i]);                                                       \
-    }                                                                                      \
-    CLONES static void NAME##_bor2(T *d, const T *a, const T *b, size_t n) {               \
-        for (size_t i = 0; i < n; i++)                                                     \
-            d[i] = (T)(a[i] | b[i]);                                                       \
-    }                                                                                      \
-    CLONES static void NAME##_bxor2(T *d, const T *a, const T *b, size_t n) {              \
-        for (size_t i = 0; i < n; i++)                                                     \
-            d[i] = (T)(a[i] ^ b[i]);                                                       \
-    }                                                                                      \
-    static void NAME##_apply2(int op, T *d, const T *a, const T *b, size_t n) {            \
-        switch (op) {                                                                      \
-        case MPC_OP_BAND: NAME##_band2(d, a, b, n); break;                                 \
-        case MPC_OP_BOR: NAME##_bor2(d, a, b, n); break;                                   \
-        case MPC_OP_BXOR: NAME##_bxor2(d, a, b, n); break;                                 \
-        default: NAME##a_apply2(op, d, a, b, n);                                           \
+        case MPC_OP_BAND: NAME##_band(d, a, b, n); break;                                  \
+        case MPC_OP_BOR: NAME##_bor(d, a, b, n); break;                                    \
+        case MPC_OP_BXOR: NAME##_bxor(d, a, b, n); break;                                  \
+        default: NAME##a_apply(op, d, a, b, n);                                            \
         }                                                                                  \
     }
 
@@ -191,27 +137,33 @@ BITOPS(uint64_t, uint64_t, u64)
 
 /* bool (one byte, 0 or 1), as torch's gloo reduces it: SUM and MAX are a
  * logical or, PRODUCT and MIN a logical and, the bitwise ops bitwise. */
-static void bool_apply(int op, uint8_t *d, const uint8_t *s, size_t n) {
+static void bool_apply(int op, uint8_t *d, const uint8_t *a, const uint8_t *b, size_t n) {
     switch (op) {
     case MPC_OP_SUM:
     case MPC_OP_MAX:
-    case MPC_OP_BOR: u8_bor(d, s, n); break;
+    case MPC_OP_BOR: u8_bor(d, a, b, n); break;
     case MPC_OP_PROD:
     case MPC_OP_MIN:
-    case MPC_OP_BAND: u8_band(d, s, n); break;
-    default: u8_bxor(d, s, n);
+    case MPC_OP_BAND: u8_band(d, a, b, n); break;
+    default: u8_bxor(d, a, b, n);
     }
 }
 
-static void bool_apply2(int op, uint8_t *d, const uint8_t *a, const uint8_t *b, size_t n) {
-    switch (op) {
-    case MPC_OP_SUM:
-    case MPC_OP_MAX:
-    case MPC_OP_BOR: u8_bor2(d, a, b, n); break;
-    case MPC_OP_PROD:
-    case MPC_OP_MIN:
-    case MPC_OP_BAND: u8_band2(d, a, b, n); break;
-    default: u8_bxor2(d, a, b, n);
+/* d[i] = a[i] op b[i] for n elements of a dtype reduced in its own type
+ * (every one but the half types). */
+static void apply(int dtype, int op, void *d, const void *a, const void *b, size_t n) {
+    switch (dtype) {
+    case MPC_DT_F32: f32_apply(op, d, a, b, n); break;
+    case MPC_DT_F64: f64_apply(op, d, a, b, n); break;
+    case MPC_DT_I32: i32_apply(op, d, a, b, n); break;
+    case MPC_DT_I64: i64_apply(op, d, a, b, n); break;
+    case MPC_DT_BOOL: bool_apply(op, d, a, b, n); break;
+    case MPC_DT_I8: i8_apply(op, d, a, b, n); break;
+    case MPC_DT_I16: i16_apply(op, d, a, b, n); break;
+    case MPC_DT_U16: u16_apply(op, d, a, b, n); break;
+    case MPC_DT_U32: u32_apply(op, d, a, b, n); break;
+    case MPC_DT_U64: u64_apply(op, d, a, b, n); break;
+    default: u8_apply(op, d, a, b, n); break;
     }
 }
 
@@ -296,19 +248,7 @@ static void reduce_two(int dtype, int op, uint8_t *dst, const uint8_t *a, const 
         size_t m = n - off < TILE ? n - off : TILE;
         uint8_t *d = dst + off * es;
         const uint8_t *x = a + off * es, *y = b + off * es;
-        switch (dtype) {
-        case MPC_DT_F32: f32_apply2(op, (float *)d, (const float *)x, (const float *)y, m); break;
-        case MPC_DT_F64: f64_apply2(op, (double *)d, (const double *)x, (const double *)y, m); break;
-        case MPC_DT_I32: i32_apply2(op, (int32_t *)d, (const int32_t *)x, (const int32_t *)y, m); break;
-        case MPC_DT_I64: i64_apply2(op, (int64_t *)d, (const int64_t *)x, (const int64_t *)y, m); break;
-        case MPC_DT_BOOL: bool_apply2(op, d, x, y, m); break;
-        case MPC_DT_I8: i8_apply2(op, (int8_t *)d, (const int8_t *)x, (const int8_t *)y, m); break;
-        case MPC_DT_I16: i16_apply2(op, (int16_t *)d, (const int16_t *)x, (const int16_t *)y, m); break;
-        case MPC_DT_U16: u16_apply2(op, (uint16_t *)d, (const uint16_t *)x, (const uint16_t *)y, m); break;
-        case MPC_DT_U32: u32_apply2(op, (uint32_t *)d, (const uint32_t *)x, (const uint32_t *)y, m); break;
-        case MPC_DT_U64: u64_apply2(op, (uint64_t *)d, (const uint64_t *)x, (const uint64_t *)y, m); break;
-        default: u8_apply2(op, d, x, y, m); break;
-        }
+        apply(dtype, op, d, x, y, m);
         if (op == MPC_OP_AVG) {
             if (dtype == MPC_DT_F32)
                 f32_scale((float *)d, 2, m);
@@ -344,26 +284,14 @@ void mpc__coll_reduce(int dtype, int op, void *dst, void *const *srcs, int nsrc,
                 else
                     bf16_to_f32(into, (const uint16_t *)s, m);
                 if (r > 0)
-                    f32_apply(op, acc, tmp, m);
+                    f32_apply(op, acc, acc, tmp, m);
                 continue;
             }
             if (r == 0) {
                 memcpy(acc_b, s, m * es);
                 continue;
             }
-            switch (dtype) {
-            case MPC_DT_F32: f32_apply(op, (float *)acc_b, (const float *)s, m); break;
-            case MPC_DT_F64: f64_apply(op, (double *)acc_b, (const double *)s, m); break;
-            case MPC_DT_I32: i32_apply(op, (int32_t *)acc_b, (const int32_t *)s, m); break;
-            case MPC_DT_I64: i64_apply(op, (int64_t *)acc_b, (const int64_t *)s, m); break;
-            case MPC_DT_BOOL: bool_apply(op, acc_b, s, m); break;
-            case MPC_DT_I8: i8_apply(op, (int8_t *)acc_b, (const int8_t *)s, m); break;
-            case MPC_DT_I16: i16_apply(op, (int16_t *)acc_b, (const int16_t *)s, m); break;
-            case MPC_DT_U16: u16_apply(op, (uint16_t *)acc_b, (const uint16_t *)s, m); break;
-            case MPC_DT_U32: u32_apply(op, (uint32_t *)acc_b, (const uint32_t *)s, m); break;
-            case MPC_DT_U64: u64_apply(op, (uint64_t *)acc_b, (const uint64_t *)s, m); break;
-            default: u8_apply(op, acc_b, s, m); break;
-            }
+            apply(dtype, op, acc_b, acc_b, s, m);
         }
         void *d = (uint8_t *)dst + off * es;
         if (half) {
