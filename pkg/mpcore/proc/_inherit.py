@@ -56,16 +56,16 @@ def _parent_is_the_requester(requester):
 # - PYTHONHASHSEED, read by the interpreter before anything runs, which
 #   no child can change: the requester starts such a child by exec
 #   (why_exec), saying so once.
-_THREAD_VARS = ("MKL_NUM_THREADS", "OMP_NUM_THREADS")
+THREAD_VARS = ("MKL_NUM_THREADS", "OMP_NUM_THREADS")
 _LOG_VARS = ("TORCH_LOGS", "TORCH_LOGS_OUT", "TORCH_LOGS_FORMAT")
 START_ENV = "MPCORE_ZYGOTE_START"  # the zygote's session and PYTHONHASHSEED, for requesters
-_start_env = None  # the zygote's values of _THREAD_VARS + _LOG_VARS, once torch is imported
+_start_env = None  # the zygote's values of THREAD_VARS + _LOG_VARS, once torch is imported
 
 
 def _note_start_env():
     global _start_env
     if "torch" in sys.modules:
-        _start_env = {v: os.environ.get(v) for v in _THREAD_VARS + _LOG_VARS}
+        _start_env = {v: os.environ.get(v) for v in THREAD_VARS + _LOG_VARS}
 
 
 def hash_seed():
@@ -103,7 +103,7 @@ def _env_threads(value):
     return int(value) if value.isdigit() and int(value) > 0 else None
 
 
-def _physical_cores():
+def physical_cores():
     seen = set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -128,9 +128,9 @@ def _as_a_fresh_start_reads_the_environment():
     if not changed:
         return
     torch = sys.modules["torch"]
-    if changed & set(_THREAD_VARS):
-        cores = _physical_cores()
-        n = next(filter(None, (_env_threads(os.environ.get(v)) for v in _THREAD_VARS)), None)
+    if changed & set(THREAD_VARS):
+        cores = physical_cores()
+        n = next(filter(None, (_env_threads(os.environ.get(v)) for v in THREAD_VARS)), None)
         n = n or cores
         if torch.backends.mkl.is_available():
             n = min(n, cores)
