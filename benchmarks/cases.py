@@ -1449,6 +1449,46 @@ if __name__ == "__main__":
         opt.step()
     assert torch.isfinite(loss)
 """,
+    # A user's DDP program as tutorials write it: spawn, gloo, torch's own
+    # DDP, and torch's default threads in each rank.
+    "ddp-spawn": r"""
+import os, socket
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+STEPS = 60
+
+
+def train(rank, world):
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                          nn.Linear(1024, 10))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1 + rank)
+    x, y = torch.randn(64, 512, generator=g), torch.randint(0, 10, (64,), generator=g)
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        loss.backward()
+        opt.step()
+    w = model[0].weight.detach().sum().reshape(1)
+    ws = [torch.zeros(1) for _ in range(world)]
+    dist.all_gather(ws, w)
+    assert all(torch.equal(v, ws[0]) for v in ws), ws     # DDP kept the ranks in step
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    mp.spawn(train, args=(2,), nprocs=2)
+""",
 }
 
 _TREE_WRAPPER = r"""
@@ -1684,6 +1724,16 @@ add_case("run-mlp", "program: MLP training, 200 steps", "ms", False, program_tre
          note="A one-process program training a small MLP (256-512-512-10, batch 64, SGD) "
               "for 200 steps: `python prog.py` against `mpcore run prog.py`; wall and tree "
               "CPU time. Target >= 1x.")
+
+add_case("run-ddp-spawn", "program: DDP through spawn, 2 ranks, 60 steps", "ms", False,
+         program_tree, params={"program": "ddp-spawn"}, row_notes=_tree_notes,
+         timeout_s=PROG_TIMEOUT_S + 30,
+         note="A program training an MLP (512-1024-1024-10, batch 64, SGD) for 60 steps with "
+              "torch's DistributedDataParallel on gloo in 2 ranks started by "
+              "torch.multiprocessing.spawn, leaving each rank torch's default thread count: "
+              "`python prog.py` against `mpcore run prog.py` (whose spawn gives each rank its "
+              "share of the cores, NOTE [ A rank's share of the cores ]); wall and tree CPU "
+              "time. Target >= 1x.")
 
 add_case("run-launch-4", "launcher: 4 ranks to first line", "ms", False, launch_first_lines,
          timeout_s=PROG_TIMEOUT_S + 30, in_quick=False, row_notes=_launch_notes,
