@@ -1489,6 +1489,26 @@ if __name__ == "__main__":
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     mp.spawn(train, args=(2,), nprocs=2)
 """,
+    # torch ops in a Pool's workers, each left with torch's default threads.
+    "pool-torch": r"""
+import torch
+import torch.multiprocessing as mp
+
+
+def task(seed):
+    g = torch.Generator().manual_seed(seed)
+    a, x = torch.randn(256, 256, generator=g), torch.randn(20_000, generator=g)
+    for _ in range(50):
+        a = torch.tanh(a @ a * 0.01)
+        x = torch.sigmoid(x) + 0.5
+    return float(a.sum() + x.sum())
+
+
+if __name__ == "__main__":
+    with mp.Pool(2) as pool:
+        got = pool.map(task, range(64))
+    assert len(got) == 64 and all(v == v for v in got), got
+""",
 }
 
 _TREE_WRAPPER = r"""
@@ -1734,6 +1754,15 @@ add_case("run-ddp-spawn", "program: DDP through spawn, 2 ranks, 60 steps", "ms",
               "`python prog.py` against `mpcore run prog.py` (whose spawn gives each rank its "
               "share of the cores, NOTE [ A rank's share of the cores ]); wall and tree CPU "
               "time. Target >= 1x.")
+
+add_case("run-pool-torch", "program: torch ops in Pool(2).map, 64 tasks", "ms", False,
+         program_tree, params={"program": "pool-torch"}, row_notes=_tree_notes,
+         timeout_s=PROG_TIMEOUT_S + 30,
+         note="A program mapping 64 tasks of torch ops (a 256x256 matmul and elementwise ops "
+              "on 20,000 floats, 50 times) over torch.multiprocessing.Pool(2), each worker left "
+              "with torch's default thread count: `python prog.py` against `mpcore run "
+              "prog.py` (whose Pool gives each worker its share of the cores); wall and tree "
+              "CPU time. Target >= 1x.")
 
 add_case("run-launch-4", "launcher: 4 ranks to first line", "ms", False, launch_first_lines,
          timeout_s=PROG_TIMEOUT_S + 30, in_quick=False, row_notes=_launch_notes,

@@ -13,7 +13,6 @@ Spawn children import this file as the module pytest imported it as, so the
 targets are module-level functions here.
 """
 import ast
-import importlib.util
 import glob
 import os
 import pickle
@@ -40,7 +39,6 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("leak_check")]
 METHODS = ["spawn", "fork"]
 RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE",
               "LOCAL_WORLD_SIZE")
-THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 @pytest.fixture(autouse=True)
@@ -178,11 +176,6 @@ def _all_reduce(i, w):
         w.send((i, dist.get_rank(), dist.get_world_size(), t.item()))
     finally:
         dist.destroy_process_group()
-
-
-def _report_threads(i, w):
-    import torch
-    w.send((i, (os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads())))
 
 
 class CustomError(Exception):
@@ -618,50 +611,6 @@ def test_rendezvous_environment_keeps_the_parents(method, monkeypatch):
     for i, env in got.items():
         assert env == {"MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29123", "RANK": "7",
                        "LOCAL_RANK": str(i), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
-
-
-def fresh_threads(env):
-    """torch's intra-op threads in a fresh process with environment env."""
-    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
-                         env=env, capture_output=True, text=True, timeout=scaled(60), check=True)
-    return int(out.stdout)
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_children_of_one_call_share_the_cores(method, monkeypatch):
-    """NOTE [ A rank's share of the cores ]: nprocs children each get
-    torch's default thread count divided by nprocs (at least one), in the
-    variable and in torch; one child keeps torch's default."""
-    require(importlib.util.find_spec("torch") is not None, "needs torch")
-    for k in THREAD_VARS:
-        monkeypatch.delenv(k, raising=False)
-    default = fresh_threads(dict(os.environ))
-    for nprocs in (2, 3, 1):
-        r, w = pipe(method)
-        run(_report_threads, (w,), nprocs=nprocs, method=method)
-        got = dict(recv(r) for _ in range(nprocs))
-        share = max(1, default // nprocs)
-        want = (str(share), share) if nprocs > 1 else (None, default)
-        assert got == {i: want for i in range(nprocs)}, (nprocs, default)
-    assert not any(k in os.environ for k in THREAD_VARS)    # the parent's are untouched
-
-
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("var", THREAD_VARS)
-def test_a_thread_count_the_parent_sets_is_kept(method, var, monkeypatch):
-    """A parent that sets either variable keeps its choice: the children's
-    count is what torch gives a process under it (a fork: the parent's)."""
-    require(importlib.util.find_spec("torch") is not None, "needs torch")
-    import torch
-    for k in THREAD_VARS:
-        monkeypatch.delenv(k, raising=False)
-    monkeypatch.setenv(var, "3")
-    want = torch.get_num_threads() if method == "fork" else fresh_threads(dict(os.environ))
-    r, w = pipe(method)
-    run(_report_threads, (w,), nprocs=2, method=method)
-    got = dict(recv(r) for _ in range(2))
-    omp = "3" if var == "OMP_NUM_THREADS" else None
-    assert got == {0: (omp, want), 1: (omp, want)}
 
 
 @pytest.mark.timeout(180)

@@ -11,11 +11,13 @@ the standard library's (it reaches into its queues' pipes), with mpcore's
 Process for its workers (NOTE [ A Pool's workers are mpcore's ]).
 """
 import multiprocessing as _mp
+import os
 from multiprocessing import context as _mpctx
 
 from ..queue import _queue
 from ..shm import _blocks
 from .. import _stats
+from . import _cores
 
 # torch's on Linux, and its default.
 _SHARING_STRATEGIES = frozenset({"file_descriptor", "file_system"})
@@ -115,8 +117,10 @@ class Context(_mpctx.BaseContext):
         The standard library's Pool, whose queues it reaches into, given a
         context that is the standard library's but for Process: its
         workers are mpcore's (a 'spawn' or 'forkserver' worker comes from
-        the zygote instead of importing torch again)."""
+        the zygote instead of importing torch again), which take their
+        share of the cores (NOTE [ A rank's share of the cores ])."""
         from multiprocessing.pool import Pool
+        initializer, initargs = _sharing(processes, initializer, initargs)
         return Pool(processes, initializer, initargs, maxtasksperchild,
                     context=_PoolContext(self))
 
@@ -167,13 +171,28 @@ def serve_executor(cfp):
         return
 
     @functools.wraps(init)
-    def __init__(self, max_workers=None, mp_context=None, *args, **kwargs):
+    def __init__(self, max_workers=None, mp_context=None, initializer=None, initargs=(),
+                 **kwargs):
         if isinstance(mp_context, Context):
             mp_context = _PoolContext(mp_context)
-        init(self, max_workers, mp_context, *args, **kwargs)
+            initializer, initargs = _sharing(max_workers, initializer, initargs)
+        init(self, max_workers, mp_context, initializer, initargs, **kwargs)
 
     __init__.__mpcore__ = True
     cls.__init__ = __init__
+
+
+def _sharing(workers, initializer, initargs):
+    """A pool's initializer and its arguments, such that each of its workers
+    (workers, or as many as the pool makes by default) first takes its share
+    of the cores (NOTE [ A rank's share of the cores ]).  An initializer
+    that is not callable stays, for the pool to refuse."""
+    if workers is None:
+        workers = (getattr(os, "process_cpu_count", None) or os.cpu_count)() or 1
+    threads = _cores.share(workers) if isinstance(workers, int) else None
+    if threads is None or not (initializer is None or callable(initializer)):
+        return initializer, initargs
+    return _cores.then, (threads, initializer) + tuple(initargs)
 
 
 _contexts = {}

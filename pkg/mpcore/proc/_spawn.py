@@ -15,7 +15,7 @@ message texts, and these additions:
   * Children of one call share the cores: with nprocs > 1 each gets
     cores // nprocs intra-op threads (at least one) where the parent's
     environment sets neither OMP_NUM_THREADS nor MKL_NUM_THREADS (NOTE
-    [ A rank's share of the cores ]).
+    [ A rank's share of the cores ] in _cores.py).
   * nprocs must be an int, and not negative (torch takes a negative count
     for 0).  nprocs=0 starts nothing, as under torch: spawn returns None
     when joining, else a ProcessContext whose join() returns True at once.
@@ -39,7 +39,7 @@ import time
 import warnings
 import weakref
 
-from . import _errfile, _inherit, _parentdeath
+from . import _cores, _errfile, _parentdeath
 
 __all__ = [
     "ProcessContext", "ProcessException", "ProcessExitedException",
@@ -104,10 +104,8 @@ def _wrap(fn, i, args, error_file, parent=None, env=None, ranks=()):
         _parentdeath.die_with(parent)
     if env:
         os.environ.update(env)
-        share = env.get("OMP_NUM_THREADS")
-        torch = sys.modules.get("torch")
-        if share is not None and torch is not None:   # NOTE [ A rank's share of the cores ]
-            torch.set_num_threads(int(share))
+        if _cores.VAR in env:
+            _cores.take(int(env[_cores.VAR]))
     for name in ranks:
         os.environ[name] = str(i)
     try:
@@ -315,34 +313,10 @@ def _children_env(nprocs):
         if name not in have:
             env[name] = str(nprocs)
     ranks = tuple(name for name in ("RANK", "LOCAL_RANK") if name not in have)
-    if nprocs > 1 and not any(v in have for v in _inherit.THREAD_VARS):
-        env["OMP_NUM_THREADS"] = str(_share_of_the_cores(nprocs))
+    threads = _cores.share(nprocs)      # NOTE [ A rank's share of the cores ]
+    if threads is not None:
+        env[_cores.VAR] = str(threads)
     return env, ranks
-
-
-# NOTE [ A rank's share of the cores ]
-# torch gives a process as many intra-op threads as the machine has
-# cores, so nprocs ranks run nprocs times as many compute threads as there
-# are cores; and an OpenMP thread that runs out of work spins for a while
-# (libgomp: 300,000 pauses) before it sleeps, on a core that another rank
-# needs to reach the collective its peers wait in.  Measured on two cores,
-# two ranks, torch's DDP on gloo, an MLP 512-1024-1024-10 at batch 64, ms a
-# step: `python` (torch's spawn) 82-98 and `mpcore run` 52-66 with torch's
-# two threads a rank; 20-23 and 13 with one.  torchrun sets
-# OMP_NUM_THREADS=1 for more than one rank where the environment leaves it
-# unset; spawn and start_processes do likewise for nprocs > 1, with each
-# child's share, cores // nprocs (at least one), which a machine of many
-# cores keeps busy.  The child gets the variable (read by torch when it is
-# imported later, and by the child's own children) and, where torch is
-# imported already, torch.set_num_threads.  A parent whose environment sets
-# OMP_NUM_THREADS or MKL_NUM_THREADS keeps its choice, and a child may call
-# torch.set_num_threads as under torch.
-
-def _share_of_the_cores(nprocs):
-    """Intra-op threads for each of nprocs children: the cores torch would
-    give one process (the physical cores this process may run on), shared."""
-    cores = min(_inherit.physical_cores(), len(os.sched_getaffinity(0)))
-    return max(1, cores // nprocs)
 
 
 def _check_nprocs(nprocs):
