@@ -1728,41 +1728,32 @@ add_case("dl-rss", "DataLoader RSS after 100k batches", "%", False, dl_rss_torch
               "table's notes say where each side stopped. No ratio.")
 
 
-add_case("run-import", "program: import torch", "ms", False, program_tree,
-         params={"program": "import"}, row_notes=_tree_notes, timeout_s=PROG_TIMEOUT_S + 30,
-         note="A program that only imports torch: `python prog.py` against `mpcore run "
-              "prog.py`; wall time, CPU time of the whole process tree in the notes. "
-              "Target >= 1x.")
-add_case("run-dl-fork", "program: DataLoader epoch, 2 fork workers", "ms", False,
-         program_tree, params={"program": "dl-fork"}, row_notes=_tree_notes,
-         timeout_s=PROG_TIMEOUT_S + 30,
-         note="A program running one epoch of torch.utils.data.DataLoader (20,000 samples of "
-              "64 floats, batch_size=32, num_workers=2, fork): `python prog.py` against "
-              "`mpcore run prog.py`; wall and tree CPU time. Target >= 1x.")
-add_case("run-mlp", "program: MLP training, 200 steps", "ms", False, program_tree,
-         params={"program": "mlp"}, row_notes=_tree_notes, timeout_s=PROG_TIMEOUT_S + 30,
-         note="A one-process program training a small MLP (256-512-512-10, batch 64, SGD) "
-              "for 200 steps: `python prog.py` against `mpcore run prog.py`; wall and tree "
-              "CPU time. Target >= 1x.")
+def _add_program(program, title, note):
+    """A RUN_PROGRAMS row: `python prog.py` against `mpcore run prog.py`."""
+    add_case(f"run-{program}", f"program: {title}", "ms", False, program_tree,
+             params={"program": program}, row_notes=_tree_notes, timeout_s=PROG_TIMEOUT_S + 30,
+             note=note + ": `python prog.py` against `mpcore run prog.py`; wall and tree CPU "
+                         "time. Target >= 1x.")
 
-add_case("run-ddp-spawn", "program: DDP through spawn, 2 ranks, 60 steps", "ms", False,
-         program_tree, params={"program": "ddp-spawn"}, row_notes=_tree_notes,
-         timeout_s=PROG_TIMEOUT_S + 30,
-         note="A program training an MLP (512-1024-1024-10, batch 64, SGD) for 60 steps with "
-              "torch's DistributedDataParallel on gloo in 2 ranks started by "
-              "torch.multiprocessing.spawn, leaving each rank torch's default thread count: "
-              "`python prog.py` against `mpcore run prog.py` (whose spawn gives each rank its "
-              "share of the cores, NOTE [ A rank's share of the cores ]); wall and tree CPU "
-              "time. Target >= 1x.")
 
-add_case("run-pool-torch", "program: torch ops in Pool(2).map, 64 tasks", "ms", False,
-         program_tree, params={"program": "pool-torch"}, row_notes=_tree_notes,
-         timeout_s=PROG_TIMEOUT_S + 30,
-         note="A program mapping 64 tasks of torch ops (a 256x256 matmul and elementwise ops "
-              "on 20,000 floats, 50 times) over torch.multiprocessing.Pool(2), each worker left "
-              "with torch's default thread count: `python prog.py` against `mpcore run "
-              "prog.py` (whose Pool gives each worker its share of the cores); wall and tree "
-              "CPU time. Target >= 1x.")
+_add_program("import", "import torch", "A program that only imports torch")
+_add_program("dl-fork", "DataLoader epoch, 2 fork workers",
+             "A program running one epoch of torch.utils.data.DataLoader (20,000 samples of "
+             "64 floats, batch_size=32, num_workers=2, fork)")
+_add_program("mlp", "MLP training, 200 steps",
+             "A one-process program training a small MLP (256-512-512-10, batch 64, SGD) "
+             "for 200 steps")
+_add_program("ddp-spawn", "DDP through spawn, 2 ranks, 60 steps",
+             "A program training an MLP (512-1024-1024-10, batch 64, SGD) for 60 steps with "
+             "torch's DistributedDataParallel on gloo in 2 ranks started by "
+             "torch.multiprocessing.spawn, leaving each rank torch's default thread count "
+             "(mpcore's spawn gives each its share of the cores, NOTE [ A rank's share of the "
+             "cores ])")
+_add_program("pool-torch", "torch ops in Pool(2).map, 64 tasks",
+             "A program mapping 64 tasks of torch ops (a 256x256 matmul and elementwise ops "
+             "on 20,000 floats, 50 times) over torch.multiprocessing.Pool(2), each worker left "
+             "with torch's default thread count (mpcore's Pool gives each its share of the "
+             "cores)")
 
 add_case("run-launch-4", "launcher: 4 ranks to first line", "ms", False, launch_first_lines,
          timeout_s=PROG_TIMEOUT_S + 30, in_quick=False, row_notes=_launch_notes,
